@@ -1,0 +1,26 @@
+# The two commands of the README: `make run` and `make test`. Both install what they need first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+BIND ?= 127.0.0.1:8203
+
+.PHONY: run test chaos bench install clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+# Dev server: SQLite under ./var, schema migrated, dead jobs reconciled, then gunicorn (1 worker) on loopback.
+run: $(VENV)/.installed
+	$(BIN)/lora-worker migrate
+	$(BIN)/lora-worker reconcile
+	exec $(BIN)/gunicorn -c systemd/gunicorn.conf.py --bind $(BIND) 'lora_worker.wsgi:app'
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) var .pytest_cache .hypothesis

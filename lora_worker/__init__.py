@@ -1,0 +1,17 @@
+"""lora-worker: runs SDXL LoRA training (kohya-ss sd-scripts) on demand, supervised and ledgered.
+
+`create_app` is the gunicorn target (through `lora_worker.wsgi`). Flask is imported only when an app is
+built, so the supervisor process, which imports this package, never loads it.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from flask import Flask
+
+
+def create_app(config: Any = None, **overrides: Any) -> Flask:
+    from lora_worker.app import build_app
+
+    return build_app(config, **overrides)

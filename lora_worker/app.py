@@ -1,0 +1,61 @@
+"""The application factory: settings, a checked ledger, the start-up reconcile, blueprints, error handlers."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from flask import Flask
+
+from lora_worker.api import gpu, health, train
+from lora_worker.api.errors import register_error_handlers
+from lora_worker.config import Settings, load_settings
+from lora_worker.errors import ConfigError
+from lora_worker.gpu.nvml import Nvml, make_nvml
+from lora_worker.ledger.db import Database
+from lora_worker.ledger.migrate import current_revision, head_revision, verify_integrity
+from lora_worker.ledger.reconcile import reconcile
+from lora_worker.service import Worker
+from lora_worker.supervisor.launch import launch_supervisor
+
+log = logging.getLogger(__name__)
+
+
+def build_app(config: Settings | dict[str, Any] | None = None, *, nvml: Nvml | None = None,
+              launch: Callable[[int, Settings], None] | None = None) -> Flask:
+    """Build the app. Nothing here runs at import time, and no connection is opened before this call."""
+    settings = config if isinstance(config, Settings) else load_settings().with_overrides(**(config or {}))
+    prepare_state_dir(settings)
+    check_ledger(settings)
+    db = Database.open(settings.database_path, busy_timeout_s=settings.busy_timeout_s)
+    worker = Worker(settings=settings, db=db,
+                    nvml=nvml if nvml is not None else make_nvml(settings.nvml_timeout_s, settings.nvml_fake_file),
+                    launch=launch if launch is not None else launch_supervisor)
+    for action in reconcile(db, settings, actor="startup"):
+        log.warning("start-up reconcile: job %s → failed (%s)", action.job_id, action.failure_class.value)
+
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.extensions["lora_worker"] = worker
+    for blueprint in (train.bp, gpu.bp, health.bp):
+        app.register_blueprint(blueprint)
+    register_error_handlers(app)
+    return app
+
+
+def prepare_state_dir(settings: Settings) -> None:
+    for directory in (settings.state_dir, settings.lock_dir, settings.log_dir, settings.gpu_locks,
+                      settings.hf_home_dir):
+        directory.mkdir(parents=True, exist_ok=True)
+
+
+def check_ledger(settings: Settings) -> None:
+    """Refuse to serve from a damaged ledger or one whose schema is not the code's."""
+    path = settings.database_path
+    if not path.exists():
+        raise ConfigError(f"No ledger at {path}; run `lora-worker migrate` first.")
+    verify_integrity(path)
+    current, head = current_revision(path), head_revision()
+    if current != head:
+        raise ConfigError(f"Ledger {path} is at schema {current}, the code needs {head}; "
+                          "run `lora-worker migrate`.")

@@ -1,0 +1,86 @@
+"""`lora-worker`: the operator's commands (migrate, reconcile, serve, jobs …, doctor)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from lora_worker.config import Settings, load_settings
+from lora_worker.errors import LoraWorkerError
+from lora_worker.logs import configure_logging
+
+log = logging.getLogger("lora_worker.cli")
+
+
+def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
+    from lora_worker.app import prepare_state_dir
+    from lora_worker.ledger.migrate import current_revision, upgrade
+
+    prepare_state_dir(settings)
+    upgrade(settings.database_path)
+    print(f"ledger {settings.database_path} at schema {current_revision(settings.database_path)}")
+    return 0
+
+
+def cmd_reconcile(settings: Settings, args: argparse.Namespace) -> int:
+    from lora_worker.app import check_ledger, prepare_state_dir
+    from lora_worker.ledger.db import Database
+    from lora_worker.ledger.reconcile import reconcile
+
+    prepare_state_dir(settings)
+    check_ledger(settings)
+    db = Database.open(settings.database_path, busy_timeout_s=settings.busy_timeout_s)
+    try:
+        actions = reconcile(db, settings, actor="cli")
+    finally:
+        db.dispose()
+    for action in actions:
+        print(f"job {action.job_id}: failed ({action.failure_class.value})"
+              + (f", killed {list(action.killed)}" if action.killed else ""))
+    print(f"reconciled: {len(actions)} job(s) marked failed")
+    return 0
+
+
+def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
+    """Migrate, reconcile, then exec gunicorn with the shipped configuration."""
+    cmd_migrate(settings, args)
+    cmd_reconcile(settings, args)
+    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "systemd",
+                        "gunicorn.conf.py")
+    gunicorn = os.path.join(os.path.dirname(sys.executable), "gunicorn")
+    os.execv(gunicorn, [gunicorn, "-c", conf, "--bind", args.bind, "lora_worker.wsgi:app"])
+    return 0  # not reached
+
+
+COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], int]] = {
+    "migrate": cmd_migrate,
+    "reconcile": cmd_reconcile,
+    "serve": cmd_serve,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lora-worker", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("migrate", help="create or upgrade the ledger schema")
+    sub.add_parser("reconcile", help="mark active jobs whose supervisor died as failed")
+    serve = sub.add_parser("serve", help="migrate, reconcile and run gunicorn")
+    serve.add_argument("--bind", default="127.0.0.1:8203")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    configure_logging()
+    args = build_parser().parse_args(argv)
+    try:
+        settings = load_settings()
+        return COMMANDS[args.command](settings, args)
+    except LoraWorkerError as exc:
+        print(f"lora-worker {args.command}: {exc.message}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

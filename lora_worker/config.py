@@ -1,0 +1,279 @@
+"""Settings: built-in defaults, then an optional TOML file (`LORA_WORKER_CONFIG`), then `LORA_WORKER_*` env.
+
+Everything an operator may audit about what the worker runs lives here and nowhere else: the tiers, the
+SDXL hyperparameters and the device profiles.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from lora_worker.errors import ConfigError
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ENV_PREFIX = "LORA_WORKER_"
+
+
+@dataclass(frozen=True)
+class Tier:
+    """A training size arbo may ask for; nothing else about the run is the client's to choose."""
+
+    name: str
+    max_train_steps: int
+    network_dim: int
+    resolution: int
+
+
+TIERS: Mapping[str, Tier] = MappingProxyType(
+    {
+        "fast": Tier("fast", max_train_steps=400, network_dim=16, resolution=768),
+        "balanced": Tier("balanced", max_train_steps=1500, network_dim=32, resolution=768),
+        "quality": Tier("quality", max_train_steps=3000, network_dim=32, resolution=1024),
+    }
+)
+
+# Rendered into argv exactly as written here. network_alpha equals the tier's dim (scale 1.0), as in the
+# verified reference run; max_grad_norm is the default a request may lower or raise within bounds.
+SDXL_HPARAMS: Mapping[str, str] = MappingProxyType(
+    {
+        "learning_rate": "1e-4",
+        "lr_scheduler": "cosine",
+        "optimizer_type": "AdamW8bit",
+        "min_snr_gamma": "5",
+        "noise_offset": "0.1",
+        "max_grad_norm": "1.0",
+        "max_data_loader_n_workers": "0",
+    }
+)
+
+# Request-selectable LoRA targets. networks.lora has no include/exclude list, and each --network_args
+# token carries exactly one key=value, so each preset maps to at most one token. "{dim}" is the tier's dim.
+LORA_TARGET_PRESETS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "attn_mlp": (),  # the default Transformer2DModel targets (attention, projections, feed-forward)
+        "attn_mlp_conv": ("conv_dim={dim}",),  # also the 3x3 ResNet convs; sd-scripts sets conv_alpha=1
+    }
+)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One GPU the worker may train on, by CUDA index in PCI bus order."""
+
+    index: int
+    label: str
+    tiers: frozenset[str]
+    train_batch_size: int
+    vram_mib: Mapping[str, int]  # free VRAM a tier needs before it may start here
+
+
+DEFAULT_DEVICES: Mapping[int, DeviceProfile] = MappingProxyType(
+    {
+        # The 24 GB card also hosts the TTS service: lean batch, no quality tier.
+        0: DeviceProfile(0, "rtx3090-24g", frozenset({"fast", "balanced"}), 1,
+                         MappingProxyType({"fast": 12_000, "balanced": 12_500})),
+        1: DeviceProfile(1, "48g", frozenset({"fast", "balanced", "quality"}), 2,
+                         MappingProxyType({"fast": 16_000, "balanced": 16_500, "quality": 24_000})),
+    }
+)
+
+# Free space the output volume needs: the final LoRA (float32, dim 32: ~0.35 GB) plus headroom.
+DEFAULT_DISK_MIB: Mapping[str, int] = MappingProxyType({"fast": 1024, "balanced": 2048, "quality": 2048})
+
+# How long each phase may stay silent before the watchdog calls the job stalled. Model loading and caching
+# are long and quiet on a cold disk; a training step on either card is seconds.
+DEFAULT_STALL_LIMITS_S: Mapping[str, float] = MappingProxyType(
+    {
+        "launching": 600.0,
+        "loading_model": 1200.0,
+        "caching_latents": 1800.0,
+        "caching_text_encoder_outputs": 900.0,
+        "preparing_training": 1200.0,
+        "training": 600.0,
+        "saving": 600.0,
+    }
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the worker reads from its environment, resolved once at start-up."""
+
+    state_dir: Path = REPO_ROOT / "var"
+    train_root: Path = Path("/worktank/arbo/train")
+    model_dirs: tuple[Path, ...] = (Path("/worktank/models"),)
+    # The trainer installation (fluxgym's venv and its sd-scripts checkout).
+    accelerate: Path = Path("/opt/fluxgym/.venv/bin/accelerate")
+    sd_scripts_dir: Path = Path("/opt/fluxgym/sd-scripts")
+    tokenizer_cache_dir: Path = Path("/opt/fluxgym/tokenizers")
+    hf_home: Path | None = None  # worker-owned; defaults to <state_dir>/hf
+    cpu_threads: int = 4
+    child_path: str = "/usr/local/bin:/usr/bin:/bin"
+    devices: Mapping[int, DeviceProfile] = field(default_factory=lambda: DEFAULT_DEVICES)
+    disk_mib: Mapping[str, int] = field(default_factory=lambda: DEFAULT_DISK_MIB)
+    stall_limits_s: Mapping[str, float] = field(default_factory=lambda: DEFAULT_STALL_LIMITS_S)
+    # Supervision.
+    cancel_grace_s: float = 20.0
+    progress_interval_s: float = 1.0
+    launch_grace_s: float = 30.0
+    log_head_bytes: int = 1 << 20
+    log_tail_bytes: int = 4 << 20
+    busy_timeout_s: float = 5.0
+    retention_days: int = 90
+    # GPUs.
+    nvml_timeout_s: float = 2.0
+    nvml_fake_file: Path | None = None  # a JSON description of GPUs, for tests and demos without a GPU
+    allow_cotenancy: bool = False
+    tts_device_index: int = 0
+    tts_process_pattern: str = r"(?i)\btts\b|tts[-_]?server|xtts|coqui|piper|kokoro|f5[-_]tts"
+    gpu_lock_dir: Path | None = None  # host-wide convention; defaults to <state_dir>/gpu-locks
+    # HTTP.
+    api_token_file: Path | None = None
+    max_body_bytes: int = 64 * 1024
+
+    @property
+    def database_path(self) -> Path:
+        return self.state_dir / "ledger.sqlite3"
+
+    @property
+    def lock_dir(self) -> Path:
+        return self.state_dir / "locks"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def hf_home_dir(self) -> Path:
+        return self.hf_home or self.state_dir / "hf"
+
+    @property
+    def gpu_locks(self) -> Path:
+        return self.gpu_lock_dir or self.state_dir / "gpu-locks"
+
+    @property
+    def train_script(self) -> Path:
+        return self.sd_scripts_dir / "sdxl_train_network.py"
+
+    def device(self, index: int) -> DeviceProfile | None:
+        return self.devices.get(index)
+
+    def with_overrides(self, **changes: Any) -> Settings:
+        return replace(self, **changes)
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Defaults, then the TOML file named by LORA_WORKER_CONFIG, then LORA_WORKER_<FIELD> variables."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    config_path = environ.get(ENV_PREFIX + "CONFIG")
+    if config_path:
+        values.update(_read_toml(Path(config_path)))
+    for f in fields(Settings):
+        raw = environ.get(ENV_PREFIX + f.name.upper())
+        if raw is not None and f.name not in _TABLE_FIELDS:
+            values[f.name] = raw
+    return Settings(**{name: _coerce(name, value) for name, value in values.items()})
+
+
+def settings_to_json(settings: Settings) -> str:
+    """The settings as JSON, to hand the exact same configuration to a supervisor process."""
+    doc: dict[str, Any] = {}
+    for f in fields(Settings):
+        value = getattr(settings, f.name)
+        if f.name == "devices":
+            value = {str(i): {"label": d.label, "tiers": sorted(d.tiers), "train_batch_size": d.train_batch_size,
+                              "vram_mib": dict(d.vram_mib)} for i, d in value.items()}
+        elif isinstance(value, Mapping):
+            value = dict(value)
+        elif isinstance(value, tuple):
+            value = [str(v) for v in value]
+        elif isinstance(value, Path):
+            value = str(value)
+        doc[f.name] = value
+    return json.dumps(doc)
+
+
+def settings_from_json(text: str) -> Settings:
+    doc = json.loads(text)
+    return Settings(**{name: _coerce(name, value) for name, value in doc.items() if value is not None})
+
+
+_TABLE_FIELDS = {"devices", "disk_mib", "stall_limits_s"}
+_FIELD_TYPES = {f.name: str(f.type) for f in fields(Settings)}
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    unknown = set(data) - set(_FIELD_TYPES)
+    if unknown:
+        # A typo in an operator's file must stop the service, not be ignored.
+        raise ConfigError(f"unknown setting(s) in {path}: {', '.join(sorted(unknown))}")
+    return data
+
+
+def _coerce(name: str, value: Any) -> Any:
+    kind = _FIELD_TYPES[name]
+    try:
+        if name == "devices":
+            return _devices(value)
+        if name in ("disk_mib", "stall_limits_s"):
+            default = DEFAULT_DISK_MIB if name == "disk_mib" else DEFAULT_STALL_LIMITS_S
+            return MappingProxyType({**default, **{str(k): float(v) if name == "stall_limits_s" else int(v)
+                                                   for k, v in dict(value).items()}})
+        if name == "model_dirs":
+            items = value.split(os.pathsep) if isinstance(value, str) else list(value)
+            return tuple(Path(p) for p in items if p)
+        if kind.startswith("Path"):
+            return Path(value) if value not in ("", None) else None
+        if kind == "int":
+            return int(value)
+        if kind == "float":
+            return float(value)
+        if kind == "bool":
+            return _bool(value)
+        return str(value)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ConfigError(f"setting {name!r}: {exc}") from exc
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+def _devices(table: Mapping[str, Any]) -> Mapping[int, DeviceProfile]:
+    profiles = {}
+    for key, spec in dict(table).items():
+        index = int(key)
+        tiers = frozenset(spec["tiers"])
+        unknown = tiers - set(TIERS)
+        if unknown:
+            raise ValueError(f"device {index}: unknown tier(s) {sorted(unknown)}")
+        vram = {str(k): int(v) for k, v in dict(spec.get("vram_mib", {})).items()}
+        missing = tiers - set(vram)
+        if missing:
+            raise ValueError(f"device {index}: vram_mib missing for {sorted(missing)}")
+        profiles[index] = DeviceProfile(index, str(spec["label"]), tiers, int(spec["train_batch_size"]),
+                                        MappingProxyType(vram))
+    return MappingProxyType(profiles)
+
+
+__all__ = ["Settings", "Tier", "DeviceProfile", "TIERS", "SDXL_HPARAMS", "LORA_TARGET_PRESETS",
+           "DEFAULT_DEVICES", "load_settings", "settings_to_json", "settings_from_json"]

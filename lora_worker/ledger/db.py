@@ -1,0 +1,101 @@
+"""The SQLite engine, configured in one place: WAL, busy timeout, foreign keys, and BEGIN IMMEDIATE to write.
+
+Two engines share the file. Writers begin with BEGIN IMMEDIATE: a deferred transaction that reads and then
+writes fails at once with "database is locked" when another process committed in between, whatever the busy
+timeout. Readers begin with a plain BEGIN, so under WAL they never wait for the supervisor's progress writes.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import sqlalchemy.exc
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.orm import Session, sessionmaker
+
+from lora_worker.errors import LedgerBusy
+
+Synchronous = Literal["FULL", "NORMAL"]
+
+
+def make_engine(path: Path, *, busy_timeout_s: float = 5.0, synchronous: Synchronous = "FULL",
+                immediate: bool = True) -> Engine:
+    """An engine on `path` whose every transaction begins IMMEDIATE (writers) or DEFERRED (readers)."""
+    engine = create_engine(f"sqlite:///{path}", connect_args={"timeout": busy_timeout_s})
+    busy_ms = int(busy_timeout_s * 1000)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+        # Take transaction control away from pysqlite (SQLAlchemy's documented recipe), so the
+        # "begin" hook below decides how every transaction starts.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        for pragma in ("journal_mode=WAL", f"synchronous={synchronous}", f"busy_timeout={busy_ms}",
+                       "foreign_keys=ON"):
+            cur.execute(f"PRAGMA {pragma}")
+        cur.close()
+
+    begin = "BEGIN IMMEDIATE" if immediate else "BEGIN"
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn) -> None:  # type: ignore[no-untyped-def]
+        conn.exec_driver_sql(begin)
+
+    return engine
+
+
+@dataclass
+class Database:
+    """The ledger file: a writing engine and a reading engine, and short sessions on each."""
+
+    path: Path
+    writer: Engine
+    reader: Engine
+
+    @classmethod
+    def open(cls, path: Path, *, busy_timeout_s: float = 5.0, synchronous: Synchronous = "FULL") -> Database:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return cls(
+            path=path,
+            writer=make_engine(path, busy_timeout_s=busy_timeout_s, synchronous=synchronous, immediate=True),
+            reader=make_engine(path, busy_timeout_s=busy_timeout_s, synchronous=synchronous, immediate=False),
+        )
+
+    def __post_init__(self) -> None:
+        self._writing = sessionmaker(self.writer, expire_on_commit=False)
+        self._reading = sessionmaker(self.reader, expire_on_commit=False)
+
+    @contextmanager
+    def write(self) -> Iterator[Session]:
+        """A transaction that may write; commits on success, rolls back on error."""
+        with _busy_as_unavailable(), self._writing.begin() as session:
+            yield session
+
+    @contextmanager
+    def read(self) -> Iterator[Session]:
+        """A read-only snapshot, rolled back on close; never takes the write lock."""
+        with _busy_as_unavailable(), self._reading() as session:
+            yield session
+
+    def dispose(self) -> None:
+        self.writer.dispose()
+        self.reader.dispose()
+
+
+def is_busy(exc: BaseException) -> bool:
+    """Whether an error is SQLite saying another connection holds the lock past the busy timeout."""
+    text = str(getattr(exc, "orig", exc)).lower()
+    return "database is locked" in text or "database is busy" in text or "database table is locked" in text
+
+
+@contextmanager
+def _busy_as_unavailable() -> Iterator[None]:
+    try:
+        yield
+    except sqlalchemy.exc.OperationalError as exc:
+        if is_busy(exc):
+            raise LedgerBusy() from exc
+        raise

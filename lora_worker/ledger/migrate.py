@@ -1,0 +1,59 @@
+"""Schema migrations (alembic, from the repository's `migrations/`) and the start-up checks of the ledger."""
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.script import ScriptDirectory
+
+from lora_worker.config import REPO_ROOT
+from lora_worker.errors import LedgerCorrupt
+
+MIGRATIONS_DIR = REPO_ROOT / "migrations"
+
+
+def alembic_config(db_path: Path) -> Config:
+    """An alembic Config for `db_path`, built in code so no alembic.ini is needed."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", f"sqlite:///{db_path}")
+    return cfg
+
+
+def upgrade(db_path: Path, revision: str = "head") -> None:
+    db_path.parent.mkdir(parents=True, exist_ok=True)
+    if db_path.exists():
+        verify_integrity(db_path)
+    command.upgrade(alembic_config(db_path), revision)
+
+
+def head_revision() -> str:
+    return ScriptDirectory.from_config(alembic_config(Path("unused"))).get_current_head() or ""
+
+
+def current_revision(db_path: Path) -> str | None:
+    conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    try:
+        row = conn.execute("SELECT version_num FROM alembic_version").fetchone()
+    except sqlite3.OperationalError:
+        return None  # no alembic_version table: never migrated
+    finally:
+        conn.close()
+    return row[0] if row else None
+
+
+def verify_integrity(db_path: Path) -> None:
+    """Refuse a damaged ledger loudly, without touching it (no repair, no rewrite)."""
+    try:
+        conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+        try:
+            rows = conn.execute("PRAGMA quick_check").fetchall()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        raise LedgerCorrupt(f"ledger {db_path} is not a readable SQLite database: {exc}") from exc
+    if rows != [("ok",)]:
+        detail = "; ".join(str(r[0]) for r in rows[:5])
+        raise LedgerCorrupt(f"ledger {db_path} failed PRAGMA quick_check: {detail}")

@@ -1,0 +1,143 @@
+"""The ledger's tables. The alembic migrations create exactly this schema (a test runs `alembic check`)."""
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import JSON, CheckConstraint, Float, ForeignKey, Index, Integer, String, Text, text
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+from lora_worker.ledger.states import ACTIVE_STATES, FailureClass, JobState, Phase
+
+
+class UtcTimestamp(TypeDecorator[datetime]):
+    """An aware UTC datetime stored as ISO-8601 text (`2026-11-30T04:57:12.123Z`), readable in sqlite3."""
+
+    impl = String(24)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> str | None:
+        if value is None:
+            return None
+        return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{value.microsecond // 1000:03d}Z"
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _in(column: str, values: Any) -> str:
+    return f"{column} IN ({', '.join(repr(v.value) for v in values)})"
+
+
+# The partial index and the CHECKs are plain SQL so the migration and the model say the same thing.
+ACTIVE_WHERE = _in("status", sorted(ACTIVE_STATES, key=lambda s: s.value))
+STATUS_CHECK = _in("status", JobState)
+PHASE_CHECK = "phase IS NULL OR " + _in("phase", Phase)
+FAILURE_CHECK = "failure_class IS NULL OR " + _in("failure_class", FailureClass)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Job(Base):
+    """One training request and everything that happened to it."""
+
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    # A real column under the one-active-job index: every job takes the one training slot of this host.
+    slot: Mapped[str] = mapped_column(String(16), server_default="train")
+    status: Mapped[str] = mapped_column(String(16))
+    phase: Mapped[str | None] = mapped_column(String(32))
+    # The request, after validation (paths are the resolved real paths the trainer receives).
+    train_id: Mapped[str] = mapped_column(String(128))
+    dataset_dir: Mapped[str] = mapped_column(Text)
+    base_model_path: Mapped[str] = mapped_column(Text)
+    output_dir: Mapped[str] = mapped_column(Text)
+    output_name: Mapped[str] = mapped_column(String(128))
+    trigger: Mapped[str] = mapped_column(String(64))
+    subject_class: Mapped[str] = mapped_column(String(64))
+    repeats: Mapped[int] = mapped_column(Integer)
+    tier: Mapped[str] = mapped_column(String(16))
+    device_index: Mapped[int] = mapped_column(Integer)
+    seed: Mapped[int] = mapped_column(Integer)
+    max_grad_norm: Mapped[float | None] = mapped_column(Float)
+    lora_target_modules: Mapped[str | None] = mapped_column(String(32))
+    image_count: Mapped[int] = mapped_column(Integer)
+    # The exact command and environment, built once at dispatch and executed verbatim.
+    argv: Mapped[list[str]] = mapped_column(JSON)
+    env: Mapped[dict[str, str]] = mapped_column(JSON)
+    # Progress, as parsed from the trainer's output.
+    step: Mapped[int] = mapped_column(Integer, server_default="0")
+    total_steps: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[float | None] = mapped_column(Float)
+    rate: Mapped[float | None] = mapped_column(Float)  # optimizer steps per second
+    eta_s: Mapped[float | None] = mapped_column(Float)
+    last_progress_at: Mapped[datetime | None] = mapped_column(UtcTimestamp)
+    # Outcome.
+    lora_path: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)
+    failure_class: Mapped[str | None] = mapped_column(String(32))
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    signal: Mapped[int | None] = mapped_column(Integer)
+    # Times.
+    created_at: Mapped[datetime] = mapped_column(UtcTimestamp)
+    started_at: Mapped[datetime | None] = mapped_column(UtcTimestamp)
+    finished_at: Mapped[datetime | None] = mapped_column(UtcTimestamp)
+    updated_at: Mapped[datetime] = mapped_column(UtcTimestamp)
+    cancel_requested_at: Mapped[datetime | None] = mapped_column(UtcTimestamp)
+    # Who runs the job: (boot id, pid, start time in clock ticks) never mistakes a reused pid for ours.
+    boot_id: Mapped[str | None] = mapped_column(String(36))
+    supervisor_pid: Mapped[int | None] = mapped_column(Integer)
+    supervisor_start_ticks: Mapped[int | None] = mapped_column(Integer)
+    trainer_pid: Mapped[int | None] = mapped_column(Integer)  # also the trainer's process group id
+    trainer_start_ticks: Mapped[int | None] = mapped_column(Integer)
+    # Bumped by every update, so a client can wait for "anything new".
+    version: Mapped[int] = mapped_column(Integer, server_default="1")
+
+    events: Mapped[list[JobEvent]] = relationship(back_populates="job", order_by="JobEvent.id",
+                                                  passive_deletes=True)
+
+    __table_args__ = (
+        CheckConstraint(STATUS_CHECK, name="status_valid"),
+        CheckConstraint(PHASE_CHECK, name="phase_valid"),
+        CheckConstraint(FAILURE_CHECK, name="failure_class_valid"),
+        Index("one_active_job", "slot", unique=True, sqlite_where=text(ACTIVE_WHERE)),
+        Index("ix_jobs_status_id", "status", "id"),
+    )
+
+
+class JobEvent(Base):
+    """One change of a job: a state transition, or a flag such as a cancel request (from == to)."""
+
+    __tablename__ = "job_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    at: Mapped[datetime] = mapped_column(UtcTimestamp)
+    from_status: Mapped[str | None] = mapped_column(String(16))
+    to_status: Mapped[str] = mapped_column(String(16))
+    actor: Mapped[str] = mapped_column(String(16))  # api | supervisor | reconcile | cli | watchdog
+    reason: Mapped[str | None] = mapped_column(Text)
+
+    job: Mapped[Job] = relationship(back_populates="events")
+
+
+class ProgressPoint(Base):
+    """The loss curve: the latest avr_loss seen at each optimizer step."""
+
+    __tablename__ = "job_progress"
+
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    loss: Mapped[float | None] = mapped_column(Float)
+    at: Mapped[datetime] = mapped_column(UtcTimestamp)

@@ -1,0 +1,187 @@
+"""Every piece of job SQL the worker issues. Callers never write to `jobs` any other way.
+
+Each state change is a compare-and-set inside one BEGIN IMMEDIATE transaction and leaves a `job_events`
+row, so a late writer (a supervisor whose job was reconciled meanwhile) loses instead of overwriting.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy.exc
+from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.orm import Session
+
+from lora_worker.errors import JobActive, JobFinished, JobNotFound
+from lora_worker.ledger.db import Database
+from lora_worker.ledger.models import Job, JobEvent, ProgressPoint, utcnow
+from lora_worker.ledger.states import ACTIVE_STATES, TERMINAL_STATES, TRANSITIONS, JobState
+
+
+def create_job(db: Database, columns: dict[str, Any], *, actor: str = "api") -> Job:
+    """Insert a queued job. The one-active-job index turns a second active job into JobActive."""
+    now = utcnow()
+    try:
+        with db.write() as s:
+            job = Job(status=JobState.QUEUED.value, created_at=now, updated_at=now, step=0, version=1, **columns)
+            s.add(job)
+            s.flush()
+            _event(s, job.id, None, JobState.QUEUED, actor, "accepted")
+    except sqlalchemy.exc.IntegrityError as exc:
+        if "one_active_job" not in str(exc) and "jobs.slot" not in str(exc):
+            raise
+        active = active_job(db)
+        raise JobActive(
+            f"Job {active.id if active else '?'} is already active; one training runs at a time.",
+            active_job_id=active.id if active else None,
+        ) from exc
+    return job
+
+
+def get_job(db: Database, job_id: int) -> Job:
+    with db.read() as s:
+        job = s.get(Job, job_id)
+    if job is None:
+        raise JobNotFound(f"No job has id {job_id}.", job_id=job_id)
+    return job
+
+
+def find_job(db: Database, job_id: int) -> Job | None:
+    with db.read() as s:
+        return s.get(Job, job_id)
+
+
+def active_job(db: Database) -> Job | None:
+    with db.read() as s:
+        return s.scalars(select(Job).where(Job.status.in_(_values(ACTIVE_STATES)))).first()
+
+
+def active_jobs(db: Database) -> list[Job]:
+    with db.read() as s:
+        return list(s.scalars(select(Job).where(Job.status.in_(_values(ACTIVE_STATES))).order_by(Job.id)))
+
+
+def list_jobs(db: Database, *, status: Sequence[str] = (), limit: int = 50,
+              before_id: int | None = None) -> list[Job]:
+    """Newest first; `before_id` pages backwards (keyset pagination stays cheap on a long history)."""
+    query = select(Job).order_by(Job.id.desc()).limit(limit)
+    if status:
+        query = query.where(Job.status.in_(list(status)))
+    if before_id is not None:
+        query = query.where(Job.id < before_id)
+    with db.read() as s:
+        return list(s.scalars(query))
+
+
+def job_events(db: Database, job_id: int) -> list[JobEvent]:
+    with db.read() as s:
+        return list(s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)))
+
+
+def transition(db: Database, job_id: int, to: JobState, *, actor: str, reason: str | None = None,
+               **values: Any) -> bool:
+    """Move a job to `to` if its current state allows it; False (and no write) if it does not."""
+    with db.write() as s:
+        return transition_in(s, job_id, to, actor=actor, reason=reason, **values)
+
+
+def transition_in(s: Session, job_id: int, to: JobState, *, actor: str, reason: str | None = None,
+                  **values: Any) -> bool:
+    current = s.scalar(select(Job.status).where(Job.id == job_id))
+    if current is None or to not in TRANSITIONS[JobState(current)]:
+        return False
+    now = utcnow()
+    if to in TERMINAL_STATES:
+        values.setdefault("finished_at", now)
+    result = s.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status == current)
+        .values(status=to.value, updated_at=now, version=Job.version + 1, **values)
+    )
+    if result.rowcount != 1:
+        return False
+    _event(s, job_id, JobState(current), to, actor, reason)
+    return True
+
+
+def request_cancel(db: Database, job_id: int, *, actor: str, reason: str = "cancel requested") -> Job:
+    """Flag a job for cancellation. A queued job is cancelled at once; a finished one is JobFinished.
+
+    Cancelling twice is harmless: the flag keeps its first timestamp and no second event is written.
+    """
+    with db.write() as s:
+        job = s.get(Job, job_id)
+        if job is None:
+            raise JobNotFound(f"No job has id {job_id}.", job_id=job_id)
+        state = JobState(job.status)
+        if state in TERMINAL_STATES:
+            raise JobFinished(f"Job {job_id} already ended ({state.value}); there is nothing to cancel.",
+                              job_id=job_id, status=state.value)
+        now = utcnow()
+        if state is JobState.QUEUED:
+            transition_in(s, job_id, JobState.CANCELLED, actor=actor, reason=reason,
+                          cancel_requested_at=now)
+        elif job.cancel_requested_at is None:
+            flagged = s.execute(
+                update(Job)
+                .where(Job.id == job_id, Job.status == JobState.RUNNING.value, Job.cancel_requested_at.is_(None))
+                .values(cancel_requested_at=now, updated_at=now, version=Job.version + 1)
+            )
+            if flagged.rowcount == 1:
+                _event(s, job_id, state, state, actor, reason)
+        s.flush()
+        s.refresh(job)
+        return job
+
+
+def update_running(db: Database, job_id: int, *, points: Iterable[tuple[int, float | None, datetime]] = (),
+                   **values: Any) -> bool:
+    """Write progress (or identity) of a running job; False once the job is no longer running."""
+    with db.write() as s:
+        now = utcnow()
+        result = s.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.status == JobState.RUNNING.value)
+            .values(updated_at=now, version=Job.version + 1, **values)
+        )
+        if result.rowcount != 1:
+            return False
+        rows = [{"job_id": job_id, "step": step, "loss": loss, "at": at} for step, loss, at in points]
+        if rows:
+            s.execute(insert(ProgressPoint).prefix_with("OR REPLACE"), rows)
+        return True
+
+
+def progress_points(db: Database, job_id: int) -> list[ProgressPoint]:
+    with db.read() as s:
+        return list(s.scalars(select(ProgressPoint).where(ProgressPoint.job_id == job_id)
+                              .order_by(ProgressPoint.step)))
+
+
+def count_jobs(db: Database, *, status: Sequence[str] = ()) -> int:
+    query = select(func.count()).select_from(Job)
+    if status:
+        query = query.where(Job.status.in_(list(status)))
+    with db.read() as s:
+        return int(s.scalar(query) or 0)
+
+
+def delete_jobs(db: Database, job_ids: Sequence[int]) -> int:
+    """Remove finished rows with their events and progress (never an active one)."""
+    if not job_ids:
+        return 0
+    with db.write() as s:
+        result = s.execute(
+            delete(Job).where(Job.id.in_(list(job_ids)), Job.status.in_(_values(TERMINAL_STATES)))
+        )
+        return int(result.rowcount)
+
+
+def _event(s: Session, job_id: int, frm: JobState | None, to: JobState, actor: str, reason: str | None) -> None:
+    s.add(JobEvent(job_id=job_id, at=utcnow(), from_status=frm.value if frm else None, to_status=to.value,
+                   actor=actor, reason=reason))
+
+
+def _values(states: Iterable[JobState]) -> list[str]:
+    return sorted(s.value for s in states)

@@ -1,0 +1,66 @@
+"""Job states, phases and the transitions allowed between states.
+
+This module imports nothing from the project: the ledger, the supervisor and the API all read it.
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+
+class JobState(str, Enum):
+    """Where a job is in its life. A cancel is a flag (`cancel_requested_at`), not a state."""
+
+    QUEUED = "queued"  # row written, supervisor starting
+    RUNNING = "running"  # supervisor holds the job and has (or is about to have) a trainer
+    SUCCEEDED = "succeeded"  # trainer exited 0, said "model saved.", and the LoRA file verified
+    FAILED = "failed"  # anything else; `failure_class` says what
+    CANCELLED = "cancelled"  # stopped on request, every process of the job gone
+
+
+class Phase(str, Enum):
+    """What a running trainer is doing, read from its output."""
+
+    LAUNCHING = "launching"  # launcher importing torch, tokenizers, dataset scan
+    LOADING_MODEL = "loading_model"  # reading the base checkpoint (tens of seconds, quiet)
+    CACHING_LATENTS = "caching_latents"  # VAE over every image
+    CACHING_TEXT_ENCODER_OUTPUTS = "caching_text_encoder_outputs"
+    PREPARING_TRAINING = "preparing_training"  # LoRA + optimizer, then a silent sha256 of the base model
+    TRAINING = "training"  # the `steps` bar is moving
+    SAVING = "saving"  # a `saving checkpoint:` line was seen
+
+
+class FailureClass(str, Enum):
+    """Why a job failed; stored next to `exit_code` and `signal`."""
+
+    CUDA_OOM = "cuda_oom"
+    DATASET_INVALID = "dataset_invalid"  # empty or non-UTF-8 caption, or "No data found"
+    MODEL_LOAD_ERROR = "model_load_error"
+    TOKENIZER_MISSING = "tokenizer_missing"
+    INVALID_ARGUMENTS = "invalid_arguments"  # argparse refused the command (exit 2 inside)
+    KILLED_BY_SIGNAL = "killed_by_signal"
+    TRAINER_CRASHED = "trainer_crashed"
+    NO_OUTPUT = "no_output"  # exit 0 but no "model saved." or no file
+    ARTIFACT_INVALID = "artifact_invalid"  # the file is there but is not a LoRA we can read
+    ARTIFACT_MISMATCH = "artifact_mismatch"  # a LoRA, but not the one that was asked for
+    STALLED = "stalled"
+    SUPERVISOR_LOST = "supervisor_lost"
+    HOST_REBOOTED = "host_rebooted"
+    LAUNCH_ERROR = "launch_error"
+
+
+ACTIVE_STATES = frozenset({JobState.QUEUED, JobState.RUNNING})
+TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+
+# The only moves a row may make. A terminal row never changes again.
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.QUEUED: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED}),
+    JobState.RUNNING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
+    JobState.SUCCEEDED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+
+def sources_of(target: JobState) -> frozenset[JobState]:
+    """The states from which `target` may be reached."""
+    return frozenset(s for s, targets in TRANSITIONS.items() if target in targets)

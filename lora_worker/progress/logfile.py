@@ -1,0 +1,239 @@
+"""The job's run log: trainer output with tqdm redraws collapsed, bounded in size, keeping head and tail.
+
+On disk, under the state directory's logs/:
+  job-<id>.log       the first `head_bytes` of the log, never rewritten once full;
+  job-<id>.tail.log  only for long logs: a first line `# lora-worker log tail from byte <S>` and then the log
+                     from logical byte S on. When it passes 2 x `tail_bytes` it is rewritten (atomically, by
+                     rename) to its last `tail_bytes`, and S moves on.
+Offsets in the API are logical (bytes since the start of the log), so a client following with `?offset=`
+never sees bytes twice; if it falls behind a rewrite, it is told how many bytes it skipped.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+TAIL_HEADER = re.compile(rb"^# lora-worker log tail from byte (\d+)\n")
+REDRAW_EVERY_S = 30.0  # how often a still-open progress bar is copied into the log as a line
+
+
+def log_paths(log_dir: Path, job_id: int) -> tuple[Path, Path]:
+    return log_dir / f"job-{job_id}.log", log_dir / f"job-{job_id}.tail.log"
+
+
+class JobLog:
+    """Append-only writer used by the supervisor. Write errors (a full disk) never stop supervision."""
+
+    def __init__(self, log_dir: Path, job_id: int, *, head_bytes: int, tail_bytes: int) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.head_path, self.tail_path = log_paths(log_dir, job_id)
+        self.head_bytes, self.tail_bytes = head_bytes, tail_bytes
+        self._head = self.head_path.open("ab")
+        self._head_size = self._head.tell()
+        self._tail = None
+        self._tail_start = 0
+        self._tail_size = 0
+        self._pending: dict[str, str] = {}
+        self._redraw_dirty = False
+        self._redraw_at = time.monotonic()
+        self.write_errors = 0
+
+    def feed(self, stream: str, text: str) -> None:
+        """Add decoded output; complete lines are written, each keeping only its last `\\r` redraw."""
+        buffered = self._pending.get(stream, "") + text
+        head, sep, rest = buffered.rpartition("\n")
+        if sep:
+            self._write("\n".join(_collapse(line) for line in head.split("\n")) + "\n")
+        else:
+            rest = buffered
+        if "\r" in rest:
+            rest = rest[rest.rfind("\r"):]  # older redraws of an open bar are never needed again
+            self._redraw_dirty = True
+        self._pending[stream] = rest[-65536:]
+
+    def tick(self, now: float | None = None) -> None:
+        """Copy an open progress bar into the log now and then, so the log shows a long run moving."""
+        now = time.monotonic() if now is None else now
+        if self._redraw_dirty and now - self._redraw_at >= REDRAW_EVERY_S:
+            for stream, pending in self._pending.items():
+                if pending.startswith("\r") and pending.strip():
+                    self._write(pending.strip("\r").rstrip() + "\n")
+            self._redraw_dirty = False
+            self._redraw_at = now
+
+    def note(self, message: str) -> None:
+        """A line of our own, marked so it is never mistaken for trainer output."""
+        self._write(f"[lora-worker] {message}\n")
+
+    def end_of_output(self) -> None:
+        """The trainer is gone: a last line left without its newline (a killed bar) is written as it is."""
+        for pending in self._pending.values():
+            line = _collapse(pending).rstrip()
+            if line:
+                self._write(line + "\n")
+        self._pending.clear()
+
+    def close(self) -> None:
+        self.end_of_output()
+        for fh in (self._head, self._tail):
+            if fh is not None:
+                try:
+                    fh.close()
+                except OSError:
+                    self.write_errors += 1
+
+    @property
+    def size(self) -> int:
+        """The logical size: bytes written since the start of the log."""
+        return self._tail_start + self._tail_size if self._tail else self._head_size
+
+    def _write(self, text: str) -> None:
+        data = text.encode("utf-8", "replace")
+        try:
+            if self._tail is None and self._head_size + len(data) <= self.head_bytes:
+                self._head.write(data)
+                self._head.flush()
+                self._head_size += len(data)
+                return
+            if self._tail is None:
+                self._open_tail()
+            assert self._tail is not None
+            self._tail.write(data)
+            self._tail.flush()
+            self._tail_size += len(data)
+            if self._tail_size > 2 * self.tail_bytes:
+                self._compact()
+        except OSError:
+            self.write_errors += 1
+
+    def _open_tail(self) -> None:
+        self._tail_start = self._head_size
+        self._tail = self.tail_path.open("wb")
+        self._tail.write(_tail_header(self._tail_start))
+        self._tail.flush()
+
+    def _compact(self) -> None:
+        assert self._tail is not None
+        self._tail.close()
+        with self.tail_path.open("rb") as fh:
+            header = fh.readline()
+            fh.seek(len(header) + self._tail_size - self.tail_bytes)
+            body = fh.read()
+        # Start the kept part at a line boundary so the tail reads cleanly.
+        newline = body.find(b"\n")
+        body = body[newline + 1:] if 0 <= newline < len(body) - 1 else body
+        start = self._tail_start + self._tail_size - len(body)
+        tmp = self.tail_path.with_suffix(".tmp")
+        with tmp.open("wb") as out:
+            out.write(_tail_header(start) + body)
+        os.replace(tmp, self.tail_path)
+        self._tail = self.tail_path.open("ab")
+        self._tail_start, self._tail_size = start, len(body)
+
+
+@dataclass(frozen=True)
+class LogChunk:
+    text: str
+    offset: int  # the logical offset just past `text`; pass it back to continue
+    skipped: int = 0  # bytes a follower missed because the tail was rewritten past its offset
+
+
+class LogReader:
+    """Reads a job log by logical offset or as its last lines; works while the supervisor writes."""
+
+    def __init__(self, log_dir: Path, job_id: int) -> None:
+        self.head_path, self.tail_path = log_paths(log_dir, job_id)
+
+    def exists(self) -> bool:
+        return self.head_path.exists()
+
+    def size(self) -> int:
+        with _TailView(self.tail_path) as tail:
+            return tail.start + tail.body_size if tail.present else _size(self.head_path)
+
+    def read_from(self, offset: int, limit: int) -> LogChunk:
+        offset, out, skipped = max(0, offset), b"", 0
+        head_size = _size(self.head_path)
+        if offset < head_size:
+            out = _read_range(self.head_path, offset, min(limit, head_size - offset))
+            offset += len(out)
+        # One open file for the tail's layout and its bytes: a rewrite by rename cannot mix two versions.
+        with _TailView(self.tail_path) as tail:
+            if tail.present and len(out) < limit and offset >= head_size:
+                if offset < tail.start:
+                    skipped, offset = tail.start - offset, tail.start
+                data = tail.read(offset - tail.start, limit - len(out))
+                out += data
+                offset += len(data)
+        return LogChunk(text=out.decode("utf-8", "replace"), offset=offset, skipped=skipped)
+
+    def tail_lines(self, lines: int, max_bytes: int = 1 << 20) -> LogChunk:
+        size = self.size()
+        begin = max(0, size - max_bytes)
+        chunk = self.read_from(begin, size - begin)
+        kept = chunk.text.splitlines()[-lines:] if lines > 0 else []
+        return LogChunk(text="\n".join(kept) + ("\n" if kept else ""), offset=chunk.offset)
+
+
+class _TailView:
+    """The tail file opened once: its logical start, body size, and reads relative to the body."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.present, self.start, self.body_size, self._header_len = False, 0, 0, 0
+        self._fh = None
+
+    def __enter__(self) -> _TailView:
+        try:
+            self._fh = self.path.open("rb")
+        except FileNotFoundError:
+            return self
+        header = self._fh.readline()
+        m = TAIL_HEADER.match(header)
+        if m:
+            self._fh.seek(0, 2)
+            self.present, self.start = True, int(m[1])
+            self._header_len, self.body_size = len(header), self._fh.tell() - len(header)
+        return self
+
+    def read(self, body_offset: int, length: int) -> bytes:
+        if self._fh is None or length <= 0:
+            return b""
+        self._fh.seek(self._header_len + body_offset)
+        return self._fh.read(length)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fh is not None:
+            self._fh.close()
+
+
+def _collapse(line: str) -> str:
+    """The last non-empty `\\r` segment of a line: what a terminal would show."""
+    if "\r" not in line:
+        return line
+    for segment in reversed(line.split("\r")):
+        if segment.strip():
+            return segment.rstrip()
+    return ""
+
+
+def _tail_header(start: int) -> bytes:
+    return f"# lora-worker log tail from byte {start}\n".encode()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _read_range(path: Path, offset: int, length: int) -> bytes:
+    if length <= 0:
+        return b""
+    with path.open("rb") as fh:
+        fh.seek(offset)
+        return fh.read(length)

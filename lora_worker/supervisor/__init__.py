@@ -1,0 +1,1 @@
+"""The detached supervisor: one process per job, outliving the web service (see `launch` and `runner`)."""

@@ -1,0 +1,50 @@
+"""The supervisor process proper, after the detaching fork: settings, lock, ledger, run."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+
+from lora_worker.config import load_settings, settings_from_json
+from lora_worker.ledger.db import Database
+from lora_worker.logs import configure_logging
+from lora_worker.supervisor.launch import SETTINGS_ENV
+from lora_worker.supervisor.process import hold_lock
+from lora_worker.supervisor.locks import job_lock_path
+from lora_worker.supervisor.runner import Runner
+
+log = logging.getLogger(__name__)
+LOCK_WAIT_S = 10.0
+
+
+def serve(job_id: int, ready_fd: int) -> int:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the session it came from may close its terminal
+    configure_logging(job_id=job_id)
+    raw = os.environ.get(SETTINGS_ENV)
+    settings = settings_from_json(raw) if raw else load_settings()
+    lock_fd = _take_lock(job_lock_path(settings, job_id))
+    if lock_fd is None:
+        log.error("job %s: another supervisor holds the job lock", job_id)
+        os.close(ready_fd)
+        return 1
+    os.write(ready_fd, b"1")
+    os.close(ready_fd)
+    db = Database.open(settings.database_path, busy_timeout_s=settings.busy_timeout_s, synchronous="NORMAL")
+    try:
+        Runner(job_id, settings, db).run()
+    except Exception:
+        log.exception("job %s: supervisor failed", job_id)
+        return 1
+    finally:
+        db.dispose()
+        os.close(lock_fd)  # last: from here, reconcile may treat the job as unattended
+    return 0
+
+
+def _take_lock(path) -> int | None:  # type: ignore[no-untyped-def]
+    # A reconcile probing the lock holds it shared for microseconds; wait that out rather than give up.
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while (fd := hold_lock(path)) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return fd

@@ -1,0 +1,345 @@
+"""The run loop of one job: start the stored argv, read its output, keep the ledger current, stop it when asked
+or when it stalls, and record one honest terminal state.
+
+Order at the end matters: every process of the job is gone, then the GPU lock is released, then the terminal
+state is written (retried until the ledger accepts it), and only then does the supervisor's own lock go.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import selectors
+import shlex
+import signal
+import subprocess
+import time
+from datetime import datetime
+from pathlib import Path
+
+import sqlalchemy.exc
+
+from lora_worker.artifacts import ArtifactCheck, ExpectedLora, verify_lora
+from lora_worker.config import TIERS, Settings
+from lora_worker.errors import LedgerBusy
+from lora_worker.ledger import repository as repo
+from lora_worker.ledger.db import Database
+from lora_worker.ledger.models import Job, utcnow
+from lora_worker.ledger.states import FailureClass, JobState, Phase
+from lora_worker.progress.logfile import JobLog
+from lora_worker.progress.outcome import Outcome, decide
+from lora_worker.progress.parser import Decoder, Parser
+from lora_worker.supervisor import process
+from lora_worker.supervisor.locks import gpu_lock_path
+
+log = logging.getLogger(__name__)
+
+READ_BYTES = 1 << 16
+SELECT_TIMEOUT_S = 0.2
+CANCEL_POLL_S = 0.5
+DRAIN_GRACE_S = 10.0  # after the launcher exits, how long stragglers may hold the pipes
+TAIL_LINES = 200
+
+
+class Runner:
+    """Supervises one job from `queued` to a terminal state."""
+
+    def __init__(self, job_id: int, settings: Settings, db: Database) -> None:
+        self.job_id = job_id
+        self.settings = settings
+        self.db = db
+        self.decoder = Decoder()
+        self.parser = Parser()
+        self.tail: list[str] = []
+        self.stop_reason: str | None = None  # "cancel", "signal", "stall", "lost"
+        self.stalled_in: str | None = None
+        self._kill_at: float | None = None
+        self._killed_hard = False
+        self._signalled: int | None = None
+        self._dirty = False
+        self._last_write = 0.0
+        self._last_cancel_poll = 0.0
+        self._activity_at = time.monotonic()
+        self._pending_points: dict[int, float | None] = {}
+        self._pending_tail = ""
+
+    # -- entry -------------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        job = repo.find_job(self.db, self.job_id)
+        if job is None or job.status != JobState.QUEUED.value:
+            log.info("job %s is %s; nothing to run", self.job_id, job.status if job else "missing")
+            return
+        me = process.identity_of(os.getpid())
+        assert me is not None
+        if not repo.transition(self.db, self.job_id, JobState.RUNNING, actor="supervisor",
+                               reason="supervisor started", started_at=utcnow(), phase=Phase.LAUNCHING.value,
+                               boot_id=me.boot_id, supervisor_pid=me.pid, supervisor_start_ticks=me.start_ticks):
+            log.info("job %s left the queue before it started", self.job_id)
+            return
+        self.joblog = JobLog(self.settings.log_dir, self.job_id, head_bytes=self.settings.log_head_bytes,
+                             tail_bytes=self.settings.log_tail_bytes)
+        gpu_fd = process.hold_lock(gpu_lock_path(self.settings, job.device_index))
+        try:
+            if gpu_fd is None:
+                outcome = Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR,
+                                  f"GPU {job.device_index} is locked by another trainer.")
+            else:
+                outcome = self._run_guarded(job)
+        finally:
+            if gpu_fd is not None:
+                os.close(gpu_fd)  # every process of the job is gone by now
+        self._finish(outcome)
+        self.joblog.close()
+
+    def _run_guarded(self, job: Job) -> Outcome:
+        try:
+            return self._run_trainer(job)
+        except Exception as exc:
+            # A bug here must not leave a trainer running unsupervised, nor the row "running".
+            log.exception("job %s: supervisor error", self.job_id)
+            if hasattr(self, "proc"):
+                self._ensure_gone(self.proc.pid)
+            return Outcome(JobState.FAILED, FailureClass.SUPERVISOR_LOST,
+                           f"The supervisor hit an internal error ({type(exc).__name__}: {exc}); "
+                           "every process of the job was stopped.")
+
+    # -- the trainer -------------------------------------------------------------------------------------
+
+    def _run_trainer(self, job: Job) -> Outcome:
+        self.joblog.note(f"job {job.id}: {shlex.join(job.argv)}")
+        process.set_child_subreaper()
+        started = time.time()
+        try:
+            proc = subprocess.Popen(  # noqa: S603 - argv is the stored list; no shell
+                job.argv, cwd=self.settings.sd_scripts_dir, env=job.env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+                umask=0o002,  # outputs readable and writable by the shared group (arbo)
+            )
+        except OSError as exc:
+            self.joblog.note(f"cannot start the trainer: {exc}")
+            return Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR, f"Cannot start the trainer: {exc}")
+        self.proc = proc
+        ident = process.identity_of(proc.pid)
+        self._write(trainer_pid=proc.pid, trainer_start_ticks=ident.start_ticks if ident else None)
+        log.info("job %s: trainer group %s started", self.job_id, proc.pid)
+        self._supervise(proc)
+        self._ensure_gone(proc.pid)
+        self._flush(force=True)
+        rc = proc.returncode
+        self.joblog.note(f"trainer ended: {process.decode_wait_status(rc)}")
+        return self._outcome(job, rc, started)
+
+    def _supervise(self, proc: subprocess.Popen[bytes]) -> None:
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        selector = selectors.DefaultSelector()
+        for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+            assert pipe is not None
+            os.set_blocking(pipe.fileno(), False)
+            selector.register(pipe.fileno(), selectors.EVENT_READ, name)
+        open_pipes, exited_at = 2, None
+        try:
+            while open_pipes or proc.poll() is None:
+                for key, _ in selector.select(SELECT_TIMEOUT_S):
+                    try:
+                        data = os.read(key.fd, READ_BYTES)
+                    except BlockingIOError:
+                        continue
+                    if data:
+                        self._consume(key.data, data)
+                    else:
+                        selector.unregister(key.fd)
+                        open_pipes -= 1
+                now = time.monotonic()
+                if proc.poll() is not None and exited_at is None:
+                    exited_at = now
+                if exited_at is not None and open_pipes and now - exited_at > DRAIN_GRACE_S:
+                    # accelerate waits for its trainer, so whatever still holds the pipes is a straggler.
+                    self._kill_everything(proc.pid, signal.SIGKILL)
+                self._tick(now)
+        finally:
+            selector.close()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+        for stream in ("stdout", "stderr"):
+            self._feed_text(stream, self.decoder.decode(stream, b"", final=True))
+        self.parser.close()
+        self.joblog.end_of_output()
+
+    def _consume(self, stream: str, data: bytes) -> None:
+        self._feed_text(stream, self.decoder.decode(stream, data))
+
+    def _feed_text(self, stream: str, text: str) -> None:
+        if not text:
+            return
+        phase, step = self.parser.progress.phase, self.parser.progress.step
+        if self.parser.feed(stream, text):
+            self._dirty = True
+        self.joblog.feed(stream, text)
+        self._remember_tail(text)
+        p = self.parser.progress
+        if p.phase is not phase or p.step != step or p.phase is not Phase.TRAINING:
+            # Any output counts as life in the quiet phases; in training only a new step does.
+            self._activity_at = time.monotonic()
+        if p.phase is not phase:
+            self._flush(force=True)
+
+    def _remember_tail(self, text: str) -> None:
+        # The last lines, collapsed like the log, for the error message of a failed run.
+        buffered = self._pending_tail + text
+        lines = buffered.split("\n")
+        self._pending_tail = lines.pop()[-4096:]
+        for line in lines:
+            segment = line.rsplit("\r", 1)[-1] if "\r" in line else line
+            if segment.strip():
+                self.tail.append(segment.rstrip())
+        del self.tail[:-TAIL_LINES]
+
+    # -- periodic work -----------------------------------------------------------------------------------
+
+    def _tick(self, now: float) -> None:
+        self.joblog.tick(now)
+        process.reap_orphans(keep={self.proc.pid})
+        if now - self._last_write >= self.settings.progress_interval_s:
+            self._flush()
+        if now - self._last_cancel_poll >= CANCEL_POLL_S:
+            self._last_cancel_poll = now
+            self._poll_cancel()
+        if self._signalled is not None and self.stop_reason is None:
+            self._begin_stop("signal", f"supervisor received {signal.Signals(self._signalled).name}")
+        self._watchdog(now)
+        if self._kill_at is not None and now >= self._kill_at and not self._killed_hard:
+            self.joblog.note(f"grace of {self.settings.cancel_grace_s:g}s over; SIGKILL to the job's processes")
+            self._kill_everything(self.proc.pid, signal.SIGKILL)
+            self._killed_hard = True
+
+    def _poll_cancel(self) -> None:
+        try:
+            job = repo.find_job(self.db, self.job_id)
+        except (sqlalchemy.exc.OperationalError, LedgerBusy) as exc:
+            log.warning("job %s: cannot read the ledger (%s); will retry", self.job_id, exc)
+            return
+        if job is None or job.status != JobState.RUNNING.value:
+            self._begin_stop("lost", "the job is no longer running in the ledger")
+        elif job.cancel_requested_at is not None and self.stop_reason is None:
+            self._begin_stop("cancel", "cancel requested")
+
+    def _watchdog(self, now: float) -> None:
+        phase = self.parser.progress.phase
+        limit = self.settings.stall_limits_s.get(phase.value)
+        if self.stop_reason is None and limit is not None and now - self._activity_at > limit:
+            self.stalled_in = phase.value
+            self._begin_stop("stall", f"no progress in {phase.value} for {now - self._activity_at:.0f}s "
+                                      f"(limit {limit:g}s)")
+
+    def _begin_stop(self, reason: str, why: str) -> None:
+        if self.stop_reason is not None:
+            return
+        if self.proc.poll() is not None and not process.group_members(self.proc.pid):
+            return  # it ended on its own; the natural outcome stands
+        self.stop_reason = reason
+        self.joblog.note(f"{why}; SIGTERM to process group {self.proc.pid}")
+        log.info("job %s: %s; stopping the trainer", self.job_id, why)
+        self._kill_everything(self.proc.pid, signal.SIGTERM)
+        self._kill_at = time.monotonic() + self.settings.cancel_grace_s
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._signalled = signum  # acted on by the loop, never here
+
+    def _kill_everything(self, pgid: int, sig: int) -> None:
+        # The group catches the launcher, the trainer and its workers; descendants catch a grandchild that
+        # started its own session (we are their subreaper, so orphans are still ours).
+        process.signal_group(pgid, sig)
+        process.kill_all(process.live_descendants(os.getpid()), sig)
+
+    def _ensure_gone(self, pgid: int) -> None:
+        """Return only when no process of the job is alive."""
+        deadline = time.monotonic() + 30.0
+        while True:
+            leftovers = process.group_members(pgid) + [p.pid for p in process.live_descendants(os.getpid())]
+            process.reap_orphans(keep=set())
+            if not leftovers:
+                return
+            if time.monotonic() > deadline:
+                log.error("job %s: processes %s survive SIGKILL", self.job_id, leftovers)
+                return
+            self._kill_everything(pgid, signal.SIGKILL)
+            time.sleep(0.05)
+
+    # -- the ledger --------------------------------------------------------------------------------------
+
+    def _flush(self, force: bool = False) -> None:
+        for step, loss in self.parser.take_points():
+            self._pending_points[step] = loss
+        if not (self._dirty or self._pending_points) or (not force and not self._due()):
+            return
+        p = self.parser.progress
+        at = utcnow()
+        values = {
+            "phase": p.phase.value, "step": p.step, "loss": _finite(p.loss), "rate": p.rate, "eta_s": p.eta_s,
+            "last_progress_at": at,
+        }
+        if p.total_steps:
+            values["total_steps"] = p.total_steps
+        points = [(step, _finite(loss), at) for step, loss in sorted(self._pending_points.items())]
+        if self._write(points=points, **values):
+            self._pending_points.clear()
+            self._dirty = False
+
+    def _due(self) -> bool:
+        return time.monotonic() - self._last_write >= self.settings.progress_interval_s
+
+    def _write(self, points: list[tuple[int, float | None, datetime]] | None = None, **values: object) -> bool:
+        self._last_write = time.monotonic()
+        try:
+            if not repo.update_running(self.db, self.job_id, points=points or (), **values):
+                self._begin_stop("lost", "the job is no longer running in the ledger")
+            return True
+        except (sqlalchemy.exc.OperationalError, LedgerBusy) as exc:
+            # Progress can wait; the trainer must not. Kept in memory and written at the next tick.
+            log.warning("job %s: progress not written (%s); will retry", self.job_id, exc)
+            return False
+
+    def _outcome(self, job: Job, rc: int | None, started: float) -> Outcome:
+        cancelled = self.stop_reason in ("cancel", "signal")
+        artifact: ArtifactCheck | None = None
+        if rc == 0 and not self.stop_reason and "model_saved" in self.parser.progress.flags:
+            tier = TIERS[job.tier]
+            artifact = verify_lora(Path(job.output_dir) / f"{job.output_name}.safetensors", ExpectedLora(
+                rank=tier.network_dim, output_name=job.output_name, max_train_steps=tier.max_train_steps,
+                seed=job.seed, not_before=started - 1))
+        return decide(returncode=rc, progress=self.parser.progress, log_tail=self.tail, cancelled=cancelled,
+                      stalled_in=self.stalled_in, artifact=artifact)
+
+    def _finish(self, outcome: Outcome) -> None:
+        p = self.parser.progress
+        values: dict[str, object] = {
+            "failure_class": outcome.failure_class.value if outcome.failure_class else None,
+            "error": outcome.error, "exit_code": outcome.exit_code, "signal": outcome.signal,
+            "lora_path": outcome.lora_path, "step": p.step, "loss": _finite(p.loss),
+            "eta_s": 0.0 if outcome.state is JobState.SUCCEEDED else None,
+        }
+        reason = {JobState.SUCCEEDED: "trainer finished and the LoRA verified",
+                  JobState.CANCELLED: "cancelled; every process of the job is gone"}.get(
+            outcome.state, outcome.failure_class.value if outcome.failure_class else "failed")
+        delay = 0.1
+        while True:
+            try:
+                if not repo.transition(self.db, self.job_id, outcome.state, actor="supervisor", reason=reason,
+                                       **values):
+                    log.warning("job %s: already ended elsewhere; %s not recorded", self.job_id,
+                                outcome.state.value)
+                log.info("job %s: %s%s", self.job_id, outcome.state.value,
+                         f" ({outcome.failure_class.value})" if outcome.failure_class else "")
+                return
+            except (sqlalchemy.exc.OperationalError, LedgerBusy) as exc:
+                # The outcome is known and must not be lost: keep trying, holding the job lock meanwhile.
+                log.warning("job %s: final state not written (%s); retrying in %.1fs", self.job_id, exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+
+def _finite(value: float | None) -> float | None:
+    return None if value is None or math.isnan(value) or math.isinf(value) else value
+
+

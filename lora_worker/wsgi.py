@@ -1,0 +1,6 @@
+"""gunicorn target: `gunicorn -c systemd/gunicorn.conf.py lora_worker.wsgi:app` (one worker, no preload)."""
+from __future__ import annotations
+
+from lora_worker import create_app
+
+app = create_app()

@@ -1,0 +1,556 @@
+"""Test double of kohya-ss sd-scripts `sdxl_train_network.py` (main @ 48d368fa), for runs without torch or a GPU.
+
+It behaves as ../shared/reference/sd-scripts.md and sd-scripts-real-run.md document, and prints what the
+captures in tests/data/*.jsonl show:
+- argparse with the real flag names and defaults: an unknown flag exits 2 with `error: unrecognized arguments`;
+- the dataset scan of `<train_data_dir>/<n>_<name>/` (non-recursive, `--caption_extension`, default
+  `.caption`): no images → `No data found. …` and exit 0 with no file; a 0-byte caption → AssertionError;
+- with --console_log_simple, log lines as plain lines on stdout, in the order of the real transcript; the
+  `print` lines (`epoch N/M`, `saving checkpoint: …`) on stdout too;
+- tqdm bars on stderr, drawn by tqdm itself: `steps` with `avr_loss`, two redraws per step (update, then
+  set_postfix), closed after `model saved.`;
+- a missing model file → the diffusers ValueError; missing tokenizers → the TypeError seen offline;
+- a real `.safetensors` LoRA: the 722 U-Net module names of a real SDXL run, shapes for the requested rank,
+  the real run's `ss_*` metadata with this run's values; tensor data left sparse (zeros) so it is cheap;
+- no signal handling of its own (SIGTERM kills it; SIGINT raises KeyboardInterrupt), like the real trainer.
+
+Behaviour for a test is read from `fake_trainer.json` in the working directory (the sd-scripts dir), because
+the worker gives the trainer an allow-listed environment and nothing else:
+  step_s, load_s, cache_s, sha_s, teardown_s     sleeps that stand in for the real phases
+  oom_at_step, crash_at_step, nan_from_step      failures at a step
+  hang_in                                         sleep forever at the start of a phase (see PHASES)
+  ignore_sigterm                                  the trainer ignores SIGTERM
+  grandchild                                      "group" or "session": fork a sleeping grandchild
+  grandchild_ignores_sigterm
+  rank_override, metadata_overrides               write a LoRA that is not the one asked for
+  skip_save                                       exit 0 after training without saving
+  partial_save_then_hang                          write half the final file, then hang in the save
+  record                                          write {argv, pid, pgid, env, t} as JSON to this path at start
+  flood_bytes                                     after step 1, redraw the bar until this many bytes are written
+  bnb_warning                                     print the bitsandbytes CPU warning first, as on the capture box
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import signal
+import struct
+import sys
+import time
+
+from tqdm import tqdm
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+IMAGE_EXTENSIONS = [".png", ".jpg", ".jpeg", ".webp", ".bmp"]
+IMAGE_EXTENSIONS += [ext.upper() for ext in IMAGE_EXTENSIONS]
+TOKENIZERS = ["openai/clip-vit-large-patch14", "laion/CLIP-ViT-bigG-14-laion2B-39B-b160k"]
+PHASES = ["launching", "loading_model", "caching_latents", "caching_text_encoder_outputs", "preparing_training",
+          "training", "saving"]
+
+
+def load_modes() -> dict:
+    try:
+        with open("fake_trainer.json") as fh:
+            return json.load(fh)
+    except FileNotFoundError:
+        return {}
+
+
+MODES = load_modes()
+
+
+def log(msg: str) -> None:
+    # --console_log_simple: logging.StreamHandler(sys.stdout) with "%(message)s"; flushed per record.
+    sys.stdout.write(msg + "\n")
+    sys.stdout.flush()
+
+
+def sleep(key: str, default: float) -> None:
+    time.sleep(float(MODES.get(key, default)))
+
+
+def phase(name: str) -> None:
+    if MODES.get("hang_in") == name:
+        while True:
+            time.sleep(3600)
+
+
+def setup_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    add = p.add_argument
+    # library/utils.py add_logging_arguments
+    add("--console_log_level", type=str, default=None, choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"])
+    add("--console_log_file", type=str, default=None)
+    add("--console_log_simple", action="store_true")
+    # train_util.add_sd_models_arguments / sdxl
+    add("--v2", action="store_true")
+    add("--v_parameterization", action="store_true")
+    add("--pretrained_model_name_or_path", type=str, default=None)
+    add("--tokenizer_cache_dir", type=str, default=None)
+    add("--vae", type=str, default=None)
+    # train_util.add_dataset_arguments
+    add("--train_data_dir", type=str, default=None)
+    add("--reg_data_dir", type=str, default=None)
+    add("--shuffle_caption", action="store_true")
+    add("--caption_separator", type=str, default=",")
+    add("--caption_extension", type=str, default=".caption")
+    add("--caption_extention", type=str, default=None)
+    add("--keep_tokens", type=int, default=0)
+    add("--caption_prefix", type=str, default=None)
+    add("--caption_suffix", type=str, default=None)
+    add("--color_aug", action="store_true")
+    add("--flip_aug", action="store_true")
+    add("--random_crop", action="store_true")
+    add("--resolution", type=str, default=None)
+    add("--cache_latents", action="store_true")
+    add("--vae_batch_size", type=int, default=1)
+    add("--cache_latents_to_disk", action="store_true")
+    add("--skip_cache_check", action="store_true")
+    add("--enable_bucket", action="store_true")
+    add("--min_bucket_reso", type=int, default=256)
+    add("--max_bucket_reso", type=int, default=1024)
+    add("--bucket_reso_steps", type=int, default=64)
+    add("--bucket_no_upscale", action="store_true")
+    add("--dataset_config", type=str, default=None)
+    # train_util.add_training_arguments
+    add("--output_dir", type=str, default=None)
+    add("--output_name", type=str, default=None)
+    add("--huggingface_repo_id", type=str, default=None)
+    add("--save_precision", type=str, default=None, choices=[None, "float", "fp16", "bf16"])
+    add("--save_every_n_epochs", type=int, default=None)
+    add("--save_every_n_steps", type=int, default=None)
+    add("--save_n_epoch_ratio", type=int, default=None)
+    add("--save_last_n_epochs", type=int, default=None)
+    add("--save_last_n_steps", type=int, default=None)
+    add("--save_state", action="store_true")
+    add("--save_state_on_train_end", action="store_true")
+    add("--resume", type=str, default=None)
+    add("--train_batch_size", type=int, default=1)
+    add("--max_token_length", type=int, default=None, choices=[None, 150, 225])
+    add("--mem_eff_attn", action="store_true")
+    add("--xformers", action="store_true")
+    add("--sdpa", action="store_true")
+    add("--max_train_steps", type=int, default=1600)
+    add("--max_train_epochs", type=int, default=None)
+    add("--max_data_loader_n_workers", type=int, default=8)
+    add("--persistent_data_loader_workers", action="store_true")
+    add("--seed", type=int, default=None)
+    add("--gradient_checkpointing", action="store_true")
+    add("--gradient_accumulation_steps", type=int, default=1)
+    add("--mixed_precision", type=str, default="no", choices=["no", "fp16", "bf16"])
+    add("--full_fp16", action="store_true")
+    add("--full_bf16", action="store_true")
+    add("--fp8_base", action="store_true")
+    add("--clip_skip", type=int, default=None)
+    add("--logging_dir", type=str, default=None)
+    add("--log_with", type=str, default=None, choices=["tensorboard", "wandb", "all"])
+    add("--log_prefix", type=str, default=None)
+    add("--noise_offset", type=float, default=None)
+    add("--min_snr_gamma", type=float, default=None)
+    add("--loss_type", type=str, default="l2", choices=["l1", "l2", "huber", "smooth_l1"])
+    add("--lowram", action="store_true")
+    add("--highvram", action="store_true")
+    add("--config_file", type=str, default=None)
+    add("--output_config", action="store_true")
+    add("--prior_loss_weight", type=float, default=1.0)
+    # train_util.add_optimizer_arguments
+    add("--optimizer_type", type=str, default="")
+    add("--use_8bit_adam", action="store_true")
+    add("--learning_rate", type=float, default=2.0e-6)
+    add("--max_grad_norm", type=float, default=1.0)
+    add("--optimizer_args", type=str, default=None, nargs="*")
+    add("--lr_scheduler", type=str, default="constant")
+    add("--lr_warmup_steps", type=float, default=0)
+    add("--lr_scheduler_num_cycles", type=int, default=1)
+    add("--lr_scheduler_power", type=float, default=1)
+    # train_network.setup_parser
+    add("--no_metadata", action="store_true")
+    add("--save_model_as", type=str, default="safetensors", choices=[None, "ckpt", "pt", "safetensors"])
+    add("--unet_lr", type=float, default=None)
+    add("--text_encoder_lr", type=float, default=None, nargs="*")
+    add("--fp8_base_unet", action="store_true")
+    add("--network_weights", type=str, default=None)
+    add("--network_module", type=str, default=None)
+    add("--network_dim", type=int, default=None)
+    add("--network_alpha", type=float, default=1)
+    add("--network_dropout", type=float, default=None)
+    add("--network_args", type=str, default=None, nargs="*")
+    add("--network_train_unet_only", action="store_true")
+    add("--network_train_text_encoder_only", action="store_true")
+    add("--training_comment", type=str, default=None)
+    add("--dim_from_weights", action="store_true")
+    add("--scale_weight_norms", type=float, default=None)
+    add("--base_weights", type=str, default=None, nargs="*")
+    add("--no_half_vae", action="store_true")
+    # sdxl_train_util.add_sdxl_training_arguments
+    add("--cache_text_encoder_outputs", action="store_true")
+    add("--cache_text_encoder_outputs_to_disk", action="store_true")
+    add("--disable_mmap_load_safetensors", action="store_true")
+    # sai_model_spec
+    add("--metadata_title", type=str, default=None)
+    add("--metadata_author", type=str, default=None)
+    add("--metadata_trigger_phrase", type=str, default=None)
+    return p
+
+
+def scan_dataset(args: argparse.Namespace) -> tuple[list[tuple[str, int, list[str]]], int]:
+    """[(folder path, repeats, image paths)], images with repeats — as config_util / train_util do."""
+    subsets = []
+    base = args.train_data_dir
+    if base is None or not os.path.isdir(base):
+        return [], 0
+    for name in sorted(os.listdir(base)):
+        path = os.path.join(base, name)
+        if not os.path.isdir(path):
+            continue
+        tokens = name.split("_")
+        try:
+            repeats = int(tokens[0])
+        except ValueError:
+            log(f"ignore directory without repeats / 繰り返し回数のないディレクトリを無視します: {name}")
+            continue
+        if repeats < 1:
+            continue
+        images = sorted(os.path.join(path, f) for f in os.listdir(path)
+                        if os.path.splitext(f)[1] in IMAGE_EXTENSIONS)
+        subsets.append((path, repeats, images))
+    return subsets, sum(r * len(i) for _, r, i in subsets)
+
+
+def read_captions(args: argparse.Namespace, images: list[str]) -> None:
+    for image in tqdm(images, desc="read caption"):
+        cap = os.path.splitext(image)[0] + args.caption_extension
+        if not os.path.isfile(cap):
+            continue
+        try:
+            with open(cap, encoding="utf-8") as f:
+                lines = f.readlines()
+        except UnicodeDecodeError:
+            log(f"illegal char in file (not UTF-8) / ファイルにUTF-8以外の文字があります: {cap}")
+            raise
+        assert len(lines) > 0, f"caption file is empty / キャプションファイルが空です: {cap}"
+
+
+def dataset_block(args: argparse.Namespace, subsets: list) -> str:
+    res = args.resolution.split(",")[0] if args.resolution else "None"
+    lines = ["[Dataset 0]", f"  batch_size: {args.train_batch_size}", f"  resolution: ({res}, {res})",
+             "  resize_interpolation: None", f"  enable_bucket: {args.enable_bucket}"]
+    for i, (path, repeats, images) in enumerate(subsets):
+        class_tokens = os.path.basename(path).split("_", 1)[1]
+        lines += ["", f"  [Subset {i} of Dataset 0]", f'    image_dir: "{path}"', f"    image_count: {len(images)}",
+                  f"    num_repeats: {repeats}", "    shuffle_caption: False", "    keep_tokens: 0",
+                  "    caption_dropout_rate: 0.0", "    caption_dropout_every_n_epochs: 0",
+                  "    caption_tag_dropout_rate: 0.0", "    caption_prefix: None", "    caption_suffix: None",
+                  "    color_aug: False", "    flip_aug: False", "    face_crop_aug_range: None",
+                  "    random_crop: False", "    token_warmup_min: 1,", "    token_warmup_step: 0,",
+                  "    alpha_mask: False", "    resize_interpolation: None", "    custom_attributes: {}",
+                  "    is_reg: False", f"    class_tokens: {class_tokens}",
+                  f"    caption_extension: {args.caption_extension}", "", ""]
+    return "\n".join(lines)
+
+
+def load_model(args: argparse.Namespace) -> None:
+    log("loading model for process 0/1")
+    path = args.pretrained_model_name_or_path
+    if path is None or not os.path.isfile(path):
+        # sdxl_train_util: not a file → treated as a Diffusers dir or repo id; diffusers raises ValueError.
+        log(f"load Diffusers pretrained models: {path}, variant=None")
+        raise ValueError(f'The provided pretrained_model_name_or_path "{path}" is neither a valid local path nor '
+                         "a valid repo id. Please check the parameter.")
+    log(f"load StableDiffusion checkpoint: {path}")
+    phase("loading_model")
+    for part in ("U-Net", "text encoders", "VAE"):
+        log(f"building {part}")
+        log(f"loading {part} from checkpoint")
+        sleep("load_s", 0.02)
+        if part == "text encoders":
+            log("text encoder 1: <All keys matched successfully>")
+            log("text encoder 2: <All keys matched successfully>")
+        else:
+            log(f"{part}: <All keys matched successfully>")
+
+
+def cache(args: argparse.Namespace, images: list[str]) -> None:
+    log("[Dataset 0]")
+    log("caching latents with caching strategy.")
+    log("caching latents...")
+    phase("caching_latents")
+    for _ in tqdm(images):
+        sleep("cache_s", 0.002)
+    log("move vae and unet to cpu to save memory")
+    log("[Dataset 0]")
+    log("caching Text Encoder outputs with caching strategy.")
+    log("checking cache validity...")
+    for _ in tqdm(images):
+        pass
+    log("caching Text Encoder outputs...")
+    phase("caching_text_encoder_outputs")
+    for _ in tqdm(images):
+        sleep("cache_s", 0.002)
+    log("move vae and unet back to original device")
+
+
+def lora_metadata(args: argparse.Namespace, rank: int, steps: int, epoch: int, total_images: int,
+                  subsets: list, started: float) -> dict[str, str]:
+    with open(os.path.join(HERE, "sdxl_lora_template.json")) as fh:
+        metadata = dict(json.load(fh)["metadata"])
+    res = (args.resolution or "1024").split(",")[0]
+    metadata.update({
+        "ss_network_dim": str(rank), "ss_network_alpha": str(float(args.network_alpha)),
+        "ss_network_module": args.network_module or "networks.lora", "ss_output_name": str(args.output_name),
+        "ss_steps": str(steps), "ss_epoch": str(epoch), "ss_seed": str(args.seed),
+        "ss_max_train_steps": str(args.max_train_steps), "ss_learning_rate": str(args.learning_rate),
+        "ss_lr_scheduler": args.lr_scheduler, "ss_mixed_precision": args.mixed_precision,
+        "ss_optimizer": "bitsandbytes.optim.adamw.AdamW8bit" if args.optimizer_type.lower() == "adamw8bit"
+        else "torch.optim.adamw.AdamW",
+        "ss_min_snr_gamma": str(args.min_snr_gamma), "ss_noise_offset": str(args.noise_offset),
+        "ss_max_grad_norm": str(args.max_grad_norm), "ss_resolution": f"({res}, {res})",
+        "ss_batch_size_per_device": str(args.train_batch_size), "ss_num_train_images": str(total_images),
+        "ss_enable_bucket": str(args.enable_bucket),
+        "ss_dataset_dirs": json.dumps({os.path.basename(p): {"n_repeats": r, "img_count": len(i)}
+                                       for p, r, i in subsets}),
+        "ss_sd_model_name": os.path.basename(args.pretrained_model_name_or_path),
+        "ss_sd_scripts_commit_hash": MODES.get("commit_hash", "48d368fa557731ad0488c07304dfeba8c07910eb"),
+        "ss_training_started_at": str(started), "ss_training_finished_at": str(time.time()),
+        "modelspec.title": str(args.output_name), "modelspec.resolution": f"{res}x{res}",
+    })
+    if args.network_args:
+        metadata["ss_network_args"] = json.dumps(dict(a.split("=", 1) for a in args.network_args))
+    metadata.update(MODES.get("metadata_overrides", {}))
+    return metadata
+
+
+def save_lora(path: str, rank: int, alpha: float, metadata: dict[str, str], partial: bool = False) -> None:
+    """A safetensors file as safetensors' serializer lays it out; tensor bytes left sparse (zeros)."""
+    with open(os.path.join(HERE, "sdxl_lora_template.json")) as fh:
+        modules = json.load(fh)["modules"]
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    alphas = []
+    for name, in_features, out_features in modules:
+        for key, shape in ((f"{name}.alpha", []), (f"{name}.lora_down.weight", [rank, in_features]),
+                           (f"{name}.lora_up.weight", [out_features, rank])):
+            size = 4 * math.prod(shape)
+            header[key] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+            if key.endswith(".alpha"):
+                alphas.append(offset)
+            offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the serializer pads the header to 8 bytes
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)) + raw)
+        data_start = fh.tell()
+        for at in alphas:
+            fh.seek(data_start + at)
+            fh.write(struct.pack("<f", alpha))
+        fh.truncate(data_start + (offset // 2 if partial else offset))
+
+
+class OutOfMemoryError(RuntimeError):
+    """Shown in tracebacks as `torch.OutOfMemoryError: CUDA out of memory. …`, as current torch does."""
+
+
+OutOfMemoryError.__module__ = "torch"
+
+
+def train(args: argparse.Namespace) -> int:
+    started = time.time()
+    if MODES.get("bnb_warning"):
+        sys.stderr.write("Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'. "
+                         "Please make sure you already `pip install kernels` and the kernels >= 0.11.1\n")
+    phase("launching")
+    for model_id in TOKENIZERS:
+        local = os.path.join(args.tokenizer_cache_dir or "", model_id.replace("/", "_"))
+        if args.tokenizer_cache_dir and os.path.exists(local):
+            log(f"load tokenizer from cache: {local}")
+        else:
+            # transformers offline with nothing cached: vocab_file is None (real-run §7, fail_no_tokenizer_offline)
+            open(None)  # type: ignore[call-overload]  # TypeError: expected str, bytes or os.PathLike …
+    log("Using DreamBooth method.")
+    log("prepare images.")
+    subsets, total = scan_dataset(args)
+    images = [img for _, _, imgs in subsets for img in imgs]
+    log("get image size from name of cache files")
+    for _ in tqdm(images):
+        pass
+    log(f"set image size from cache files: 0/{len(images)}")
+    for path, _, imgs in subsets:
+        log(f"found directory {path} contains {len(imgs)} image files")
+    read_captions(args, images)
+    log(f"{total} train images with repeats.")
+    log("0 reg images with repeats.")
+    log("no regularization images / 正則化画像が見つかりませんでした")
+    log(dataset_block(args, subsets))
+    log("[Prepare dataset 0]")
+    log("loading image sizes.")
+    for _ in tqdm(images):
+        pass
+    log("prepare dataset")
+    if total == 0:
+        log("No data found. Please verify arguments (train_data_dir must be the parent of folders with images) / "
+            "画像がありません。引数指定を確認してください（train_data_dirには画像があるフォルダではなく、"
+            "画像があるフォルダの親フォルダを指定する必要があります）")
+        return 0
+    assert args.network_train_unet_only or not args.cache_text_encoder_outputs, \
+        "network for Text Encoder cannot be trained with caching Text Encoder outputs / " \
+        "Text Encoderの出力をキャッシュしながらText Encoderのネットワークを学習することはできません"
+    log("preparing accelerator")
+    print("accelerator device: cuda", flush=True)
+    load_model(args)
+    if args.sdpa:
+        log("Enable SDPA for U-Net")
+    cache(args, images)
+
+    rank = int(MODES.get("rank_override", args.network_dim or 4))
+    print(f"import network module: {args.network_module}", flush=True)
+    phase("preparing_training")
+    log(f"create LoRA network. base dim (rank): {args.network_dim or 4}, alpha: {float(args.network_alpha)}")
+    log("neuron dropout: p=None, rank dropout: p=None, module dropout: p=None")
+    log("create LoRA for Text Encoder 1:")
+    log("create LoRA for Text Encoder 2:")
+    log("create LoRA for Text Encoder: 264 modules.")
+    log("create LoRA for U-Net: 722 modules.")
+    log("enable LoRA for U-Net: 722 modules")
+    print("prepare optimizer, data loader etc.", flush=True)
+    eight_bit = args.optimizer_type.lower() == "adamw8bit"
+    log(f"use {'8-bit AdamW' if eight_bit else 'AdamW'} optimizer | {{}}")
+    batches = sum(math.ceil(r * len(i) / args.train_batch_size) for _, r, i in subsets)
+    steps = args.max_train_steps
+    if args.max_train_epochs:
+        steps = args.max_train_epochs * batches
+        args.max_train_steps = steps
+        log(f"override steps. steps for {args.max_train_epochs} epochs is / 指定エポックまでのステップ数: {steps}")
+    epochs = math.ceil(steps / batches)
+    print("running training / 学習開始", flush=True)
+    print(f"  num train images * repeats / 学習画像の数×繰り返し回数: {total}", flush=True)
+    print("  num validation images * repeats / 学習画像の数×繰り返し回数: 0", flush=True)
+    print("  num reg images / 正則化画像の数: 0", flush=True)
+    print(f"  num batches per epoch / 1epochのバッチ数: {batches}", flush=True)
+    print(f"  num epochs / epoch数: {epochs}", flush=True)
+    print(f"  batch size per device / バッチサイズ: {args.train_batch_size}", flush=True)
+    print("  gradient accumulation steps / 勾配を合計するステップ数 = 1", flush=True)
+    print(f"  total optimization steps / 学習ステップ数: {steps}", flush=True)
+    sleep("sha_s", 0.02)  # the silent sha256 of the base model
+    dtype = "torch.bfloat16" if args.mixed_precision == "bf16" else "torch.float32"
+    log(f"unet dtype: {dtype}, device: cuda:0")
+    log("text_encoder [0] dtype: torch.float32, device: cpu")
+    log("text_encoder [1] dtype: torch.float32, device: cpu")
+
+    out_dir = args.output_dir
+    name = args.output_name or "last"
+    bar = tqdm(range(steps), smoothing=0, desc="steps")
+    phase("training")
+    rng = random.Random(args.seed)
+    losses: list[float] = []
+    step = 0
+    for epoch in range(epochs):
+        print(f"\nepoch {epoch + 1}/{epochs}\n", flush=True)
+        log(f"epoch is incremented. current_epoch: {epoch}, epoch: {epoch + 1}")
+        for _ in range(batches):
+            sleep("step_s", 0.005)
+            step += 1
+            if step == MODES.get("oom_at_step"):
+                raise OutOfMemoryError(
+                    "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 23.57 GiB of "
+                    "which 11.06 MiB is free. Including non-PyTorch memory, this process has 23.55 GiB memory in use.")
+            if step == MODES.get("crash_at_step"):
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            bar.update(1)
+            if MODES.get("flood_bytes") and step == 1:
+                flood(bar, int(MODES["flood_bytes"]))
+            if args.save_every_n_steps and step % args.save_every_n_steps == 0 and step < steps:
+                ckpt = os.path.join(out_dir, f"{name}-step{step:08d}.safetensors")
+                print(f"\nsaving checkpoint: {ckpt}", flush=True)
+                os.makedirs(out_dir, exist_ok=True)
+                save_lora(ckpt, rank, args.network_alpha, lora_metadata(args, rank, step, epoch, total, subsets,
+                                                                         started))
+            nan = MODES.get("nan_from_step") is not None and step >= MODES["nan_from_step"]
+            losses.append(float("nan") if nan else 1.1 * math.exp(-step / max(steps, 1)) + rng.random() * 0.05)
+            window = losses[-batches:]
+            bar.set_postfix(avr_loss=sum(window) / len(window))
+            if step >= steps:
+                break
+        if args.save_every_n_epochs and (epoch + 1) % args.save_every_n_epochs == 0 and epoch + 1 < epochs:
+            ckpt = os.path.join(out_dir, f"{name}-{epoch + 1:06d}.safetensors")
+            print(f"\nsaving checkpoint: {ckpt}", flush=True)
+            os.makedirs(out_dir, exist_ok=True)
+            save_lora(ckpt, rank, args.network_alpha, lora_metadata(args, rank, step, epoch + 1, total, subsets,
+                                                                     started))
+        if step >= steps:
+            break
+    if MODES.get("skip_save"):
+        bar.close()
+        return 0
+    os.makedirs(out_dir, exist_ok=True)  # only now: sd-scripts creates the output dir at the first save
+    final = os.path.join(out_dir, f"{name}.safetensors")
+    print(f"\nsaving checkpoint: {final}", flush=True)
+    metadata = lora_metadata(args, rank, step, epochs, total, subsets, started)
+    if MODES.get("partial_save_then_hang"):
+        save_lora(final, rank, args.network_alpha, metadata, partial=True)
+        phase_hang()
+    phase("saving")
+    save_lora(final, rank, args.network_alpha, metadata)
+    log("model saved.")
+    bar.close()
+    sleep("teardown_s", 0.0)
+    return 0
+
+
+def phase_hang() -> None:
+    while True:
+        time.sleep(3600)
+
+
+def flood(bar: tqdm, total_bytes: int) -> None:
+    """Redraw the bar as fast as possible: the benchmark's 100 MB of realistic output."""
+    written = 0
+    i = 0
+    line_every = 2000
+    while written < total_bytes:
+        bar.set_postfix(avr_loss=0.1 + (i % 97) / 1000)
+        written += 80
+        i += 1
+        if i % line_every == 0:
+            log(f"epoch is incremented. current_epoch: {i}, epoch: {i + 1}")
+            written += 50
+
+
+def spawn_grandchild() -> int | None:
+    mode = MODES.get("grandchild")
+    if not mode:
+        return None
+    pid = os.fork()
+    if pid == 0:  # a forked copy of the trainer, as a DataLoader worker would be
+        if mode == "session":
+            os.setsid()
+        if MODES.get("grandchild_ignores_sigterm"):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        while True:
+            time.sleep(3600)
+    return pid
+
+
+def record(argv: list[str], grandchild: int | None) -> None:
+    path = MODES.get("record")
+    if path:
+        with open(path + ".tmp", "w") as fh:
+            json.dump({"argv": argv, "pid": os.getpid(), "pgid": os.getpgid(0), "ppid": os.getppid(),
+                       "grandchild": grandchild, "env": dict(os.environ), "t": time.time()}, fh)
+        os.replace(path + ".tmp", path)
+
+
+def main() -> int:
+    args = setup_parser().parse_args()
+    if args.caption_extention is not None:
+        args.caption_extension = args.caption_extention
+    if MODES.get("ignore_sigterm"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    record(sys.argv, spawn_grandchild())
+    return train(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Builders for what the tests need on disk: a fake trainer installation, datasets, models, fake GPUs."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+FAKES = Path(__file__).parent / "fakes"
+DATA = Path(__file__).parent / "data"
+TOKENIZER_DIRS = ("openai_clip-vit-large-patch14", "laion_CLIP-ViT-bigG-14-laion2B-39B-b160k")
+DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8}
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]], metadata: dict[str, str] | None = None,
+                      *, truncate_by: int = 0) -> None:
+    """A well-formed safetensors file (zero data) with the given tensor names, dtypes and shapes."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, (dtype, shape) in tensors.items():
+        size = DTYPE_BYTES[dtype] * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)) + raw + b"\0" * (offset - truncate_by))
+
+
+SDXL_TINY = {
+    "model.diffusion_model.input_blocks.0.0.weight": ("F16", [4, 4, 3, 3]),
+    "model.diffusion_model.out.2.bias": ("F16", [4]),
+    "conditioner.embedders.0.transformer.text_model.final_layer_norm.weight": ("F16", [8]),
+    "conditioner.embedders.1.model.ln_final.weight": ("F16", [8]),
+    "first_stage_model.decoder.conv_in.bias": ("F16", [8]),
+}
+
+
+def png_bytes(width: int = 8, height: int = 8) -> bytes:
+    """A real (grey) PNG image."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    raw = b"".join(b"\0" + b"\x80" * width for _ in range(height))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+def make_dataset(train_root: Path, train_id: str = "t1", folder: str = "10_ohwx woman", images: int = 3,
+                 captions: dict[int, bytes] | None = None) -> Path:
+    """`<root>/<train_id>/dataset/<folder>/img<i>.png` (+ captions); returns the dataset dir."""
+    dataset = train_root / train_id / "dataset"
+    target = dataset / folder
+    target.mkdir(parents=True, exist_ok=True)
+    for i in range(images):
+        (target / f"img{i}.png").write_bytes(png_bytes())
+    for i, text in (captions if captions is not None else {i: b"ohwx woman, portrait" for i in range(images)}).items():
+        (target / f"img{i}.txt").write_bytes(text)
+    return dataset
+
+
+def install_fake_trainer(root: Path) -> dict[str, Path]:
+    """A trainer installation shaped like fluxgym's: venv/bin/accelerate, sd-scripts/, tokenizers/."""
+    venv_bin = root / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    launcher = venv_bin / "accelerate"
+    body = (FAKES / "accelerate").read_text().split("\n", 1)[1]
+    launcher.write_text(f"#!{sys.executable}\n{body}")
+    launcher.chmod(0o755)
+    sd_scripts = root / "sd-scripts"
+    sd_scripts.mkdir()
+    for name in ("sdxl_train_network.py", "sdxl_lora_template.json"):
+        shutil.copy(FAKES / name, sd_scripts / name)
+    tokenizers = root / "tokenizers"
+    for name in TOKENIZER_DIRS:
+        (tokenizers / name).mkdir(parents=True)
+        (tokenizers / name / "vocab.json").write_text("{}")
+        (tokenizers / name / "merges.txt").write_text("#version: 0.2\n")
+    return {"accelerate": launcher, "sd_scripts_dir": sd_scripts, "tokenizer_cache_dir": tokenizers}
+
+
+def fake_gpus(path: Path, *, free0: int = 20_000, free1: int = 40_000, processes0: list[dict] | None = None,
+              processes1: list[dict] | None = None, **extra: Any) -> Path:
+    """Two GPUs like the documented host: a 24 GB card at bus 01 and a 48 GB card at bus 02."""
+    doc = {"devices": [
+        {"name": "NVIDIA GeForce RTX 3090", "uuid": "GPU-3090", "pci_bus_id": "00000000:01:00.0",
+         "memory_total_mib": 24_576, "memory_used_mib": 24_576 - free0, "utilization_pct": 3, "temperature_c": 41,
+         "processes": processes0 or []},
+        {"name": "NVIDIA RTX A6000", "uuid": "GPU-A6000", "pci_bus_id": "00000000:02:00.0",
+         "memory_total_mib": 49_140, "memory_used_mib": 49_140 - free1, "utilization_pct": 0, "temperature_c": 35,
+         "processes": processes1 or []},
+    ], **extra}
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def set_modes(sd_scripts_dir: Path, **modes: Any) -> None:
+    (sd_scripts_dir / "fake_trainer.json").write_text(json.dumps(modes))
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05, what: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] not in "ZX"
+
+
+def payload(dataset: Path, model: Path, **overrides: Any) -> dict[str, Any]:
+    body = {
+        "dataset_dir": str(dataset),
+        "base_model_path": str(model),
+        "output_dir": str(dataset.parent / "output"),
+        "output_name": "ohwx_lora",
+        "trigger": "ohwx",
+        "subject_class": "woman",
+        "repeats": 10,
+        "tier": "fast",
+        "device_index": 1,
+        "seed": 42,
+    }
+    body.update(overrides)
+    return body
+
+
+def env_without(*names: str) -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in names}

@@ -1,0 +1,114 @@
+"""Reconcile: no phantom "running" job, and never a signal to a process that is not provably ours."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lora_worker.ledger import repository as repo
+from lora_worker.ledger.reconcile import reconcile
+from lora_worker.ledger.states import JobState
+from lora_worker.supervisor import process
+from lora_worker.supervisor.locks import job_lock_path
+from tests.helpers import pid_alive
+from tests.test_ledger import columns
+
+
+@pytest.fixture
+def stranger():
+    """An unrelated live process in its own group, as a reused pid would be."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def running_job(db, **identity: object) -> int:
+    job = repo.create_job(db, columns())
+    repo.transition(db, job.id, JobState.RUNNING, actor="supervisor", **identity)
+    return job.id
+
+
+def test_a_running_row_whose_supervisor_is_gone_becomes_failed(db, migrated):
+    job_id = running_job(db, boot_id=process.boot_id(), supervisor_pid=999_999)
+    actions = reconcile(db, migrated)
+    assert [(a.job_id, a.failure_class.value) for a in actions] == [(job_id, "supervisor_lost")]
+    row = repo.get_job(db, job_id)
+    assert (row.status, row.failure_class) == ("failed", "supervisor_lost") and row.finished_at is not None
+    assert repo.job_events(db, job_id)[-1].actor == "reconcile"
+
+
+def test_a_forged_row_with_a_reused_pid_never_gets_the_stranger_killed(db, migrated, stranger):
+    ticks = process.start_ticks(stranger.pid)
+    job_id = running_job(db, boot_id=process.boot_id(), supervisor_pid=stranger.pid,
+                         trainer_pid=stranger.pid, trainer_start_ticks=ticks - 1)  # same pid, other process
+    actions = reconcile(db, migrated)
+    assert [a.killed for a in actions] == [()]
+    assert repo.get_job(db, job_id).status == "failed"
+    time.sleep(0.1)
+    assert pid_alive(stranger.pid)
+
+
+def test_a_leftover_trainer_that_is_provably_ours_is_killed(db, migrated, stranger):
+    ticks = process.start_ticks(stranger.pid)
+    running_job(db, boot_id=process.boot_id(), trainer_pid=stranger.pid, trainer_start_ticks=ticks)
+    actions = reconcile(db, migrated)
+    assert actions[0].killed == (stranger.pid,)
+    assert stranger.wait(5) == -signal.SIGKILL
+
+
+def test_a_row_from_before_a_reboot_is_host_rebooted_and_nothing_is_signalled(db, migrated, stranger):
+    ticks = process.start_ticks(stranger.pid)
+    job_id = running_job(db, boot_id="00000000-dead-beef-0000-000000000000", trainer_pid=stranger.pid,
+                         trainer_start_ticks=ticks)
+    reconcile(db, migrated)
+    assert repo.get_job(db, job_id).failure_class == "host_rebooted"
+    assert pid_alive(stranger.pid)
+
+
+def test_a_job_whose_supervisor_holds_its_lock_is_left_alone(db, migrated):
+    job_id = running_job(db, boot_id=process.boot_id())
+    fd = process.hold_lock(job_lock_path(migrated, job_id))
+    try:
+        assert reconcile(db, migrated) == []
+        assert repo.get_job(db, job_id).status == "running"
+    finally:
+        import os
+        os.close(fd)
+    assert [a.job_id for a in reconcile(db, migrated)] == [job_id]
+
+
+def test_a_queued_row_gets_a_launch_grace_then_fails(db, migrated):
+    job = repo.create_job(db, columns())
+    assert reconcile(db, migrated) == []  # being launched right now
+    time.sleep(migrated.launch_grace_s + 0.1)
+    assert [a.failure_class.value for a in reconcile(db, migrated)] == ["supervisor_lost"]
+    assert "never started" in (repo.get_job(db, job.id).error or "")
+
+
+def test_reconcile_is_idempotent(db, migrated):
+    running_job(db, boot_id=process.boot_id())
+    first = reconcile(db, migrated)
+    snapshot = [(j.id, j.status, j.version) for j in repo.list_jobs(db)]
+    assert len(first) == 1 and reconcile(db, migrated) == []
+    assert [(j.id, j.status, j.version) for j in repo.list_jobs(db)] == snapshot
+
+
+def test_a_zombie_does_not_count_as_alive():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    ident = process.identity_of(child.pid)
+    assert ident is not None
+    time.sleep(0.5)  # exited, not yet reaped: a zombie
+    assert process.state_of(child.pid) == "Z" and not process.matches(ident)
+    child.wait()
+
+
+def test_the_cli_reconciles_at_start_up(db, migrated, monkeypatch, capsys):
+    from lora_worker import cli
+    running_job(db, boot_id=process.boot_id())
+    monkeypatch.setattr(cli, "load_settings", lambda: migrated)
+    assert cli.main(["reconcile"]) == 0
+    assert "1 job(s) marked failed" in capsys.readouterr().out

@@ -54,10 +54,24 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
+def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
+    """The checks behind dispatch, for this host; non-zero exit when something needed is missing."""
+    from lora_worker.doctor import run_checks
+    from lora_worker.gpu.nvml import make_nvml
+
+    checks = run_checks(settings, make_nvml(settings.nvml_timeout_s, settings.nvml_fake_file))
+    for check in checks:
+        print(check.line())
+    failed = [c for c in checks if c.required and not c.ok]
+    print(f"{len(checks) - len(failed)}/{len(checks)} checks passed" + (f"; {len(failed)} failed" if failed else ""))
+    return 1 if failed else 0
+
+
 COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], int]] = {
     "migrate": cmd_migrate,
     "reconcile": cmd_reconcile,
     "serve": cmd_serve,
+    "doctor": cmd_doctor,
 }
 
 
@@ -66,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("migrate", help="create or upgrade the ledger schema")
     sub.add_parser("reconcile", help="mark active jobs whose supervisor died as failed")
+    sub.add_parser("doctor", help="check NVML, devices, the trainer install, state dir and train root")
     serve = sub.add_parser("serve", help="migrate, reconcile and run gunicorn")
     serve.add_argument("--bind", default="127.0.0.1:8203")
     return parser

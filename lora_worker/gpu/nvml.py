@@ -107,7 +107,7 @@ class PynvmlBackend:
             pynvml.nvmlDeviceGetUtilizationRates, handle).gpu, pynvml)
         reading["temperature_c"] = self._optional(lambda: self._call(
             pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU), pynvml)
-        procs = self._optional(lambda: self._call(pynvml.nvmlDeviceGetComputeProcesses, handle), pynvml) or []
+        procs = self._optional(lambda: self._call(pynvml.nvmlDeviceGetComputeRunningProcesses, handle), pynvml) or []
         reading["processes"] = tuple(
             GpuProcess(p.pid, p.usedGpuMemory // MIB if isinstance(p.usedGpuMemory, int) else None) for p in procs)
         return GpuReading(index=index, **reading)

@@ -15,7 +15,7 @@ from sqlalchemy import create_engine, event, select, update
 from lora_worker.errors import JobActive, JobFinished
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
-from lora_worker.ledger.migrate import alembic_config, current_revision, head_revision
+from lora_worker.ledger.migrate import alembic_config, current_revision, head_revision, upgrade
 from lora_worker.ledger.models import Job
 from lora_worker.ledger.states import JobState
 
@@ -205,3 +205,27 @@ def test_two_processes_writing_concurrently_never_see_database_is_locked(db):
         p.join(30)
     assert results == [0, 0], results
     assert repo.get_job(db, job.id).step == 300
+
+
+def test_upgrading_from_the_first_revision_keeps_rows_and_the_index(tmp_path):
+    path = tmp_path / "old.sqlite3"
+    upgrade(path, "0001")
+    conn = sqlite3.connect(path)
+    conn.execute("INSERT INTO jobs (status, train_id, dataset_dir, base_model_path, output_dir, output_name, trigger, "
+                 "subject_class, repeats, tier, device_index, seed, image_count, argv, env, total_steps, created_at, "
+                 "updated_at) VALUES ('running','t1','/d','/m','/o','n','t','c',1,'fast',1,1,1,'[]','{}',400,"
+                 "'2026-11-30T00:00:00.000Z','2026-11-30T00:00:00.000Z')")
+    conn.commit()
+    conn.close()
+    upgrade(path)
+    assert current_revision(path) == head_revision()
+    assert "WHERE status IN ('queued', 'running')" in (index_sql(path) or "")
+    db = Database.open(path)
+    try:
+        assert repo.get_job(db, 1).status == "running" and repo.get_job(db, 1).idempotency_key is None
+        with pytest.raises(JobActive):
+            repo.create_job(db, columns())
+    finally:
+        db.dispose()
+    command.downgrade(alembic_config(path), "0001")
+    assert current_revision(path) == "0001" and index_sql(path)

@@ -103,6 +103,21 @@ class Job(Base):
     trainer_start_ticks: Mapped[int | None] = mapped_column(Integer)
     # Bumped by every update, so a client can wait for "anything new".
     version: Mapped[int] = mapped_column(Integer, server_default="1")
+    # Idempotent dispatch: the client's key and a hash of the body it came with.
+    idempotency_key: Mapped[str | None] = mapped_column(String(128))
+    request_sha256: Mapped[str | None] = mapped_column(String(64))
+    # The verified artifact.
+    lora_sha256: Mapped[str | None] = mapped_column(String(64))
+    lora_size: Mapped[int | None] = mapped_column(Integer)
+    # Reproducibility fingerprint.
+    sd_scripts_commit: Mapped[str | None] = mapped_column(String(64))
+    trainer_versions: Mapped[dict[str, str] | None] = mapped_column(JSON)
+    dataset_sha256: Mapped[str | None] = mapped_column(String(64))
+    base_model_sha256: Mapped[str | None] = mapped_column(String(64))
+    # Honest time: the estimate at acceptance, when the steps bar first moved, and what eta_s rests on.
+    estimated_duration_s: Mapped[float | None] = mapped_column(Float)
+    training_started_at: Mapped[datetime | None] = mapped_column(UtcTimestamp)
+    eta_basis: Mapped[str | None] = mapped_column(String(16))  # "history" before training, then "measured"
 
     events: Mapped[list[JobEvent]] = relationship(back_populates="job", order_by="JobEvent.id",
                                                   passive_deletes=True)
@@ -113,6 +128,9 @@ class Job(Base):
         CheckConstraint(FAILURE_CHECK, name="failure_class_valid"),
         Index("one_active_job", "slot", unique=True, sqlite_where=text(ACTIVE_WHERE)),
         Index("ix_jobs_status_id", "status", "id"),
+        Index("ix_jobs_idempotency_key", "idempotency_key", unique=True,
+              sqlite_where=text("idempotency_key IS NOT NULL")),
+        Index("ix_jobs_history", "tier", "device_index", "image_count", "status"),
     )
 
 

@@ -130,6 +130,7 @@ class ArtifactCheck:
     mismatch: bool = False  # readable, but not the LoRA that was asked for
     missing: bool = False
     size: int | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
 
 
 def verify_lora(path: Path, expected: ExpectedLora) -> ArtifactCheck:
@@ -159,7 +160,7 @@ def verify_lora(path: Path, expected: ExpectedLora) -> ArtifactCheck:
     problems = [message for ok, message in checks if not ok]
     if problems:
         return ArtifactCheck(str(path), problem="; ".join(problems), mismatch=True, size=info.file_size)
-    return ArtifactCheck(str(path), size=info.file_size)
+    return ArtifactCheck(str(path), size=info.file_size, metadata=md)
 
 
 def sha256_of(path: Path, chunk: int = 1 << 20) -> str:

@@ -136,6 +136,7 @@ class Settings:
     # HTTP.
     api_token_file: Path | None = None
     max_body_bytes: int = 64 * 1024
+    long_poll_slots: int = 4  # below gunicorn's 8 threads: waiting clients never starve a cancel
 
     @property
     def database_path(self) -> Path:

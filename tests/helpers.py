@@ -17,6 +17,9 @@ FAKES = Path(__file__).parent / "fakes"
 DATA = Path(__file__).parent / "data"
 TOKENIZER_DIRS = ("openai_clip-vit-large-patch14", "laion_CLIP-ViT-bigG-14-laion2B-39B-b160k")
 DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8}
+TRAINER_VERSIONS = {"torch": "2.7.0", "accelerate": "1.6.0", "diffusers": "0.32.1", "transformers": "4.54.1",
+                    "bitsandbytes": "0.50.2"}
+SD_SCRIPTS_COMMIT = "3265f2ed0000000000000000000000000000beef"
 
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]], metadata: dict[str, str] | None = None,
@@ -78,6 +81,16 @@ def install_fake_trainer(root: Path) -> dict[str, Path]:
     sd_scripts.mkdir()
     for name in ("sdxl_train_network.py", "sdxl_lora_template.json"):
         shutil.copy(FAKES / name, sd_scripts / name)
+    # What the fingerprint reads: package metadata in the venv and the checkout's HEAD.
+    site = root / "venv" / "lib" / "python3.11" / "site-packages"
+    for name, version in TRAINER_VERSIONS.items():
+        info = site / f"{name}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    git = sd_scripts / ".git"
+    (git / "refs" / "heads").mkdir(parents=True)
+    (git / "HEAD").write_text("ref: refs/heads/sd3\n")
+    (git / "refs" / "heads" / "sd3").write_text(SD_SCRIPTS_COMMIT + "\n")
     tokenizers = root / "tokenizers"
     for name in TOKENIZER_DIRS:
         (tokenizers / name).mkdir(parents=True)

@@ -98,7 +98,18 @@ class JobSchema(Schema):
     updated_at = fields.DateTime(format="iso")
     cancel_requested_at = fields.DateTime(format="iso", allow_none=True)
     last_progress_at = fields.DateTime(format="iso", allow_none=True)
-    version = fields.Integer()
+    training_started_at = fields.DateTime(format="iso", allow_none=True)
+    version = fields.Integer(metadata={"description": "bumped by every change; pass it as ?since= to long-poll"})
+    estimated_duration_s = fields.Float(allow_none=True, metadata={
+        "description": "median wall time of similar finished jobs (tier, device, image count) at acceptance"})
+    eta_basis = fields.String(allow_none=True, validate=validate.OneOf(["measured", "history"]), metadata={
+        "description": "what eta_s rests on: the recent step rate, or the history estimate before training"})
+    lora_sha256 = fields.String(allow_none=True)
+    lora_size = fields.Integer(allow_none=True)
+    sd_scripts_commit = fields.String(allow_none=True)
+    trainer_versions = fields.Dict(keys=fields.String(), values=fields.String(), allow_none=True)
+    dataset_sha256 = fields.String(allow_none=True, metadata={"description": "hash of image names, sizes, captions"})
+    base_model_sha256 = fields.String(allow_none=True)
 
     def _loss(self, job: Any) -> float | None:
         loss = job.loss
@@ -108,6 +119,39 @@ class JobSchema(Schema):
 class AcceptedSchema(Schema):
     worker_job_id = fields.Integer(attribute="id")
     status = fields.String()
+    estimated_duration_s = fields.Float(allow_none=True)
+
+
+IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,128}\Z")
+
+
+class StatusQuerySchema(Schema):
+    """GET /train/<id>: with `since`, wait up to `wait` seconds for the job's version to change."""
+
+    class Meta:
+        unknown = RAISE
+
+    wait = fields.Float(load_default=0.0, allow_nan=False, validate=validate.Range(0, 25))
+    since = fields.Integer(load_default=None, validate=validate.Range(0, 2**62))
+
+
+class ProgressQuerySchema(Schema):
+    class Meta:
+        unknown = RAISE
+
+    points = fields.Integer(load_default=200, validate=validate.Range(1, 5000))
+
+
+class ProgressPointSchema(Schema):
+    step = fields.Integer()
+    loss = fields.Float(allow_none=True)
+    t = fields.Float(metadata={"description": "seconds since the job started"})
+
+
+class ProgressSeriesSchema(Schema):
+    worker_job_id = fields.Integer()
+    total_steps = fields.Integer()
+    points = fields.List(fields.Nested(ProgressPointSchema))
 
 
 class JobListSchema(Schema):

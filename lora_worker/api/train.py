@@ -1,20 +1,28 @@
 """The training routes of the client contract: dispatch, status, log, cancel, and the job list."""
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+
 from flask import Blueprint, Response, jsonify, request
 
 from lora_worker.api import worker
-from lora_worker.api.schemas import (AcceptedSchema, JobListQuerySchema, JobListSchema, JobSchema, LogQuerySchema,
-                                     LogSchema, TrainRequestSchema)
+from lora_worker.api.schemas import (IDEMPOTENCY_KEY, AcceptedSchema, JobListQuerySchema, JobListSchema, JobSchema,
+                                     LogQuerySchema, LogSchema, ProgressQuerySchema, ProgressSeriesSchema,
+                                     StatusQuerySchema, TrainRequestSchema)
+from lora_worker.errors import InvalidRequest
 
 bp = Blueprint("train", __name__)
 
 
 @bp.post("/train")
 def submit() -> tuple[Response, int]:
-    train_request = TrainRequestSchema().load(_json_body())
-    job = worker().submit(train_request)
-    return jsonify(AcceptedSchema().dump(job)), 202
+    """202 for a new job; 200 with the original job when an Idempotency-Key is replayed with the same body."""
+    body = _json_body()
+    train_request = TrainRequestSchema().load(body)  # type: ignore[arg-type]
+    job, created = worker().submit(train_request, idempotency_key=_idempotency_key(), body_sha256=_digest(body))
+    return jsonify(AcceptedSchema().dump(job)), 202 if created else 200
 
 
 @bp.get("/train")
@@ -27,7 +35,19 @@ def list_jobs() -> Response:
 
 @bp.get("/train/<int:job_id>")
 def status(job_id: int) -> Response:
-    return jsonify(JobSchema().dump(worker().job(job_id)))
+    query = StatusQuerySchema().load(request.args)
+    return jsonify(JobSchema().dump(worker().job(job_id, wait_s=query["wait"], since=query["since"])))
+
+
+@bp.get("/train/<int:job_id>/progress")
+def progress(job_id: int) -> Response:
+    query = ProgressQuerySchema().load(request.args)
+    job, series = worker().progress(job_id, query["points"])
+    start = job.started_at or job.created_at
+    points = [{"step": p.step, "loss": p.loss if p.loss is None or math.isfinite(p.loss) else None,
+               "t": round((p.at - start).total_seconds(), 3)} for p in series]
+    return jsonify(ProgressSeriesSchema().dump({"worker_job_id": job.id, "total_steps": job.total_steps,
+                                                "points": points}))
 
 
 @bp.get("/train/<int:job_id>/log")
@@ -46,3 +66,16 @@ def cancel(job_id: int) -> tuple[Response, int]:
 def _json_body() -> object:
     # force=True: parse whatever the content type says; a body that is not JSON is a 400.
     return request.get_json(force=True)
+
+
+def _idempotency_key() -> str | None:
+    key = request.headers.get("Idempotency-Key")
+    if key is not None and not IDEMPOTENCY_KEY.match(key):
+        raise InvalidRequest({"Idempotency-Key": ["1-128 visible ASCII characters."]})
+    return key
+
+
+def _digest(body: object) -> str:
+    """The body's identity for idempotency: the same JSON in any key order or spacing hashes the same."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()

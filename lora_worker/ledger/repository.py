@@ -29,8 +29,8 @@ def create_job(db: Database, columns: dict[str, Any], *, actor: str = "api") -> 
             s.flush()
             _event(s, job.id, None, JobState.QUEUED, actor, "accepted")
     except sqlalchemy.exc.IntegrityError as exc:
-        if "one_active_job" not in str(exc) and "jobs.slot" not in str(exc):
-            raise
+        if "jobs.slot" not in str(exc):
+            raise  # e.g. a duplicate idempotency key: the caller looks the key up again
         active = active_job(db)
         raise JobActive(
             f"Job {active.id if active else '?'} is already active; one training runs at a time.",
@@ -50,6 +50,29 @@ def get_job(db: Database, job_id: int) -> Job:
 def find_job(db: Database, job_id: int) -> Job | None:
     with db.read() as s:
         return s.get(Job, job_id)
+
+
+def find_by_idempotency_key(db: Database, key: str) -> Job | None:
+    with db.read() as s:
+        return s.scalars(select(Job).where(Job.idempotency_key == key)).first()
+
+
+def forget_idempotency_key(db: Database, job_id: int) -> None:
+    """An expired key is released so a new request may use it again; the job itself stays."""
+    with db.write() as s:
+        s.execute(update(Job).where(Job.id == job_id).values(idempotency_key=None))
+
+
+def durations_of_similar_jobs(db: Database, *, tier: str, device_index: int, image_count: int,
+                              limit: int = 25) -> list[float]:
+    """Wall seconds (start to finish) of the latest succeeded jobs of this tier, device and image count."""
+    seconds = (func.julianday(Job.finished_at) - func.julianday(Job.started_at)) * 86400.0
+    query = (select(seconds).where(Job.status == JobState.SUCCEEDED.value, Job.tier == tier,
+                                   Job.device_index == device_index, Job.image_count == image_count,
+                                   Job.started_at.is_not(None), Job.finished_at.is_not(None))
+             .order_by(Job.id.desc()).limit(limit))
+    with db.read() as s:
+        return [float(v) for v in s.scalars(query) if v is not None]
 
 
 def active_job(db: Database) -> Job | None:

@@ -19,13 +19,15 @@ from pathlib import Path
 
 import sqlalchemy.exc
 
-from lora_worker.artifacts import ArtifactCheck, ExpectedLora, verify_lora
+from lora_worker.artifacts import ArtifactCheck, ExpectedLora, sha256_of, verify_lora
 from lora_worker.config import TIERS, Settings
 from lora_worker.errors import LedgerBusy
+from lora_worker.fingerprint import SHA
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, utcnow
 from lora_worker.ledger.states import FailureClass, JobState, Phase
+from lora_worker.progress.eta import EtaClock
 from lora_worker.progress.logfile import JobLog
 from lora_worker.progress.outcome import Outcome, decide
 from lora_worker.progress.parser import Decoder, Parser
@@ -62,6 +64,10 @@ class Runner:
         self._activity_at = time.monotonic()
         self._pending_points: dict[int, float | None] = {}
         self._pending_tail = ""
+        self._started = time.monotonic()
+        self._training_at: datetime | None = None
+        self.clock = EtaClock(total_steps=0, estimated_duration_s=None)
+        self.artifact: ArtifactCheck | None = None
 
     # -- entry -------------------------------------------------------------------------------------------
 
@@ -79,6 +85,8 @@ class Runner:
             return
         self.joblog = JobLog(self.settings.log_dir, self.job_id, head_bytes=self.settings.log_head_bytes,
                              tail_bytes=self.settings.log_tail_bytes)
+        self.clock = EtaClock(total_steps=job.total_steps, estimated_duration_s=job.estimated_duration_s)
+        self._started = time.monotonic()
         gpu_fd = process.hold_lock(gpu_lock_path(self.settings, job.device_index))
         try:
             if gpu_fd is None:
@@ -107,7 +115,7 @@ class Runner:
     # -- the trainer -------------------------------------------------------------------------------------
 
     def _run_trainer(self, job: Job) -> Outcome:
-        self.joblog.note(f"job {job.id}: {shlex.join(job.argv)}")
+        self._note(f"job {job.id}: {shlex.join(job.argv)}")
         process.set_child_subreaper()
         started = time.time()
         try:
@@ -117,7 +125,7 @@ class Runner:
                 umask=0o002,  # outputs readable and writable by the shared group (arbo)
             )
         except OSError as exc:
-            self.joblog.note(f"cannot start the trainer: {exc}")
+            self._note(f"cannot start the trainer: {exc}")
             return Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR, f"Cannot start the trainer: {exc}")
         self.proc = proc
         ident = process.identity_of(proc.pid)
@@ -127,7 +135,7 @@ class Runner:
         self._ensure_gone(proc.pid)
         self._flush(force=True)
         rc = proc.returncode
-        self.joblog.note(f"trainer ended: {process.decode_wait_status(rc)}")
+        self._note(f"trainer ended: {process.decode_wait_status(rc)}")
         return self._outcome(job, rc, started)
 
     def _supervise(self, proc: subprocess.Popen[bytes]) -> None:
@@ -178,11 +186,20 @@ class Runner:
         self.joblog.feed(stream, text)
         self._remember_tail(text)
         p = self.parser.progress
+        now = time.monotonic()
         if p.phase is not phase or p.step != step or p.phase is not Phase.TRAINING:
             # Any output counts as life in the quiet phases; in training only a new step does.
-            self._activity_at = time.monotonic()
+            self._activity_at = now
+        if p.step != step:
+            self.clock.observe(p.step, now)
         if p.phase is not phase:
             self._flush(force=True)
+
+    def _note(self, message: str) -> None:
+        """A line of the supervisor's own in the run log, and in the tail an error message quotes."""
+        self.joblog.note(message)
+        self.tail.append(f"[lora-worker] {message}"[:1000])
+        del self.tail[:-TAIL_LINES]
 
     def _remember_tail(self, text: str) -> None:
         # The last lines, collapsed like the log, for the error message of a failed run.
@@ -209,7 +226,7 @@ class Runner:
             self._begin_stop("signal", f"supervisor received {signal.Signals(self._signalled).name}")
         self._watchdog(now)
         if self._kill_at is not None and now >= self._kill_at and not self._killed_hard:
-            self.joblog.note(f"grace of {self.settings.cancel_grace_s:g}s over; SIGKILL to the job's processes")
+            self._note(f"grace of {self.settings.cancel_grace_s:g}s over; SIGKILL to the job's processes")
             self._kill_everything(self.proc.pid, signal.SIGKILL)
             self._killed_hard = True
 
@@ -238,7 +255,7 @@ class Runner:
         if self.proc.poll() is not None and not process.group_members(self.proc.pid):
             return  # it ended on its own; the natural outcome stands
         self.stop_reason = reason
-        self.joblog.note(f"{why}; SIGTERM to process group {self.proc.pid}")
+        self._note(f"{why}; SIGTERM to process group {self.proc.pid}")
         log.info("job %s: %s; stopping the trainer", self.job_id, why)
         self._kill_everything(self.proc.pid, signal.SIGTERM)
         self._kill_at = time.monotonic() + self.settings.cancel_grace_s
@@ -271,16 +288,23 @@ class Runner:
     def _flush(self, force: bool = False) -> None:
         for step, loss in self.parser.take_points():
             self._pending_points[step] = loss
+        if self.clock.estimate is not None and self.clock.rate() is None:
+            self._dirty = True  # a history-based ETA counts down with the clock, output or not
         if not (self._dirty or self._pending_points) or (not force and not self._due()):
             return
         p = self.parser.progress
         at = utcnow()
+        eta, basis = self.clock.eta(p.phase, p.step, time.monotonic() - self._started)
         values = {
-            "phase": p.phase.value, "step": p.step, "loss": _finite(p.loss), "rate": p.rate, "eta_s": p.eta_s,
-            "last_progress_at": at,
+            "phase": p.phase.value, "step": p.step, "loss": _finite(p.loss), "rate": self.clock.rate() or p.rate,
+            "eta_s": eta, "eta_basis": basis, "last_progress_at": at,
         }
         if p.total_steps:
             values["total_steps"] = p.total_steps
+        if p.phase is Phase.TRAINING and self._training_at is None:
+            self._training_at = at  # when the steps bar first showed; written with every flush after
+        if self._training_at is not None:
+            values["training_started_at"] = self._training_at
         points = [(step, _finite(loss), at) for step, loss in sorted(self._pending_points.items())]
         if self._write(points=points, **values):
             self._pending_points.clear()
@@ -308,6 +332,7 @@ class Runner:
             artifact = verify_lora(Path(job.output_dir) / f"{job.output_name}.safetensors", ExpectedLora(
                 rank=tier.network_dim, output_name=job.output_name, max_train_steps=tier.max_train_steps,
                 seed=job.seed, not_before=started - 1))
+            self.artifact = artifact
         return decide(returncode=rc, progress=self.parser.progress, log_tail=self.tail, cancelled=cancelled,
                       stalled_in=self.stalled_in, artifact=artifact)
 
@@ -319,6 +344,8 @@ class Runner:
             "lora_path": outcome.lora_path, "step": p.step, "loss": _finite(p.loss),
             "eta_s": 0.0 if outcome.state is JobState.SUCCEEDED else None,
         }
+        if outcome.state is JobState.SUCCEEDED and self.artifact is not None:
+            values.update(self._artifact_values(self.artifact))
         reason = {JobState.SUCCEEDED: "trainer finished and the LoRA verified",
                   JobState.CANCELLED: "cancelled; every process of the job is gone"}.get(
             outcome.state, outcome.failure_class.value if outcome.failure_class else "failed")
@@ -337,6 +364,19 @@ class Runner:
                 log.warning("job %s: final state not written (%s); retrying in %.1fs", self.job_id, exc, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+
+    def _artifact_values(self, artifact: ArtifactCheck) -> dict[str, object]:
+        """The verified file's hash and size, and what its metadata adds to the fingerprint."""
+        values: dict[str, object] = {"lora_sha256": sha256_of(Path(artifact.path)), "lora_size": artifact.size}
+        md = artifact.metadata
+        if md.get("ss_new_sd_model_hash"):
+            values["base_model_sha256"] = md["ss_new_sd_model_hash"]
+        job = repo.find_job(self.db, self.job_id)
+        commit = md.get("ss_sd_scripts_commit_hash", "")
+        if job is not None and not job.sd_scripts_commit and SHA.match(commit):
+            values["sd_scripts_commit"] = commit  # no .git in the checkout; sd-scripts knew its own commit
+        return values
 
 
 def _finite(value: float | None) -> float | None:

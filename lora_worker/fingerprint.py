@@ -1,0 +1,57 @@
+"""What a run was made of, read without running anything: the sd-scripts commit and the trainer venv's
+package versions (from their metadata files, never by importing them)."""
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from pathlib import Path
+
+TRAINER_PACKAGES = ("torch", "accelerate", "diffusers", "transformers", "bitsandbytes")
+SHA = re.compile(r"^[0-9a-f]{40}$")
+
+
+def trainer_versions(accelerate: Path) -> dict[str, str]:
+    """Versions of the packages that shape a run, from `<venv>/lib/python3*/site-packages/*.dist-info`."""
+    venv = accelerate.parent.parent
+    site = [str(p) for p in sorted(venv.glob("lib/python3*/site-packages"))]
+    found: dict[str, str] = {}
+    if not site:
+        return found
+    for dist in importlib.metadata.distributions(path=site):
+        name = _canonical(dist.metadata.get("Name") or "")
+        if name in TRAINER_PACKAGES and name not in found:
+            found[name] = dist.version
+    return dict(sorted(found.items()))
+
+
+def sd_scripts_commit(checkout: Path) -> str | None:
+    """HEAD of the sd-scripts checkout, read from .git like `git rev-parse HEAD` would, or None."""
+    git = checkout / ".git"
+    try:
+        if git.is_file():  # a worktree or submodule: "gitdir: <path>"
+            git = (checkout / git.read_text().split(":", 1)[1].strip()).resolve()
+        head = (git / "HEAD").read_text().strip()
+    except (OSError, IndexError):
+        return None
+    if SHA.match(head):
+        return head
+    if not head.startswith("ref: "):
+        return None
+    ref = head[5:]
+    try:
+        value = (git / ref).read_text().strip()
+        return value if SHA.match(value) else None
+    except OSError:
+        pass
+    try:
+        for line in (git / "packed-refs").read_text().splitlines():
+            sha, _, name = line.partition(" ")
+            if name == ref and SHA.match(sha):
+                return sha
+    except OSError:
+        return None
+    return None
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()

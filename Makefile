@@ -22,5 +22,9 @@ run: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest
 
+# The fault suite at length: hundreds of random kills, a longer contention window, more lifecycle sequences.
+chaos: $(VENV)/.installed
+	CHAOS_ITERATIONS=200 CHAOS_SECONDS=30 CHAOS_MODEL_EXAMPLES=60 $(BIN)/python -m pytest tests/chaos
+
 clean:
 	rm -rf $(VENV) var .pytest_cache .hypothesis

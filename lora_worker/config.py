@@ -125,6 +125,9 @@ class Settings:
     log_head_bytes: int = 1 << 20
     log_tail_bytes: int = 4 << 20
     busy_timeout_s: float = 5.0
+    # The supervisor must never stop reading the trainer's pipes for long: its progress writes give up fast
+    # (and are retried a tick later) instead of waiting out a lock.
+    supervisor_busy_timeout_s: float = 0.25
     retention_days: int = 90
     # GPUs.
     nvml_timeout_s: float = 2.0

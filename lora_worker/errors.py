@@ -20,6 +20,7 @@
           ├── TrainerUnavailable      503: the sd-scripts installation is incomplete
           ├── NvmlUnavailable         503: no NVIDIA driver / NVML on this host
           ├── LedgerBusy              503: the ledger stayed locked past the busy timeout
+          ├── LedgerUnwritable        503: the ledger's disk is full or failing
           └── LaunchFailed            503: the supervisor process could not be started
 
 HTTP statuses are assigned in `lora_worker.api.errors`; nothing here knows about HTTP.
@@ -156,6 +157,12 @@ class LedgerBusy(Unavailable):
     """The job ledger is locked by another process; retry shortly."""
 
     code = "ledger_busy"
+
+
+class LedgerUnwritable(Unavailable):
+    """The job ledger cannot be written right now (disk full or failing); retry later."""
+
+    code = "ledger_unwritable"
 
 
 class LaunchFailed(Unavailable):

@@ -8,8 +8,8 @@ from flask import Flask, Response, jsonify
 from marshmallow import ValidationError
 from werkzeug.exceptions import HTTPException
 
-from lora_worker.errors import (Conflict, InvalidRequest, JobNotFound, LedgerBusy, LoraWorkerError,
-                                Unavailable)
+from lora_worker.errors import (Conflict, InvalidRequest, JobNotFound, LedgerBusy, LedgerUnwritable,
+                                LoraWorkerError, Unavailable)
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,8 @@ def register_error_handlers(app: Flask) -> None:
         details = {k: v for k, v in exc.details.items() if k != "fields"}
         response = error_response(status_of(exc), exc.code, exc.message,
                                   fields=exc.details.get("fields"), details=details or None)
-        if isinstance(exc, LedgerBusy):
-            response.headers["Retry-After"] = "1"
+        if isinstance(exc, (LedgerBusy, LedgerUnwritable)):
+            response.headers["Retry-After"] = "1" if isinstance(exc, LedgerBusy) else "10"
         return response
 
     @app.errorhandler(ValidationError)

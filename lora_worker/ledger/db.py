@@ -16,7 +16,7 @@ import sqlalchemy.exc
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
-from lora_worker.errors import LedgerBusy
+from lora_worker.errors import LedgerBusy, LedgerUnwritable
 
 Synchronous = Literal["FULL", "NORMAL"]
 
@@ -85,17 +85,30 @@ class Database:
         self.reader.dispose()
 
 
+BUSY = ("database is locked", "database is busy", "database table is locked")
+UNWRITABLE = ("database or disk is full", "disk i/o error", "attempt to write a readonly database")
+
+
 def is_busy(exc: BaseException) -> bool:
     """Whether an error is SQLite saying another connection holds the lock past the busy timeout."""
     text = str(getattr(exc, "orig", exc)).lower()
-    return "database is locked" in text or "database is busy" in text or "database table is locked" in text
+    return any(marker in text for marker in BUSY)
+
+
+def is_unwritable(exc: BaseException) -> bool:
+    """Whether an error is the file system refusing the write (full disk, I/O error, read-only)."""
+    text = str(getattr(exc, "orig", exc)).lower()
+    return any(marker in text for marker in UNWRITABLE)
 
 
 @contextmanager
 def _busy_as_unavailable() -> Iterator[None]:
+    # Both are conditions of the host, not bugs: the client gets a 503 it may retry, never a 500.
     try:
         yield
     except sqlalchemy.exc.OperationalError as exc:
         if is_busy(exc):
             raise LedgerBusy() from exc
+        if is_unwritable(exc):
+            raise LedgerUnwritable(f"The job ledger cannot be written: {getattr(exc, 'orig', exc)}.") from exc
         raise

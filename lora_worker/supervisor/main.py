@@ -30,7 +30,9 @@ def serve(job_id: int, ready_fd: int) -> int:
         return 1
     os.write(ready_fd, b"1")
     os.close(ready_fd)
-    db = Database.open(settings.database_path, busy_timeout_s=settings.busy_timeout_s, synchronous="NORMAL")
+    # NORMAL: a power loss kills the run anyway, and the boot id reconciles it.
+    db = Database.open(settings.database_path, busy_timeout_s=settings.supervisor_busy_timeout_s,
+                       synchronous="NORMAL")
     try:
         Runner(job_id, settings, db).run()
     except Exception:

@@ -14,14 +14,16 @@ import shlex
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import TypeVar
 
 import sqlalchemy.exc
 
 from lora_worker.artifacts import ArtifactCheck, ExpectedLora, sha256_of, verify_lora
 from lora_worker.config import TIERS, Settings
-from lora_worker.errors import LedgerBusy
+from lora_worker.errors import LedgerBusy, LedgerUnwritable
 from lora_worker.fingerprint import SHA
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
@@ -41,6 +43,9 @@ SELECT_TIMEOUT_S = 0.2
 CANCEL_POLL_S = 0.5
 DRAIN_GRACE_S = 10.0  # after the launcher exits, how long stragglers may hold the pipes
 TAIL_LINES = 200
+# What a locked, full or failing ledger raises: waited out or retried, never fatal to the run.
+TRANSIENT = (sqlalchemy.exc.OperationalError, LedgerBusy, LedgerUnwritable)
+T = TypeVar("T")
 
 
 class Runner:
@@ -72,17 +77,19 @@ class Runner:
     # -- entry -------------------------------------------------------------------------------------------
 
     def run(self) -> None:
-        job = repo.find_job(self.db, self.job_id)
+        job = _persist(lambda: repo.find_job(self.db, self.job_id), f"job {self.job_id}: read the job")
         if job is None or job.status != JobState.QUEUED.value:
             log.info("job %s is %s; nothing to run", self.job_id, job.status if job else "missing")
             return
         me = process.identity_of(os.getpid())
         assert me is not None
-        if not repo.transition(self.db, self.job_id, JobState.RUNNING, actor="supervisor",
-                               reason="supervisor started", started_at=utcnow(), phase=Phase.LAUNCHING.value,
-                               boot_id=me.boot_id, supervisor_pid=me.pid, supervisor_start_ticks=me.start_ticks):
+        if not _persist(lambda: repo.transition(
+                self.db, self.job_id, JobState.RUNNING, actor="supervisor", reason="supervisor started",
+                started_at=utcnow(), phase=Phase.LAUNCHING.value, boot_id=me.boot_id, supervisor_pid=me.pid,
+                supervisor_start_ticks=me.start_ticks), f"job {self.job_id}: record the start"):
             log.info("job %s left the queue before it started", self.job_id)
             return
+        self.job = job
         self.joblog = JobLog(self.settings.log_dir, self.job_id, head_bytes=self.settings.log_head_bytes,
                              tail_bytes=self.settings.log_tail_bytes)
         self.clock = EtaClock(total_steps=job.total_steps, estimated_duration_s=job.estimated_duration_s)
@@ -161,6 +168,10 @@ class Runner:
                 now = time.monotonic()
                 if proc.poll() is not None and exited_at is None:
                     exited_at = now
+                    if open_pipes and proc.returncode < 0:
+                        # The launcher itself was killed; its trainer runs on orphaned and the run has
+                        # failed already, so stop the rest now rather than let it hold the GPU.
+                        self._begin_stop("orphaned", f"the launcher was {process.decode_wait_status(proc.returncode)}")
                 if exited_at is not None and open_pipes and now - exited_at > DRAIN_GRACE_S:
                     # accelerate waits for its trainer, so whatever still holds the pipes is a straggler.
                     self._kill_everything(proc.pid, signal.SIGKILL)
@@ -233,7 +244,7 @@ class Runner:
     def _poll_cancel(self) -> None:
         try:
             job = repo.find_job(self.db, self.job_id)
-        except (sqlalchemy.exc.OperationalError, LedgerBusy) as exc:
+        except TRANSIENT as exc:
             log.warning("job %s: cannot read the ledger (%s); will retry", self.job_id, exc)
             return
         if job is None or job.status != JobState.RUNNING.value:
@@ -319,7 +330,7 @@ class Runner:
             if not repo.update_running(self.db, self.job_id, points=points or (), **values):
                 self._begin_stop("lost", "the job is no longer running in the ledger")
             return True
-        except (sqlalchemy.exc.OperationalError, LedgerBusy) as exc:
+        except TRANSIENT as exc:
             # Progress can wait; the trainer must not. Kept in memory and written at the next tick.
             log.warning("job %s: progress not written (%s); will retry", self.job_id, exc)
             return False
@@ -349,21 +360,13 @@ class Runner:
         reason = {JobState.SUCCEEDED: "trainer finished and the LoRA verified",
                   JobState.CANCELLED: "cancelled; every process of the job is gone"}.get(
             outcome.state, outcome.failure_class.value if outcome.failure_class else "failed")
-        delay = 0.1
-        while True:
-            try:
-                if not repo.transition(self.db, self.job_id, outcome.state, actor="supervisor", reason=reason,
-                                       **values):
-                    log.warning("job %s: already ended elsewhere; %s not recorded", self.job_id,
-                                outcome.state.value)
-                log.info("job %s: %s%s", self.job_id, outcome.state.value,
-                         f" ({outcome.failure_class.value})" if outcome.failure_class else "")
-                return
-            except (sqlalchemy.exc.OperationalError, LedgerBusy) as exc:
-                # The outcome is known and must not be lost: keep trying, holding the job lock meanwhile.
-                log.warning("job %s: final state not written (%s); retrying in %.1fs", self.job_id, exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        # The outcome is known and must not be lost: keep trying, holding the job lock meanwhile.
+        if not _persist(lambda: repo.transition(self.db, self.job_id, outcome.state, actor="supervisor",
+                                                reason=reason, **values),
+                        f"job {self.job_id}: write the final state"):
+            log.warning("job %s: already ended elsewhere; %s not recorded", self.job_id, outcome.state.value)
+        log.info("job %s: %s%s", self.job_id, outcome.state.value,
+                 f" ({outcome.failure_class.value})" if outcome.failure_class else "")
 
 
     def _artifact_values(self, artifact: ArtifactCheck) -> dict[str, object]:
@@ -372,11 +375,23 @@ class Runner:
         md = artifact.metadata
         if md.get("ss_new_sd_model_hash"):
             values["base_model_sha256"] = md["ss_new_sd_model_hash"]
-        job = repo.find_job(self.db, self.job_id)
         commit = md.get("ss_sd_scripts_commit_hash", "")
-        if job is not None and not job.sd_scripts_commit and SHA.match(commit):
+        if not self.job.sd_scripts_commit and SHA.match(commit):
             values["sd_scripts_commit"] = commit  # no .git in the checkout; sd-scripts knew its own commit
         return values
+
+
+def _persist(write: Callable[[], T], what: str) -> T:
+    """Run a ledger call until the ledger takes it: a locked or full database is waited out, not fatal.
+    Meanwhile the job lock stays held, so reconcile never takes the job for dead."""
+    delay = 0.1
+    while True:
+        try:
+            return write()
+        except TRANSIENT as exc:
+            log.warning("%s: ledger unavailable (%s); retrying in %.1fs", what, exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 def _finite(value: float | None) -> float | None:

@@ -25,6 +25,7 @@ the worker gives the trainer an allow-listed environment and nothing else:
   rank_override, metadata_overrides               write a LoRA that is not the one asked for
   skip_save                                       exit 0 after training without saving
   partial_save_then_hang                          write half the final file, then hang in the save
+  hold_at_step, release_file                      at that step, wait until the file exists (a test's "finish now")
   record                                          write {argv, pid, pgid, env, t} as JSON to this path at start
   flood_bytes                                     after step 1, redraw the bar until this many bytes are written
   bnb_warning                                     print the bitsandbytes CPU warning first, as on the capture box
@@ -458,6 +459,9 @@ def train(args: argparse.Namespace) -> int:
                     "which 11.06 MiB is free. Including non-PyTorch memory, this process has 23.55 GiB memory in use.")
             if step == MODES.get("crash_at_step"):
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            if step == MODES.get("hold_at_step"):
+                while not os.path.exists(MODES["release_file"]):
+                    time.sleep(0.02)
             bar.update(1)
             if MODES.get("flood_bytes") and step == 1:
                 flood(bar, int(MODES["flood_bytes"]))

@@ -1,0 +1,53 @@
+"""The promises every chaos test checks: what must hold whatever was killed, and when."""
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+def integrity_ok(path: Path) -> bool:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        return conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+    finally:
+        conn.close()
+
+
+def active_rows(path: Path) -> int:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+    try:
+        return conn.execute("SELECT count(*) FROM jobs WHERE status IN ('queued', 'running')").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def terminal_events(path: Path, job_id: int) -> list[str]:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+    try:
+        rows = conn.execute("SELECT to_status FROM job_events WHERE job_id = ? AND to_status IN "
+                            "('succeeded', 'failed', 'cancelled') ORDER BY id", (job_id,)).fetchall()
+    finally:
+        conn.close()
+    return [r[0] for r in rows]
+
+
+@dataclass
+class Timeline:
+    """What a client saw of one job, in order; checks that it never went backwards or moved after the end."""
+
+    samples: list[tuple[str, int, int]] = field(default_factory=list)  # (status, step, version)
+
+    def add(self, job: dict) -> None:
+        self.samples.append((job["status"], job["step"], job["version"]))
+
+    def problems(self) -> list[str]:
+        found = []
+        for (s0, step0, v0), (s1, step1, v1) in zip(self.samples, self.samples[1:]):
+            if step1 < step0 or v1 < v0:
+                found.append(f"went backwards: {(s0, step0, v0)} -> {(s1, step1, v1)}")
+            if s0 in TERMINAL and (s1, step1, v1) != (s0, step0, v0):
+                found.append(f"changed after the end: {(s0, step0, v0)} -> {(s1, step1, v1)}")
+        return found

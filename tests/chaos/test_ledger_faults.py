@@ -1,0 +1,137 @@
+"""A locked, full or corrupt ledger: clean 503s, training that goes on, nothing lost, no silent repair."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from lora_worker import create_app
+from lora_worker.config import REPO_ROOT, Settings, settings_to_json
+from lora_worker.errors import LedgerCorrupt
+from lora_worker.progress.logfile import LogReader
+from lora_worker.supervisor.launch import SETTINGS_ENV
+from tests.helpers import pid_alive, set_modes, wait_for
+from tests.service import Service
+
+pytestmark = pytest.mark.slow
+
+
+def hold_exclusive(path: Path, seconds: float) -> threading.Thread:
+    """Another connection takes the write lock and sits on it."""
+    ready = threading.Event()
+
+    def hold() -> None:
+        conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+        conn.execute("BEGIN EXCLUSIVE")
+        ready.set()
+        time.sleep(seconds)
+        conn.execute("ROLLBACK")
+        conn.close()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    ready.wait(30)
+    return thread
+
+
+def test_a_locked_ledger_gives_503_with_retry_after_and_training_goes_on(host, migrated):
+    set_modes(host.sd_scripts, step_s=0.03, record=str(host.root / "record.json"))
+    svc = Service(migrated, host.root / "gunicorn.log").start()
+    try:
+        job_id = svc.request("POST", "/train", host.payload())[1]["worker_job_id"]
+        wait_for(lambda: svc.request("GET", f"/train/{job_id}")[1]["step"] > 5, what="training")
+        reader = LogReader(migrated.log_dir, job_id)
+        holder = hold_exclusive(migrated.database_path, 8.0)
+        locked_at = time.monotonic()
+        step_at_lock = svc.request("GET", f"/train/{job_id}")[1]["step"]
+        started = time.monotonic()
+        code, body, headers = svc.request("POST", f"/train/{job_id}/cancel", timeout=20)
+        took = time.monotonic() - started
+        assert (code, body["error"], headers.get("Retry-After")) == (503, "ledger_busy", "1"), body
+        assert took < migrated.busy_timeout_s + 1
+        time.sleep(max(0.0, 3 - (time.monotonic() - locked_at)))
+        log_during = reader.size()
+        time.sleep(2)
+        assert reader.size() > log_during  # the supervisor keeps reading the trainer while the ledger waits
+        holder.join()
+        done = wait_for(lambda: (j := svc.request("GET", f"/train/{job_id}")[1])["status"] != "running" and j,
+                        timeout=60, what="the end of the run")
+        assert done["status"] == "succeeded" and done["step"] == 400 > step_at_lock  # the cancel never landed
+    finally:
+        svc.stop()
+
+
+def faulty_launcher(flag: Path):
+    def launch(job_id: int, settings: Settings) -> None:
+        env = {**os.environ, SETTINGS_ENV: settings_to_json(settings), "FAULT_FLAG": str(flag)}
+        proc = subprocess.Popen([sys.executable, "-m", "tests.chaos.faulty_supervisor", str(job_id)], cwd=REPO_ROOT,
+                                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+        assert proc.wait(30) == 0
+    return launch
+
+
+def test_a_full_disk_on_progress_writes_never_stops_the_trainer_and_the_outcome_lands_later(host, migrated):
+    flag = host.root / "disk-full"
+    record = host.root / "record.json"
+    set_modes(host.sd_scripts, step_s=0.01, record=str(record))
+    app = create_app(migrated, launch=faulty_launcher(flag))
+    client = app.test_client()
+    try:
+        job_id = client.post("/train", json=host.payload()).get_json()["worker_job_id"]
+        before = wait_for(lambda: (j := client.get(f"/train/{job_id}").get_json())["step"] > 0 and j, what="steps")
+        flag.touch()  # from now on every write of the supervisor fails with "database or disk is full"
+        trainer = json.loads(record.read_text())["pid"]
+        wait_for(lambda: not pid_alive(trainer), timeout=30, what="the trainer to finish on its own")
+        assert "model saved." in LogReader(migrated.log_dir, job_id).tail_lines(10).text
+        stuck = client.get(f"/train/{job_id}").get_json()
+        assert stuck["status"] == "running" and stuck["step"] < 400  # nothing written, nothing lost either
+        time.sleep(1)
+        assert client.get(f"/train/{job_id}").get_json()["status"] == "running"  # the supervisor is alive
+        flag.unlink()
+        done = wait_for(lambda: (j := client.get(f"/train/{job_id}").get_json())["status"] != "running" and j,
+                        timeout=30, what="the final state")
+        assert (done["status"], done["step"], done["failure_class"]) == ("succeeded", 400, None)
+        assert before["step"] < done["step"]
+    finally:
+        app.extensions["lora_worker"].db.dispose()
+
+
+def test_a_corrupt_ledger_stops_start_up_loudly_and_is_left_untouched(host, migrated, capsys, monkeypatch):
+    path = migrated.database_path
+    with path.open("r+b") as fh:
+        fh.write(b"this is not an sqlite file" * 4)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    with pytest.raises(LedgerCorrupt, match="not a readable SQLite database"):
+        create_app(migrated)
+    from lora_worker import cli
+    monkeypatch.setattr(cli, "load_settings", lambda: migrated)
+    for command in ("reconcile", "migrate"):
+        assert cli.main([command]) == 1
+        assert "ledger" in capsys.readouterr().err
+    with pytest.raises(RuntimeError, match="gunicorn exited"):
+        Service(migrated, host.root / "gunicorn.log").start()
+    assert "LedgerCorrupt" in (host.root / "gunicorn.log").read_text()
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
+
+
+def test_a_damaged_page_fails_the_integrity_check(host, migrated):
+    conn = sqlite3.connect(migrated.database_path)
+    conn.execute("PRAGMA journal_mode=DELETE")
+    conn.execute("CREATE TABLE filler (x)")
+    conn.executemany("INSERT INTO filler VALUES (?)", [("x" * 500,)] * 2000)
+    conn.commit()
+    page_size = conn.execute("PRAGMA page_size").fetchone()[0]
+    conn.close()
+    with migrated.database_path.open("r+b") as fh:
+        fh.seek(page_size * 20)
+        fh.write(os.urandom(page_size))
+    with pytest.raises(LedgerCorrupt):
+        create_app(migrated)

@@ -12,7 +12,8 @@ import pytest
 from lora_worker.config import Settings
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import upgrade
-from tests.helpers import SDXL_TINY, fake_gpus, install_fake_trainer, make_dataset, payload, write_safetensors
+from tests.helpers import (SDXL_TINY, Launches, fake_gpus, install_fake_trainer, make_dataset, payload,
+                           write_safetensors)
 
 
 @dataclass
@@ -88,6 +89,21 @@ def app(migrated: Settings):
 @pytest.fixture
 def client(app):
     return app.test_client()
+
+
+@pytest.fixture
+def launches() -> Launches:
+    return Launches()
+
+
+@pytest.fixture
+def api(migrated: Settings, launches: Launches):
+    """A client of an app whose supervisor launcher only records: validation and dispatch without processes."""
+    from lora_worker import create_app
+
+    application = create_app(migrated, launch=launches)
+    yield application.test_client()
+    application.extensions["lora_worker"].db.dispose()
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import shutil
+import sqlite3
 import struct
 import sys
 import time
@@ -153,5 +154,16 @@ def payload(dataset: Path, model: Path, **overrides: Any) -> dict[str, Any]:
     return body
 
 
-def env_without(*names: str) -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in names}
+class Launches(list):
+    """Stands in for the supervisor launcher: records job ids, starts nothing."""
+
+    def __call__(self, job_id: int, settings: object) -> None:
+        self.append(job_id)
+
+
+def job_rows(settings: Any) -> int:
+    conn = sqlite3.connect(settings.database_path)
+    try:
+        return conn.execute("SELECT count(*) FROM jobs").fetchone()[0]
+    finally:
+        conn.close()

@@ -7,35 +7,7 @@ import unicodedata
 
 import pytest
 
-from lora_worker import create_app
-from tests.helpers import make_dataset, write_safetensors
-
-
-class Launches(list):
-    """Stands in for the supervisor launcher: records job ids, starts nothing."""
-
-    def __call__(self, job_id: int, settings: object) -> None:
-        self.append(job_id)
-
-
-@pytest.fixture
-def launches() -> Launches:
-    return Launches()
-
-
-@pytest.fixture
-def api(migrated, launches):
-    app = create_app(migrated, launch=launches)
-    yield app.test_client()
-    app.extensions["lora_worker"].db.dispose()
-
-
-def rows(settings) -> int:
-    conn = sqlite3.connect(settings.database_path)
-    try:
-        return conn.execute("SELECT count(*) FROM jobs").fetchone()[0]
-    finally:
-        conn.close()
+from tests.helpers import job_rows as rows, make_dataset, write_safetensors
 
 
 def assert_refused(response, status: int, code: str, settings, launches, field: str | None = None) -> dict:

@@ -18,7 +18,7 @@ from lora_worker.errors import NvmlUnavailable
 from lora_worker.gpu.nvml import PynvmlBackend
 from lora_worker.supervisor.locks import gpu_lock_path
 from tests.helpers import fake_gpus, set_modes, wait_for
-from tests.test_api_dispatch import Launches, assert_refused
+from tests.test_api_dispatch import assert_refused
 
 
 @pytest.fixture
@@ -35,11 +35,6 @@ def process_named():
     for proc in procs:
         proc.kill()
         proc.wait()
-
-
-@pytest.fixture
-def launches() -> Launches:
-    return Launches()
 
 
 def make_client(settings, launches=None):

@@ -10,21 +10,8 @@ import pytest
 from lora_worker import create_app
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.states import JobState
-from tests.helpers import set_modes, wait_for
+from tests.helpers import job_rows as rows, set_modes, wait_for
 from tests.service import Service
-from tests.test_api_dispatch import Launches, rows
-
-
-@pytest.fixture
-def launches() -> Launches:
-    return Launches()
-
-
-@pytest.fixture
-def api(migrated, launches):
-    app = create_app(migrated, launch=launches)
-    yield app.test_client()
-    app.extensions["lora_worker"].db.dispose()
 
 
 def post(client, body, key: str | None = "order-7f3a") -> tuple[int, dict]:

@@ -15,15 +15,8 @@ from lora_worker.supervisor.locks import job_lock_path
 from lora_worker.supervisor.process import hold_lock
 from tests.helpers import set_modes, wait_for
 from tests.service import Service
-from tests.test_api_dispatch import Launches
+from tests.helpers import Launches
 from tests.test_ledger import columns
-
-
-@pytest.fixture
-def api(migrated):
-    app = create_app(migrated, launch=Launches())
-    yield app.test_client()
-    app.extensions["lora_worker"].db.dispose()
 
 
 @pytest.fixture

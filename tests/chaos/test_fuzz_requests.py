@@ -3,7 +3,6 @@ or started for a refused request."""
 from __future__ import annotations
 
 import json
-import sqlite3
 import uuid
 
 import pytest
@@ -12,7 +11,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from lora_worker import create_app
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.states import JobState
-from tests.test_api_dispatch import Launches
+from tests.helpers import Launches, job_rows
 
 FIELDS = ("dataset_dir", "base_model_path", "output_dir", "output_name", "trigger", "subject_class", "repeats",
           "tier", "device_index", "seed", "max_grad_norm", "lora_target_modules")
@@ -42,14 +41,6 @@ def fuzz_app(migrated, host):
     app.extensions["lora_worker"].db.dispose()
 
 
-def count_rows(settings) -> int:
-    conn = sqlite3.connect(settings.database_path)
-    try:
-        return conn.execute("SELECT count(*) FROM jobs").fetchone()[0]
-    finally:
-        conn.close()
-
-
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mutations=st.lists(mutation, min_size=1, max_size=3))
 def test_hostile_requests_are_refused_cleanly(fuzz_app, host, mutations):
@@ -61,7 +52,7 @@ def test_hostile_requests_are_refused_cleanly(fuzz_app, host, mutations):
             body.pop(key, None)
         else:
             body[key] = value
-    rows, started = count_rows(host.settings), len(launches)
+    rows, started = job_rows(host.settings), len(launches)
     response = client.post("/train", data=json.dumps(body, allow_nan=True), content_type="application/json")
     assert response.status_code < 500, response.get_data(as_text=True)
     answer = response.get_json()
@@ -69,7 +60,7 @@ def test_hostile_requests_are_refused_cleanly(fuzz_app, host, mutations):
         repo.transition(db, answer["worker_job_id"], JobState.FAILED, actor="test")
         return
     assert set(answer) >= {"error", "message", "status"} and answer["status"] == response.status_code
-    assert count_rows(host.settings) == rows and len(launches) == started
+    assert job_rows(host.settings) == rows and len(launches) == started
     assert not fresh_output.exists()  # a refused request creates no directory either
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from flask import Flask
 
-from lora_worker.api import auth, gpu, health, openapi, train
+from lora_worker.api import auth, gpu, health, metrics, openapi, train
 from lora_worker.api.errors import register_error_handlers
 from lora_worker.config import Settings, load_settings
 from lora_worker.errors import ConfigError
@@ -41,7 +41,8 @@ def build_app(config: Settings | dict[str, Any] | None = None, *, nvml: Nvml | N
     app = Flask(__name__, static_folder=None)  # an API: no /static route
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions["lora_worker"] = worker
-    for blueprint in (train.bp, gpu.bp, health.bp, openapi.bp):
+    app.extensions["lora_worker_metrics"] = metrics.registry_for(worker)
+    for blueprint in (train.bp, gpu.bp, health.bp, metrics.bp, openapi.bp):
         app.register_blueprint(blueprint)
     auth.protect(app, token)
     register_error_handlers(app)

@@ -39,7 +39,7 @@ def test_every_route_in_the_url_map_is_documented(api, document):
     assert served - documented == set(), "routes without documentation"
     assert documented - served == set(), "documentation of routes that do not exist"
     assert {("/train", "post"), ("/train/{job_id}", "get"), ("/train/{job_id}/log", "get"),
-            ("/train/{job_id}/cancel", "post"), ("/gpu-status", "get"), ("/healthz", "get"),
+            ("/train/{job_id}/cancel", "post"), ("/gpu-status", "get"), ("/healthz", "get"), ("/metrics", "get"),
             ("/openapi.json", "get")} <= served
 
 

@@ -65,6 +65,8 @@ DOCS: dict[str, Doc] = {
                         errors=(404, 409, 503)),
     "gpu.gpu_status": Doc("Each GPU's memory and compute processes, in PCI bus order.", 200, GpuStatusSchema),
     "health.healthz": Doc("Liveness and the active job id; open without a token.", 200, HealthSchema),
+    "metrics.metrics": Doc("Prometheus metrics: jobs by state, durations, the active job, GPU memory.", 200,
+                           {"type": "string"}, media_type=METRICS_MEDIA_TYPE),
     "openapi.openapi_document": Doc("This document.", 200, {"type": "object"}, errors=()),
 }
 

@@ -178,7 +178,7 @@ def delete_jobs(db: Database, job_ids: Sequence[int]) -> int:
         return int(result.rowcount)
 
 
-# -- for operators: metrics -----------------------------------------------------------------------------------
+# -- for operators: metrics and retention ---------------------------------------------------------------------
 
 RECONCILED = (FailureClass.SUPERVISOR_LOST.value, FailureClass.HOST_REBOOTED.value)  # what reconcile decides
 
@@ -211,6 +211,14 @@ def reconcile_actions(db: Database) -> dict[tuple[str, str], int]:
              .group_by(JobEvent.actor, Job.failure_class))
     with db.read() as s:
         return {(actor, failure): int(n) for actor, failure, n in s.execute(query)}
+
+
+def finished_before(db: Database, cutoff: datetime) -> list[int]:
+    """Ids of jobs that ended before `cutoff` (ISO text compares in time order)."""
+    query = (select(Job.id).where(Job.status.in_(_values(TERMINAL_STATES)), Job.finished_at < cutoff)
+             .order_by(Job.id))
+    with db.read() as s:
+        return list(s.scalars(query))
 
 
 def _event(s: Session, job_id: int, frm: JobState | None, to: JobState, actor: str, reason: str | None) -> None:

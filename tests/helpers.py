@@ -1,6 +1,7 @@
 """Builders for what the tests need on disk: a fake trainer installation, datasets, models, fake GPUs."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -11,6 +12,7 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 FAKES = Path(__file__).parent / "fakes"
@@ -142,3 +144,13 @@ def payload(dataset: Path, model: Path, **overrides: Any) -> dict[str, Any]:
 
 def env_without(*names: str) -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in names}
+
+
+def install_script() -> ModuleType:
+    """systemd/install.py as a module (it is a script, outside the package)."""
+    spec = importlib.util.spec_from_file_location("lora_worker_install", Path(__file__).parent.parent / "systemd"
+                                                  / "install.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

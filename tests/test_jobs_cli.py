@@ -243,6 +243,7 @@ def test_prune_dry_run_removes_nothing_and_retention_is_the_default(db, migrated
 
 @pytest.mark.parametrize("argv", [["prune", "--older-than", "-1"], ["prune", "--older-than", "nan"],
                                   ["show", "0"], ["cancel"], ["cancel", "3", "--all"], ["log", "x"]])
-def test_bad_arguments_are_refused_with_usage(migrated, argv):
-    result = cli(migrated, "jobs", *argv)
-    assert result.returncode == 2 and "usage: lora-worker jobs" in result.stderr
+def test_bad_arguments_are_refused_with_usage(argv, capsys):
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["jobs", *argv])
+    assert refused.value.code == 2 and "usage: lora-worker jobs" in capsys.readouterr().err

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
@@ -91,7 +92,9 @@ def cmd_show(db: Database, settings: Settings, args: argparse.Namespace, out: Te
     out.write(f"job {job.id}\n")
     for name, value in fields.items():
         if value not in (None, "-"):
-            out.write(f"  {name + ':':<18}{str(value).replace(chr(10), chr(10) + ' ' * 20)}\n")
+            # A multi-line value (the error and its log tail) stays in the value column.
+            text = textwrap.indent(str(value), " " * 20).lstrip()
+            out.write(f"  {name + ':':<18}{text}\n")
     out.write("events:\n")
     events = repo.job_events(db, job.id)
     _table(out, ("AT", "FROM", "TO", "ACTOR", "REASON"),

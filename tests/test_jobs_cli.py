@@ -46,7 +46,8 @@ def finished(db, state: JobState, days_ago: float, **values: object) -> int:
     end = utcnow() - timedelta(days=days_ago)
     repo.transition(db, job.id, JobState.RUNNING, actor="supervisor", started_at=end - timedelta(minutes=10))
     repo.update_running(db, job.id, step=3, points=[(1, 0.5, end), (2, 0.4, end)])
-    extra = {"failure_class": "cuda_oom"} if state is JobState.FAILED else {"lora_path": f"/out/{job.id}.safetensors"}
+    extra = ({"failure_class": "cuda_oom", "error": "CUDA ran out of memory.\ntorch.OutOfMemoryError"}
+             if state is JobState.FAILED else {"lora_path": f"/out/{job.id}.safetensors"})
     repo.transition(db, job.id, state, actor="supervisor", finished_at=end, **extra)
     return job.id
 
@@ -106,6 +107,7 @@ def test_show_prints_the_job_and_its_event_history(db, migrated):
     assert code == 0 and out.startswith(f"job {job_id}\n")
     assert "  status:           failed\n" in out and "  failure:          cuda_oom\n" in out
     assert "  progress:         3/400 steps\n" in out and "  run time:         0:10:00\n" in out
+    assert "  error:            CUDA ran out of memory.\n" + " " * 20 + "torch.OutOfMemoryError\n" in out
     events = out.split("events:\n", 1)[1].splitlines()
     assert events[0].split() == ["AT", "FROM", "TO", "ACTOR", "REASON"]
     assert [e.split()[2:5] for e in events[1:]] == [["-", "queued", "api"], ["queued", "running", "supervisor"],

@@ -50,6 +50,7 @@ class Doc:
     errors: tuple[int, ...] = (503,)
     body: type[Schema] | None = None
     query: type[Schema] | None = None
+    parameters: tuple[dict[str, Any], ...] = ()  # other OpenAPI parameter objects, e.g. a request header
     media_type: str = JSON
 
 
@@ -113,6 +114,7 @@ def _operation(rule: Rule, doc: Doc) -> dict[str, Any]:
                                  "parameters": _path_parameters(rule)}
     if doc.query is not None:
         operation["parameters"].append({"in": "query", "schema": doc.query})
+    operation["parameters"].extend(doc.parameters)
     if doc.body is not None:
         operation["requestBody"] = {"required": True, "content": {JSON: {"schema": doc.body}}}
     if rule.endpoint in OPEN_ENDPOINTS:

@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from lora_worker import jobs_cli
 from lora_worker.config import Settings, load_settings
 from lora_worker.errors import LoraWorkerError
 from lora_worker.logs import configure_logging
@@ -67,11 +68,16 @@ def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
+    return jobs_cli.run(settings, args)
+
+
 COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], int]] = {
     "migrate": cmd_migrate,
     "reconcile": cmd_reconcile,
     "serve": cmd_serve,
     "doctor": cmd_doctor,
+    "jobs": cmd_jobs,
 }
 
 
@@ -83,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("doctor", help="check NVML, devices, the trainer install, state dir and train root")
     serve = sub.add_parser("serve", help="migrate, reconcile and run gunicorn")
     serve.add_argument("--bind", default="127.0.0.1:8203")
+    jobs_cli.add_parser(sub)
     return parser
 
 

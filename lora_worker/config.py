@@ -136,8 +136,10 @@ class Settings:
     tts_device_index: int = 0
     tts_process_pattern: str = r"(?i)\btts\b|tts[-_]?server|xtts|coqui|piper|kokoro|f5[-_]tts"
     gpu_lock_dir: Path | None = None  # host-wide convention; defaults to <state_dir>/gpu-locks
-    # HTTP.
-    api_token_file: Path | None = None
+    # HTTP. `bind` is what gunicorn listens on (comma-separated, as gunicorn's --bind); gunicorn tells the app
+    # the addresses it really serves, so a worker without a token can insist on loopback.
+    bind: str = "127.0.0.1:8203"
+    api_token_file: Path | None = None  # without systemd; `$CREDENTIALS_DIRECTORY/api_token` wins when present
     max_body_bytes: int = 64 * 1024
     long_poll_slots: int = 4  # below gunicorn's 8 threads: waiting clients never starve a cancel
 

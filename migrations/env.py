@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import create_engine, pool
+from sqlalchemy import create_engine, event, pool
 
+from lora_worker.ledger.migrate import allow_batch_rename
 from lora_worker.ledger.models import Base
 
 config = context.config
@@ -19,6 +20,7 @@ def run_migrations_offline() -> None:
 
 def run_migrations_online() -> None:
     engine = create_engine(config.get_main_option("sqlalchemy.url"), poolclass=pool.NullPool)
+    event.listen(engine, "connect", allow_batch_rename)
     with engine.connect() as connection:
         context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
         with context.begin_transaction():

@@ -3,9 +3,15 @@
 One worker process: the one-active-job rule lives in SQLite, but a single process keeps the ledger engine and
 NVML handle simple. gthread with several threads so a slow or long-polling client never blocks a cancel.
 """
-import os
+from __future__ import annotations
 
-bind = os.environ.get("LORA_WORKER_BIND", "127.0.0.1:8203")  # the unit passes --bind 0.0.0.0:8203
+import os
+from typing import Any
+
+from lora_worker.config import load_settings
+
+# The `bind` setting (config file or LORA_WORKER_BIND); a --bind on the command line still wins.
+bind = [address.strip() for address in load_settings().bind.split(",") if address.strip()]
 workers = 1
 worker_class = "gthread"
 threads = 8
@@ -18,3 +24,14 @@ accesslog = "-"
 errorlog = "-"
 # Never log request headers: the Authorization header carries the API token.
 access_log_format = '%(h)s "%(r)s" %(s)s %(b)s %(L)ss'
+# No admin socket in $HOME: nothing uses it, and it is one more way in (gunicorn 25.1 and later open one by default).
+control_socket_disable = True
+
+
+def post_fork(server: Any, worker: Any) -> None:
+    """Tell the app, built in this worker after the fork, the addresses gunicorn really listens on.
+
+    The app refuses to run without a token unless every one of them is loopback; reading `bind` from the
+    settings alone would miss a --bind given on the command line.
+    """
+    os.environ["LORA_WORKER_BIND"] = ",".join(server.cfg.bind)

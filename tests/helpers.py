@@ -1,6 +1,7 @@
 """Builders for what the tests need on disk: a fake trainer installation, datasets, models, fake GPUs."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -12,6 +13,7 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 FAKES = Path(__file__).parent / "fakes"
@@ -167,3 +169,13 @@ def job_rows(settings: Any) -> int:
         return conn.execute("SELECT count(*) FROM jobs").fetchone()[0]
     finally:
         conn.close()
+
+
+def install_script() -> ModuleType:
+    """systemd/install.py as a module (it is a script, outside the package)."""
+    spec = importlib.util.spec_from_file_location("lora_worker_install", Path(__file__).parent.parent / "systemd"
+                                                  / "install.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

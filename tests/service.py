@@ -41,8 +41,10 @@ def free_port() -> int:
 class Service:
     """gunicorn running lora_worker.wsgi:app, as `make run` starts it."""
 
-    def __init__(self, settings: Settings, log: Path, extra_env: dict[str, str] | None = None) -> None:
+    def __init__(self, settings: Settings, log: Path, extra_env: dict[str, str] | None = None,
+                 listen: str = "127.0.0.1") -> None:
         self.settings = settings
+        self.listen = listen  # the address gunicorn binds; requests always go to loopback
         self.port = free_port()
         self.log = log
         self.env = {**os.environ, **settings_env(settings), **(extra_env or {})}
@@ -57,7 +59,7 @@ class Service:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(
                 [gunicorn, "-c", str(REPO_ROOT / "systemd" / "gunicorn.conf.py"), "--bind",
-                 f"127.0.0.1:{self.port}", "lora_worker.wsgi:app"],
+                 f"{self.listen}:{self.port}", "lora_worker.wsgi:app"],
                 env=self.env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

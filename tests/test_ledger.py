@@ -15,7 +15,8 @@ from sqlalchemy import create_engine, event, select, update
 from lora_worker.errors import JobActive, JobFinished
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
-from lora_worker.ledger.migrate import alembic_config, current_revision, head_revision, upgrade
+from lora_worker.ledger.migrate import (alembic_config, allow_batch_rename, current_revision, head_revision,
+                                        upgrade)
 from lora_worker.ledger.models import Job
 from lora_worker.ledger.states import JobState
 
@@ -66,6 +67,7 @@ def test_one_active_index_is_partial_unique_on_a_real_column_after_upgrade(migra
 def test_one_active_index_survives_a_batch_migration_that_recreates_the_table(migrated):
     # SQLAlchemy cannot reflect an expression index such as ((1)); a move-and-copy would drop it silently.
     engine = create_engine(f"sqlite:///{migrated.database_path}")
+    event.listen(engine, "connect", allow_batch_rename)  # as migrations/env.py connects
     with engine.begin() as conn:
         ops = Operations(MigrationContext.configure(conn))
         with ops.batch_alter_table("jobs", recreate="always") as batch:

@@ -70,6 +70,15 @@ class TrainRequestSchema(Schema):
         return TrainRequest(**data)
 
 
+class FiniteFloat(fields.Float):
+    """A float that goes out as null when it is nan or infinite: JSON has no such numbers."""
+
+    def _serialize(self, value: Any, attr: str | None, obj: Any, **kwargs: Any) -> float | None:
+        if value is None or not math.isfinite(value):
+            return None
+        return super()._serialize(value, attr, obj, **kwargs)
+
+
 class JobSchema(Schema):
     """A job as `GET /train/<id>` shows it."""
 
@@ -78,7 +87,7 @@ class JobSchema(Schema):
     phase = fields.String(allow_none=True)
     step = fields.Integer()
     total_steps = fields.Integer()
-    loss = fields.Method("_loss", allow_none=True)
+    loss = FiniteFloat(allow_none=True, metadata={"description": "avr_loss; null when absent or not finite (nan)"})
     rate = fields.Float(allow_none=True, metadata={"description": "optimizer steps per second"})
     eta_s = fields.Float(allow_none=True)
     lora_path = fields.String(allow_none=True)
@@ -111,10 +120,6 @@ class JobSchema(Schema):
     dataset_sha256 = fields.String(allow_none=True, metadata={"description": "hash of image names, sizes, captions"})
     base_model_sha256 = fields.String(allow_none=True)
 
-    def _loss(self, job: Any) -> float | None:
-        loss = job.loss
-        return None if loss is None or not math.isfinite(loss) else loss
-
 
 class AcceptedSchema(Schema):
     worker_job_id = fields.Integer(attribute="id")
@@ -144,7 +149,7 @@ class ProgressQuerySchema(Schema):
 
 class ProgressPointSchema(Schema):
     step = fields.Integer()
-    loss = fields.Float(allow_none=True)
+    loss = FiniteFloat(allow_none=True)
     t = fields.Float(metadata={"description": "seconds since the job started"})
 
 

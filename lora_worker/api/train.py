@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 
 from flask import Blueprint, Response, jsonify, request
 
@@ -44,8 +43,7 @@ def progress(job_id: int) -> Response:
     query = ProgressQuerySchema().load(request.args)
     job, series = worker().progress(job_id, query["points"])
     start = job.started_at or job.created_at
-    points = [{"step": p.step, "loss": p.loss if p.loss is None or math.isfinite(p.loss) else None,
-               "t": round((p.at - start).total_seconds(), 3)} for p in series]
+    points = [{"step": p.step, "loss": p.loss, "t": round((p.at - start).total_seconds(), 3)} for p in series]
     return jsonify(ProgressSeriesSchema().dump({"worker_job_id": job.id, "total_steps": job.total_steps,
                                                 "points": points}))
 

@@ -22,6 +22,16 @@ def alembic_config(db_path: Path) -> Config:
     return cfg
 
 
+def allow_batch_rename(dbapi_conn: sqlite3.Connection, _record: object = None) -> None:
+    """A connect hook for every connection that migrates (env.py uses it).
+
+    Batch mode rebuilds a table by copy, drop and rename. SQLite's modern RENAME re-checks every view, and the
+    operator views (0003) name `jobs`, which is missing at that instant, so the rename fails. The legacy rename
+    leaves views as they are; they find the rebuilt table under its old name.
+    """
+    dbapi_conn.execute("PRAGMA legacy_alter_table=ON")
+
+
 def upgrade(db_path: Path, revision: str = "head") -> None:
     db_path.parent.mkdir(parents=True, exist_ok=True)
     if db_path.exists():

@@ -57,7 +57,7 @@ def reconcile_job(db: Database, settings: Settings, job: Job, *, actor: str = "r
     if not repo.transition(db, job.id, JobState.FAILED, actor=actor, reason=reason,
                            failure_class=failure.value, error=reason[0].upper() + reason[1:] + "."):
         return None  # the supervisor's own final write won the race
-    log.warning("job %s: %s", job.id, reason)
+    log.warning("job %s: %s", job.id, reason, extra={"job": job.id})
     return Action(job.id, failure, killed)
 
 

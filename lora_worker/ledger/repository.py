@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 from lora_worker.errors import JobActive, JobFinished, JobNotFound
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, JobEvent, ProgressPoint, utcnow
-from lora_worker.ledger.states import ACTIVE_STATES, TERMINAL_STATES, TRANSITIONS, JobState
+from lora_worker.ledger.states import ACTIVE_STATES, TERMINAL_STATES, TRANSITIONS, FailureClass, JobState
 
 
 def create_job(db: Database, columns: dict[str, Any], *, actor: str = "api") -> Job:
@@ -199,6 +199,49 @@ def delete_jobs(db: Database, job_ids: Sequence[int]) -> int:
             delete(Job).where(Job.id.in_(list(job_ids)), Job.status.in_(_values(TERMINAL_STATES)))
         )
         return int(result.rowcount)
+
+
+# -- for operators: metrics and retention ---------------------------------------------------------------------
+
+RECONCILED = (FailureClass.SUPERVISOR_LOST.value, FailureClass.HOST_REBOOTED.value)  # what reconcile decides
+
+
+def jobs_by_status(db: Database) -> dict[str, int]:
+    with db.read() as s:
+        return {status: int(n) for status, n in s.execute(select(Job.status, func.count()).group_by(Job.status))}
+
+
+def failures_by_class(db: Database) -> dict[str, int]:
+    query = (select(Job.failure_class, func.count()).where(Job.status == JobState.FAILED.value)
+             .group_by(Job.failure_class))
+    with db.read() as s:
+        return {str(failure): int(n) for failure, n in s.execute(query)}
+
+
+def finished_durations(db: Database) -> list[tuple[str, float]]:
+    """(final status, seconds) of every finished job: from its start, or its acceptance if it never started."""
+    began = func.julianday(func.coalesce(Job.started_at, Job.created_at))
+    seconds = (func.julianday(Job.finished_at) - began) * 86400.0
+    query = select(Job.status, seconds).where(Job.status.in_(_values(TERMINAL_STATES)), Job.finished_at.is_not(None))
+    with db.read() as s:
+        return [(status, max(0.0, float(secs))) for status, secs in s.execute(query)]
+
+
+def reconcile_actions(db: Database) -> dict[tuple[str, str], int]:
+    """Jobs reconcile marked failed (a dead supervisor, a reboot), by (actor, failure class)."""
+    query = (select(JobEvent.actor, Job.failure_class, func.count()).join(Job, Job.id == JobEvent.job_id)
+             .where(JobEvent.to_status == JobState.FAILED.value, Job.failure_class.in_(RECONCILED))
+             .group_by(JobEvent.actor, Job.failure_class))
+    with db.read() as s:
+        return {(actor, failure): int(n) for actor, failure, n in s.execute(query)}
+
+
+def finished_before(db: Database, cutoff: datetime) -> list[int]:
+    """Ids of jobs that ended before `cutoff` (ISO text compares in time order)."""
+    query = (select(Job.id).where(Job.status.in_(_values(TERMINAL_STATES)), Job.finished_at < cutoff)
+             .order_by(Job.id))
+    with db.read() as s:
+        return list(s.scalars(query))
 
 
 def _event(s: Session, job_id: int, frm: JobState | None, to: JobState, actor: str, reason: str | None) -> None:

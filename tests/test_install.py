@@ -1,0 +1,140 @@
+"""systemd/install.py against a temporary root: a second run changes nothing, an operator's config and token
+are never overwritten, the code is mirrored, and the health gate waits for a real 200."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lora_worker.config import REPO_ROOT, load_settings
+from tests.helpers import install_script
+from tests.service import Service, free_port
+
+pytestmark = pytest.mark.slow
+SCRIPT = REPO_ROOT / "systemd" / "install.py"
+
+
+def install(root: Path) -> subprocess.CompletedProcess[str]:
+    # --no-deps: the venv gets the worker itself, not its pins from the index; what is tested is the script.
+    result = subprocess.run([sys.executable, str(SCRIPT), "--root", str(root), "--no-systemctl",
+                             "--pip-args=--no-deps"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def snapshot(root: Path) -> dict[str, tuple[str, int, str]]:
+    """Every path under root: kind, mode bits, and a content hash (or a link's target)."""
+    tree = {}
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(directory) / name
+            st = path.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                tree[str(path.relative_to(root))] = ("link", 0, os.readlink(path))
+            elif stat.S_ISDIR(st.st_mode):
+                tree[str(path.relative_to(root))] = ("dir", stat.S_IMODE(st.st_mode), "")
+            else:
+                digest = hashlib.sha256(path.read_bytes()).hexdigest()
+                tree[str(path.relative_to(root))] = ("file", stat.S_IMODE(st.st_mode), digest)
+    return tree
+
+
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory) -> tuple[Path, str, str, dict]:
+    """One root installed twice: (root, first output, second output, snapshot after the first)."""
+    root = tmp_path_factory.mktemp("stage") / "root"
+    root.mkdir()
+    first = install(root).stdout
+    after_first = snapshot(root)
+    second = install(root).stdout
+    return root, first, second, after_first
+
+
+def copy_of(staged_root: Path, tmp_path: Path) -> Path:
+    # The venv's absolute paths still point into the original root, so a copy re-runs without pip.
+    root = tmp_path / "root"
+    shutil.copytree(staged_root, root, symlinks=True)
+    return root
+
+
+def test_a_second_install_into_the_same_root_changes_nothing(staged):
+    root, first, second, after_first = staged
+    assert "change(s)" in first and not first.startswith("0 change")
+    assert "0 change(s): everything was already in place" in second and "changed:" not in second
+    assert snapshot(root) == after_first
+
+
+def test_the_install_lays_out_the_documented_host(staged):
+    root = staged[0]
+    train_root = root / "worktank/arbo/train"
+    assert train_root.is_dir() and stat.S_IMODE(train_root.stat().st_mode) == 0o2770  # setgid, group only
+    config, token = root / "etc/lora-worker/worker.toml", root / "etc/lora-worker/api_token"
+    assert stat.S_IMODE(config.stat().st_mode) == 0o640 and stat.S_IMODE(token.stat().st_mode) == 0o600
+    assert len(token.read_bytes().strip()) >= 32
+    settings = load_settings({"LORA_WORKER_CONFIG": str(config)})  # every key is a real setting
+    assert (settings.bind, str(settings.state_dir), str(settings.train_root), str(settings.gpu_lock_dir)) == (
+        "0.0.0.0:8203", "/var/lib/lora-worker", "/worktank/arbo/train", "/run/lock/gpu")
+    assert settings.api_token_file is None  # the token travels as a systemd credential
+    unit = root / "etc/systemd/system/lora-worker.service"
+    assert unit.read_text() == (REPO_ROOT / "systemd" / "lora-worker.service").read_text()
+    assert (root / "etc/tmpfiles.d/lora-worker.conf").read_text() == (
+        REPO_ROOT / "systemd" / "lora-worker.tmpfiles.conf").read_text()
+    command = root / "usr/local/bin/lora-worker"
+    assert stat.S_IMODE(command.stat().st_mode) == 0o755
+    assert "LORA_WORKER_CONFIG=/etc/lora-worker/worker.toml" in command.read_text()
+    for rel in ("lora_worker/app.py", "migrations/versions/0003_operator_views.py", "systemd/gunicorn.conf.py"):
+        assert (root / "opt/lora-worker" / rel).read_bytes() == (REPO_ROOT / rel).read_bytes()
+    assert (root / "opt/lora-worker/venv/bin/lora-worker").exists()  # the editable install's entry point
+
+
+def test_the_installed_venv_runs_the_installed_code_and_finds_its_migrations(staged):
+    root = staged[0]
+    python = root / "opt/lora-worker/venv/bin/python"
+    # lora_worker.config needs nothing but the standard library (--no-deps left the pins out of this venv);
+    # migrate.py finds migrations/ at REPO_ROOT, so REPO_ROOT must be the install dir, not site-packages.
+    code = "import lora_worker.config as c; print(c.REPO_ROOT / 'migrations')"
+    result = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True,
+                            cwd=root)  # not the checkout: its lora_worker/ would be found first
+    assert result.stdout.strip() == str(root / "opt/lora-worker/migrations")
+    assert (root / "opt/lora-worker/migrations/env.py").is_file()
+
+
+def test_an_existing_config_and_token_are_never_overwritten(staged, tmp_path):
+    root = copy_of(staged[0], tmp_path)
+    config, token = root / "etc/lora-worker/worker.toml", root / "etc/lora-worker/api_token"
+    config.write_text('bind = "10.0.0.5:8203"\n')
+    token.write_text("an-operator-chosen-token-of-40-bytes-xxxx\n")
+    token.chmod(0o644)
+    out = install(root).stdout
+    assert config.read_text() == 'bind = "10.0.0.5:8203"\n'
+    assert token.read_text() == "an-operator-chosen-token-of-40-bytes-xxxx\n"
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600  # its mode is still made safe
+    assert "kept: /etc/lora-worker/worker.toml (exists)" in out and "kept: /etc/lora-worker/api_token (exists)" in out
+
+
+def test_the_code_is_mirrored_stale_files_removed_and_edits_undone(staged, tmp_path):
+    root = copy_of(staged[0], tmp_path)
+    code = root / "opt/lora-worker"
+    (code / "lora_worker/removed_module.py").write_text("x = 1\n")
+    (code / "lora_worker/app.py").write_text("tampered\n")
+    out = install(root).stdout
+    assert not (code / "lora_worker/removed_module.py").exists()
+    assert (code / "lora_worker/app.py").read_bytes() == (REPO_ROOT / "lora_worker/app.py").read_bytes()
+    assert "removed /opt/lora-worker/lora_worker/removed_module.py" in out and "2 change(s)" in out
+    assert (code / "lora_worker.egg-info").is_dir()  # pip's metadata is not the script's to remove
+
+
+def test_the_health_gate_passes_on_200_and_fails_without_an_answer(migrated, host):
+    script = install_script()
+    service = Service(migrated, host.root / "gunicorn.log").start()
+    try:
+        assert script.health_gate(f"{service.url}/healthz", timeout_s=10) is True
+    finally:
+        service.stop()
+    assert script.health_gate(f"http://127.0.0.1:{free_port()}/healthz", timeout_s=1.0) is False

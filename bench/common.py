@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +19,8 @@ from lora_worker.config import REPO_ROOT
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import upgrade
-from tests.helpers import Host, make_host
+from tests.helpers import Host, make_host, wait_for
+from tests.service import Service
 
 BENCH_DIR = Path(__file__).resolve().parent
 CAPTURE = REPO_ROOT / "tests" / "data" / "run1_simple.jsonl"
@@ -42,6 +40,16 @@ def bench_host(**settings: Any) -> Iterator[Host]:
         yield host
 
 
+@contextmanager
+def running_service(host: Host) -> Iterator[Service]:
+    """gunicorn with the shipped configuration on this host (tests/service.py), stopped afterwards."""
+    svc = Service(host.settings, host.root / "gunicorn.log").start()
+    try:
+        yield svc
+    finally:
+        svc.stop()
+
+
 def insert_job(db: Database, argv: list[str], **columns: Any) -> int:
     """A queued job whose trainer is `argv` (an emitter instead of sd-scripts); returns its id."""
     values: dict[str, Any] = {
@@ -56,18 +64,8 @@ def insert_job(db: Database, argv: list[str], **columns: Any) -> int:
 
 def supervisor_pid(db: Database, job_id: int, timeout: float = 30.0) -> int:
     """The pid the supervisor recorded when it took the job."""
-    return wait_until(lambda: (job := repo.find_job(db, job_id)) is not None and job.supervisor_pid,
-                      timeout, f"job {job_id}'s supervisor")
-
-
-def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.005) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+    return wait_for(lambda: (job := repo.find_job(db, job_id)) is not None and job.supervisor_pid,
+                    timeout=timeout, interval=0.005, what=f"job {job_id}'s supervisor")
 
 
 # -- one process, from /proc --------------------------------------------------------------------------------
@@ -118,15 +116,6 @@ def _status_field(pid: int, name: str) -> str | None:
 
 # -- numbers and the table ----------------------------------------------------------------------------------
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100), linear between closest ranks."""
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
-    return statistics.quantiles(ordered, n=100, method="inclusive")[max(0, min(98, round(q) - 1))] \
-        if 0 < q < 100 else (ordered[0] if q <= 0 else ordered[-1])
-
-
 @dataclass(frozen=True)
 class Row:
     """One line of a result table. `ratio` is value / baseline; `met` is None where there is no target."""
@@ -161,7 +150,3 @@ def arg_parser(doc: str | None) -> argparse.ArgumentParser:
 
 def python() -> str:
     return sys.executable
-
-
-def run_quiet(argv: list[str], **kwargs: Any) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, **kwargs)

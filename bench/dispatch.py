@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
 import time
 from pathlib import Path
 
-from bench.common import Row, arg_parser, bench_host, emit, wait_until
+from bench.common import Row, arg_parser, bench_host, emit, running_service
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.supervisor import process
@@ -31,16 +32,17 @@ GRACE_S = 2.0  # shorter than production's 20 s; the overshoot past it is what i
 
 
 def recorded(path: Path) -> dict:
-    return wait_until(lambda: path.exists() and json.loads(path.read_text()), 60, f"trainer record {path}",
-                      interval=0.001)
+    return wait_for(lambda: path.exists() and json.loads(path.read_text()), timeout=60, interval=0.001,
+                    what=f"trainer record {path}")
 
 
 def group_gone_after(pgid: int, start: float) -> float:
-    wait_until(lambda: not process.group_members(pgid), 120, f"group {pgid} gone", interval=0.002)
+    wait_for(lambda: not process.group_members(pgid), timeout=120, interval=0.002, what=f"group {pgid} gone")
     return time.monotonic() - start
 
 
-def dispatch_once(svc: Service, host: Host, n: int, ignore_sigterm: bool) -> tuple[float, float, float, int]:
+def dispatch_once(svc: Service, host: Host, n: int,
+                  ignore_sigterm: bool) -> tuple[float, float, float, int]:
     """(dispatch latency, POST answered, cancel latency) of one job, and its id."""
     record = host.root / f"record-{n}.json"
     set_modes(host.sd_scripts, step_s=1.0, record=str(record), ignore_sigterm=ignore_sigterm)
@@ -50,6 +52,9 @@ def dispatch_once(svc: Service, host: Host, n: int, ignore_sigterm: bool) -> tup
     answered = time.time() - before
     rec = recorded(record)
     job_id = int(body["worker_job_id"])
+    # The trainer starts at a fixed point of the supervisor's cancel-poll cycle; a random wait samples the
+    # whole cycle, as a user's click would.
+    time.sleep(random.Random(n).uniform(0.0, 1.0))
     start = time.monotonic()
     assert svc.request("POST", f"/train/{job_id}/cancel")[0] == 202
     cancel_s = group_gone_after(rec["pgid"], start)
@@ -91,8 +96,8 @@ def run(svc: Service, host: Host, runs: int, ignoring_runs: int) -> tuple[list[R
         db.dispose()
     med, base = statistics.median(dispatch), statistics.median(bare_start)
     rows = [
-        Row(f"dispatch → trainer started, median of {runs}", f"{med * 1e3:.0f} ms", f"{base * 1e3:.0f} ms (bare Popen)",
-            med / base),
+        Row(f"dispatch → trainer started, median of {runs}", f"{med * 1e3:.0f} ms",
+            f"{base * 1e3:.0f} ms (bare Popen)", med / base),
         Row("dispatch → trainer started, max", f"{max(dispatch) * 1e3:.0f} ms", f"{max(bare_start) * 1e3:.0f} ms",
             max(dispatch) / max(bare_start)),
         Row("… of which POST /train answered (median)", f"{statistics.median(answered) * 1e3:.0f} ms"),
@@ -121,11 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.runs, args.ignoring_runs = 1, 1
     with bench_host(cancel_grace_s=GRACE_S) as host:
-        svc = Service(host.settings, host.root / "gunicorn.log").start()
-        try:
+        with running_service(host) as svc:
             rows, notes = run(svc, host, args.runs, args.ignoring_runs)
-        finally:
-            svc.stop()
     emit("Dispatch and cancel latency", rows, notes)
     return 0
 

@@ -10,19 +10,19 @@ from __future__ import annotations
 import json
 import subprocess
 
-from bench.common import Row, arg_parser, bench_host, emit, peak_rss_mib, python
+from bench.common import Row, arg_parser, bench_host, emit, peak_rss_mib, python, running_service
 from bench.stream import Runs
 from lora_worker.supervisor import process
 from tests.helpers import Host, set_modes, wait_for
-from tests.service import Service
 
 # Prints the interpreter's peak RSS (KiB) and the third-party packages loaded, after importing the supervisor.
+# VmHWM, not getrusage's ru_maxrss: that one survives exec, so a child would report its parent's size.
 PROBE = """
-import json, resource, sys
+import json, sys
 {imports}
 top = {{m.split('.')[0] for m in sys.modules}} - set(sys.stdlib_module_names) - {{'lora_worker'}}
-print(json.dumps({{"kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                   "third_party": sorted(t for t in top if not t.startswith('_'))}}))
+hwm = next(line for line in open('/proc/self/status') if line.startswith('VmHWM:'))
+print(json.dumps({{"kib": int(hwm.split()[1]), "third_party": sorted(t for t in top if not t.startswith('_'))}}))
 """
 SUPERVISOR_IMPORTS = "import lora_worker.supervisor.__main__, lora_worker.supervisor.main"
 
@@ -35,8 +35,7 @@ def probe(imports: str) -> dict:
 
 def web_worker(host: Host, requests: int) -> tuple[float, float]:
     """(peak RSS just after start-up, peak RSS after the load) of the gunicorn worker, MiB."""
-    svc = Service(host.settings, host.root / "gunicorn.log").start()
-    try:
+    with running_service(host) as svc:
         worker = svc.workers()[0]
         idle = peak_rss_mib(worker)
         set_modes(host.sd_scripts, step_s=0.05)
@@ -47,8 +46,6 @@ def web_worker(host: Host, requests: int) -> tuple[float, float]:
         svc.request("POST", f"/train/{job_id}/cancel")
         wait_for(lambda: svc.request("GET", f"/train/{job_id}")[1]["status"] != "running", timeout=60, what="end")
         return idle, peak_rss_mib(worker)
-    finally:
-        svc.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,7 @@ import re
 import shutil
 import subprocess
 
-from bench.common import Row, arg_parser, bench_host, emit, peak_rss_mib
+from bench.common import Row, arg_parser, bench_host, emit, peak_rss_mib, running_service
 from tests.helpers import Host, set_modes, wait_for
 from tests.service import Service
 
@@ -70,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     levels, seconds = ([1, 8, 32], args.seconds) if not args.quick else ([1, 8], 1.0)
     with bench_host() as host:
-        svc = Service(host.settings, host.root / "gunicorn.log").start()
-        try:
+        with running_service(host) as svc:
             job_id = start_job(svc, host)
             rows, notes = measure(svc, job_id, levels, seconds)
             worker = svc.workers()[0]
@@ -81,8 +80,6 @@ def main(argv: list[str] | None = None) -> int:
             svc.request("POST", f"/train/{job_id}/cancel")
             wait_for(lambda: svc.request("GET", f"/train/{job_id}")[1]["status"] == "cancelled", timeout=60,
                      what="cancelled")
-        finally:
-            svc.stop()
     emit("Status under load (gunicorn, production settings)", rows, notes)
     return 0
 

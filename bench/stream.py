@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import (BENCH_DIR, CAPTURE, Row, arg_parser, bench_host, cpu_seconds, emit, insert_job,
-                          peak_rss_mib, python, read_syscalls, state, supervisor_pid, threads, wait_until)
+                          peak_rss_mib, python, read_syscalls, state, supervisor_pid, threads)
 from lora_worker.ledger.db import Database
 from lora_worker.supervisor import process
 from lora_worker.supervisor.launch import launch_supervisor
-from tests.helpers import Host
+from tests.helpers import Host, wait_for
 
 EMITTER = BENCH_DIR / "emitter.py"
 BARE_READER = BENCH_DIR / "bare_reader.py"
@@ -53,7 +53,7 @@ def emitter_argv(go: Path, *args: str) -> list[str]:
 def follow(pid: int, go: Path) -> Sample:
     """Measure `pid` while its emitter runs; the caller reaps it afterwards."""
     ready = Path(str(go) + ".ready")
-    wait_until(ready.exists, 300, "the emitter to render its output")
+    wait_for(ready.exists, timeout=300, interval=0.005, what="the emitter to render its output")
     cpu0, reads0, nthreads = cpu_seconds(pid), read_syscalls(pid), threads(pid)
     start = time.monotonic()
     go.touch()

@@ -26,5 +26,12 @@ test: $(VENV)/.installed
 chaos: $(VENV)/.installed
 	CHAOS_ITERATIONS=200 CHAOS_SECONDS=30 CHAOS_MODEL_EXAMPLES=60 $(BIN)/python -m pytest tests/chaos
 
+# The benchmarks (bench/, docs/benchmarks.md): tables of ratios against baselines measured in the same run.
+# They report and never fail on a number, and are not part of `make test`, which only runs each one at tiny
+# sizes (tests/test_bench_smoke.py) to check it still works.
+# bench/status.py needs wrk (apt-get install -y wrk). About 10 minutes.
+bench: $(VENV)/.installed
+	$(BIN)/python -m bench
+
 clean:
 	rm -rf $(VENV) var .pytest_cache .hypothesis

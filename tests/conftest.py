@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -12,50 +11,12 @@ import pytest
 from lora_worker.config import Settings
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import upgrade
-from tests.helpers import (SDXL_TINY, Launches, fake_gpus, install_fake_trainer, make_dataset, payload,
-                           write_safetensors)
-
-
-@dataclass
-class Host:
-    """Everything a test's worker host has on disk."""
-
-    root: Path
-    settings: Settings
-    dataset: Path
-    model: Path
-
-    @property
-    def sd_scripts(self) -> Path:
-        return self.settings.sd_scripts_dir
-
-    @property
-    def gpus(self) -> Path:
-        assert self.settings.nvml_fake_file is not None
-        return self.settings.nvml_fake_file
-
-    def payload(self, **overrides: object) -> dict:
-        return payload(self.dataset, self.model, **overrides)
+from tests.helpers import Host, Launches, make_host
 
 
 @pytest.fixture
 def host(tmp_path: Path) -> Host:
-    install = install_fake_trainer(tmp_path / "opt")
-    model = tmp_path / "models" / "sdxl_tiny.safetensors"
-    write_safetensors(model, SDXL_TINY)
-    train_root = tmp_path / "train"
-    dataset = make_dataset(train_root)
-    settings = Settings(
-        state_dir=tmp_path / "state",
-        train_root=train_root,
-        model_dirs=(tmp_path / "models",),
-        nvml_fake_file=fake_gpus(tmp_path / "gpus.json"),
-        progress_interval_s=0.1,
-        cancel_grace_s=1.0,
-        launch_grace_s=2.0,
-        **install,
-    )
-    return Host(root=tmp_path, settings=settings, dataset=dataset, model=model)
+    return make_host(tmp_path)
 
 
 @pytest.fixture

@@ -12,9 +12,12 @@ import sys
 import time
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from lora_worker.config import Settings
 
 FAKES = Path(__file__).parent / "fakes"
 DATA = Path(__file__).parent / "data"
@@ -179,3 +182,43 @@ def install_script() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@dataclass
+class Host:
+    """Everything a test's (or a benchmark's) worker host has on disk."""
+
+    root: Path
+    settings: Settings
+    dataset: Path
+    model: Path
+
+    @property
+    def sd_scripts(self) -> Path:
+        return self.settings.sd_scripts_dir
+
+    @property
+    def gpus(self) -> Path:
+        assert self.settings.nvml_fake_file is not None
+        return self.settings.nvml_fake_file
+
+    def payload(self, **overrides: object) -> dict:
+        return payload(self.dataset, self.model, **overrides)
+
+
+def make_host(root: Path, **settings: Any) -> Host:
+    """A fake trainer install, a base model, a dataset and fake GPUs under `root`, and settings naming them.
+
+    The defaults make supervision quick for tests (progress every 0.1 s, a 1 s cancel grace); `settings`
+    overrides them (the benchmarks run with the production intervals)."""
+    install = install_fake_trainer(root / "opt")
+    model = root / "models" / "sdxl_tiny.safetensors"
+    write_safetensors(model, SDXL_TINY)
+    train_root = root / "train"
+    dataset = make_dataset(train_root)
+    values: dict[str, Any] = {
+        "state_dir": root / "state", "train_root": train_root, "model_dirs": (root / "models",),
+        "nvml_fake_file": fake_gpus(root / "gpus.json"), "progress_interval_s": 0.1, "cancel_grace_s": 1.0,
+        "launch_grace_s": 2.0, **install, **settings,
+    }
+    return Host(root=root, settings=Settings(**values), dataset=dataset, model=model)

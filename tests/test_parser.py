@@ -5,11 +5,14 @@ import base64
 import json
 import math
 import random
+import re._constants as sre_constants
+import re._parser as sre_parse
 
 import pytest
 
 from lora_worker.ledger.states import Phase
-from lora_worker.progress.parser import Decoder, Parser
+from lora_worker.progress.logfile import JobLog
+from lora_worker.progress.parser import MARKER_GUARD, MARKERS, Decoder, Parser, drop_superseded_redraws
 from tests.helpers import DATA
 
 
@@ -156,3 +159,70 @@ def test_utf8_split_between_chunks_is_decoded_whole():
     text = "no regularization images / 正則化画像が見つかりませんでした\n".encode()
     out = "".join(decoder.decode("stdout", text[i:i + 1]) for i in range(len(text)))
     assert out == text.decode()
+
+
+def _always_guarded(items: object, guard: str) -> bool:
+    """Whether every string the parsed pattern `items` matches holds a character of `guard`."""
+    for op, av in items:  # type: ignore[attr-defined]
+        if op is sre_constants.LITERAL and chr(av) in guard:
+            return True
+        if op is sre_constants.SUBPATTERN and _always_guarded(av[-1], guard):
+            return True
+        if op is sre_constants.BRANCH and all(_always_guarded(alt, guard) for alt in av[1]):
+            return True
+    return False
+
+
+def test_every_marker_holds_a_guard_character_and_no_steps_redraw_does():
+    # What lets the parser and the decoder skip redraws without ever missing a marker.
+    assert _always_guarded(sre_parse.parse(MARKERS.pattern), MARKER_GUARD)
+    redraws = [d for s, d in chunks("run5_epochs_saves") + chunks("run1_simple") if d.startswith(b"\rsteps:")]
+    assert redraws and not any(g.encode() in d for d in redraws for g in MARKER_GUARD)
+
+
+BAR_OF = "\rsteps:  {pct:2d}%|███▎      | {step}/300 [00:11<00:23, 11.74s/it, avr_loss=0.{loss:03d}]".format
+
+
+def test_redraws_that_a_later_one_overwrites_are_dropped_before_decoding():
+    bars = "".join(BAR_OF(pct=i // 3, step=i, loss=i) for i in range(1, 100)).encode()
+    chunk = b"loss=0.5]" + bars  # the end of a redraw the last chunk cut
+    kept = drop_superseded_redraws(chunk)
+    assert kept == b"loss=0.5]" + (BAR_OF(pct=32, step=98, loss=98) + BAR_OF(pct=33, step=99, loss=99)).encode()
+    for intruder in (b"\n", b"\rmodel saved.", "\rcaching latents…".encode()):
+        mixed = chunk[:500] + intruder + chunk[500:]
+        assert drop_superseded_redraws(mixed) == mixed  # a line end or a possible marker: nothing dropped
+
+
+def _read_all(items: list[tuple[str, bytes]], tmp_path) -> tuple[object, ...]:
+    parser, decoder = Parser(), Decoder()
+    log = JobLog(tmp_path, 1, head_bytes=1 << 20, tail_bytes=1 << 20)
+    points = []
+    for stream, data in items:
+        text = decoder.decode(stream, data)
+        parser.feed(stream, text)
+        log.feed(stream, text)
+        points += parser.take_points()
+    parser.close()
+    log.close()
+    p = parser.progress
+    return (p.phase, p.step, p.total_steps, p.loss, p.flags, p.checkpoints, points,
+            (tmp_path / "job-1.log").read_text())
+
+
+def test_a_flood_of_redraws_reads_the_same_as_without_dropping(tmp_path, monkeypatch):
+    body = "".join(BAR_OF(pct=i // 30, step=i // 10 + 1, loss=i % 997) for i in range(3000))
+    stderr = (body[:40_000] + "\nTraceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory. "
+              + body[40_000:] + "\n").encode()
+    stdout = b"".join(f"\nepoch {e}/9\n\nsaving checkpoint: /out/ohwx-{e:06d}.safetensors\n".encode()
+                      for e in range(1, 9)) + b"model saved.\n"
+    rng = random.Random(11)
+    items = []
+    for stream, data in (("stdout", stdout), ("stderr", stderr)):
+        pos = 0
+        while pos < len(data):
+            size = rng.choice((7, 300, 4096, 65536))
+            items.append((stream, data[pos:pos + size]))
+            pos += size
+    fast = _read_all(items, tmp_path / "fast")
+    monkeypatch.setattr("lora_worker.progress.parser.drop_superseded_redraws", lambda data: data)
+    assert fast == _read_all(items, tmp_path / "plain")

@@ -4,9 +4,10 @@ The trainer's progress is tqdm's `steps` bar on stderr, redrawn with `\\r` even 
 stdout with --console_log_simple. Chunks are cut anywhere, a log line may be glued onto a redraw, and a redraw
 may end in pad spaces. So each stream is split on `\\r` and `\\n`, and matching is by `search`, never anchored.
 
-Cost: the parser works on whole chunks with C-level scans (one marker `finditer` over the complete text, one
-`rfind` + `match` for the newest redraw), never a Python loop per redraw, so a 100 MB stream costs little more
-than reading it. Per-step losses are sampled at chunk granularity; real steps are seconds apart.
+Cost: the parser works on whole chunks with C-level scans (a marker search over the complete text, skipped when
+it cannot hold one; one `rfind` + `match` for the newest redraw), never a Python loop per redraw; the Decoder
+drops the redraws a chunk overwrites before decoding, so a flood is neither decoded nor scanned redraw by redraw
+(bench/stream.py measures it). Per-step losses are sampled at chunk granularity; real steps are seconds apart.
 """
 from __future__ import annotations
 
@@ -44,11 +45,21 @@ MARKERS = re.compile(
     r"|(?P<died>died with <Signals\.SIG[A-Z0-9]+: (?P<signum>\d+)>)"
     r"|(?P<inner_exit>returned non-zero exit status (?P<inner_rc>\d+))"
 )
+# The same pattern without its named groups, to search with: each branch then starts with a literal that the
+# regex engine rejects in one comparison (a branch that starts with a group is entered and left at every
+# position), ~8x faster. A hit is matched again with MARKERS, at the same place, to name it.
+MARKER_SEARCH = re.compile(re.sub(r"\(\?P<\w+>", "(?:", MARKERS.pattern))
 PHASE_GROUPS = {p.value: p for p in (Phase.LOADING_MODEL, Phase.CACHING_LATENTS, Phase.CACHING_TEXT_ENCODER_OUTPUTS,
                                      Phase.PREPARING_TRAINING, Phase.SAVING)}
 FLAG_GROUPS = ("model_saved", "no_data", "cuda_oom", "caption_invalid", "model_load_error", "tokenizer_missing",
                "invalid_arguments", "died", "inner_exit")
 MAX_PENDING = 64 * 1024  # a stream that never ends a line must not grow without bound
+# Every string MARKERS matches holds one of these characters, and a redraw of the `steps` bar none: text
+# without them cannot hold a marker (tests/test_parser.py walks MARKERS to keep this true). Checking them is a
+# memchr each; even MARKER_SEARCH costs ~0.1 µs per character, a lot on a bar redrawn ten times a second.
+MARKER_GUARD = "cdmU"
+MARKER_GUARD_BYTES = tuple(c.encode() for c in MARKER_GUARD)
+STEPS_REDRAW = b"\rsteps:"
 
 
 @dataclass
@@ -68,15 +79,38 @@ class Progress:
 
 
 class Decoder:
-    """Bytes to text per stream: UTF-8 kept whole across chunk cuts, bad bytes replaced, ANSI removed."""
+    """Bytes to text per stream: UTF-8 kept whole across chunk cuts, bad bytes replaced, ANSI removed, and
+    redraws that a later redraw in the same chunk overwrites left out (see `drop_superseded_redraws`)."""
 
     def __init__(self) -> None:
         self._decoders: dict[str, codecs.IncrementalDecoder] = {}
 
     def decode(self, stream: str, data: bytes, final: bool = False) -> str:
         decoder = self._decoders.setdefault(stream, codecs.getincrementaldecoder("utf-8")("replace"))
-        text = decoder.decode(data, final)
+        text = decoder.decode(drop_superseded_redraws(data), final)
         return ANSI.sub("", text) if "\x1b" in text else text
+
+
+def drop_superseded_redraws(data: bytes) -> bytes:
+    """`data` less the `steps` redraws that a later one in the same chunk overwrites on the same line.
+
+    Whoever reads the text keeps only the newest redraw of a line: the parser the newest bar (or the one before,
+    if the newest is cut short), the run log and the error tail the line's last segment. So from the chunk's
+    first `\\r` to its second-newest `steps` redraw nothing is needed, provided that stretch ends no line and
+    holds no marker. A flooding trainer's 64 KiB chunk, ~700 redraws, then costs a few memchr passes instead
+    of a decode and a regex scan of all of it (bench/stream.py). Cuts fall on `\\r`, which is never inside a
+    UTF-8 sequence, so decoding the rest gives exactly the text it gave before.
+    """
+    first = data.find(b"\r")
+    if first < 0:
+        return data
+    newest = data.rfind(STEPS_REDRAW, first)
+    keep = data.rfind(STEPS_REDRAW, first, newest) if newest > first else -1
+    if keep <= first or data.find(b"\n", first, keep) >= 0:
+        return data
+    if any(data.find(guard, first, keep) >= 0 for guard in MARKER_GUARD_BYTES):
+        return data
+    return data[:first] + data[keep:]
 
 
 class Parser:
@@ -95,7 +129,7 @@ class Parser:
         complete = buffered[: cut + 1]
         self._pending[stream] = buffered[cut + 1:][-MAX_PENDING:]
         before = self._snapshot()
-        marker_at = self._scan_markers(complete) if complete else -1
+        marker_at = self._scan_markers(complete) if any(c in complete for c in MARKER_GUARD) else -1
         # The newest redraw may be the unterminated tail; it is whole once it ends in "]".
         self._scan_bar(stream, buffered, after=marker_at)
         return self._snapshot() != before
@@ -116,7 +150,11 @@ class Parser:
     def _scan_markers(self, text: str) -> int:
         last_phase_at = -1
         p = self.progress
-        for m in MARKERS.finditer(text):
+        pos = 0
+        while (hit := MARKER_SEARCH.search(text, pos)) is not None:
+            m = MARKERS.match(text, hit.start())
+            assert m is not None  # the same language: MARKER_SEARCH is MARKERS without names
+            pos = m.end()
             kind = m.lastgroup
             if kind in PHASE_GROUPS and "model_saved" not in p.flags:
                 p.phase = PHASE_GROUPS[kind]

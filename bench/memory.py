@@ -1,0 +1,87 @@
+"""Benchmark 5, memory: peak RSS (VmHWM) of the gunicorn worker and of one supervisor during a run.
+
+Baselines, measured in the same run: a bare Python interpreter (`python -c pass`), the same interpreter
+after importing only what the supervisor imports, and the web worker just after start-up. The supervisor is
+the real one, over the stream benchmark's emitter (bench/stream.py): a realistic paced run and a 100 MB
+flood. The web worker is measured after a dispatch, a cancel and a few thousand requests on every route.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+
+from bench.common import Row, arg_parser, bench_host, emit, peak_rss_mib, python, running_service
+from bench.stream import Runs
+from lora_worker.supervisor import process
+from tests.helpers import Host, set_modes, wait_for
+
+# Prints the interpreter's peak RSS (KiB) and the third-party packages loaded, after importing the supervisor.
+# VmHWM, not getrusage's ru_maxrss: that one survives exec, so a child would report its parent's size.
+PROBE = """
+import json, sys
+{imports}
+top = {{m.split('.')[0] for m in sys.modules}} - set(sys.stdlib_module_names) - {{'lora_worker'}}
+hwm = next(line for line in open('/proc/self/status') if line.startswith('VmHWM:'))
+print(json.dumps({{"kib": int(hwm.split()[1]), "third_party": sorted(t for t in top if not t.startswith('_'))}}))
+"""
+SUPERVISOR_IMPORTS = "import lora_worker.supervisor.__main__, lora_worker.supervisor.main"
+
+
+def probe(imports: str) -> dict:
+    out = subprocess.run([python(), "-c", PROBE.format(imports=imports)], check=True, capture_output=True,
+                         text=True).stdout
+    return json.loads(out)
+
+
+def web_worker(host: Host, requests: int) -> tuple[float, float]:
+    """(peak RSS just after start-up, peak RSS after the load) of the gunicorn worker, MiB."""
+    with running_service(host) as svc:
+        worker = svc.workers()[0]
+        idle = peak_rss_mib(worker)
+        set_modes(host.sd_scripts, step_s=0.05)
+        job_id = svc.request("POST", "/train", host.payload())[1]["worker_job_id"]
+        routes = ["/healthz", "/gpu-status", "/train?limit=50", f"/train/{job_id}", f"/train/{job_id}/log?lines=200"]
+        for i in range(requests):
+            svc.request("GET", routes[i % len(routes)])
+        svc.request("POST", f"/train/{job_id}/cancel")
+        wait_for(lambda: svc.request("GET", f"/train/{job_id}")[1]["status"] != "running", timeout=60, what="end")
+        return idle, peak_rss_mib(worker)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--bytes", type=int, default=100_000_000)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests, args.bytes = 20, 200_000
+    bare = probe("")["kib"] / 1024
+    imported = probe(SUPERVISOR_IMPORTS)
+    process.set_child_subreaper()  # as in bench/stream.py: supervisors are measured as our children
+    with bench_host() as host:
+        runs = Runs(host)
+        try:
+            paced = runs.supervised("--redraws", "100" if args.quick else "600", "--rate", "60")
+            flood = runs.supervised("--bytes", str(args.bytes))
+        finally:
+            runs.db.dispose()
+        idle, loaded = web_worker(host, args.requests)
+    sup_import = imported["kib"] / 1024
+    rows = [
+        Row("supervisor, realistic run (paced redraws)", f"{paced.peak_rss_mib:.1f} MiB",
+            f"{bare:.1f} MiB (bare python)", paced.peak_rss_mib / bare),
+        Row(f"supervisor, {args.bytes / 1e6:g} MB flood", f"{flood.peak_rss_mib:.1f} MiB",
+            f"{paced.peak_rss_mib:.1f} MiB (realistic run)", flood.peak_rss_mib / paced.peak_rss_mib),
+        Row("supervisor's imports alone", f"{sup_import:.1f} MiB", f"{bare:.1f} MiB (bare python)", sup_import / bare),
+        Row(f"gunicorn worker after {args.requests} requests, a dispatch and a cancel", f"{loaded:.1f} MiB",
+            f"{idle:.1f} MiB (after start-up)", loaded / idle),
+    ]
+    notes = ["third-party packages the supervisor imports: " + ", ".join(imported["third_party"]),
+             "no Flask, Werkzeug, marshmallow, apispec or prometheus_client: "
+             "tests/test_supervisor_imports.py asserts it"]
+    emit("Memory (peak RSS, VmHWM)", rows, notes)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,179 @@
+"""Benchmark 1, stream overhead: CPU the real supervisor spends on trainer output, against a bare pipe reader.
+
+Both readers run the same emitter (bench/emitter.py: the real capture's phase lines, then the `steps` bar
+redrawn as tqdm draws it) as their child, through the same kind of pipes, and are measured the same way:
+on-CPU time of the reader process (/proc/<pid>/schedstat) from the emitter's first byte to the reader's exit,
+read while the reader is a zombie so nothing after its last instruction is missed. The supervisor is the
+real one (`python -m lora_worker.supervisor`, started by `launch_supervisor` for a job whose argv is the
+emitter); it decodes, parses, writes the run log and the ledger. The bare reader (bench/bare_reader.py) only
+reads and discards.
+
+- flood: the emitter pre-renders N bytes and writes them in 64 KiB writes, so the pipe stays full and both
+  readers take it in the same 64 KiB chunks (the read() counts in the table show it).
+- realistic: redraws written one by one, paced. Two paced runs (the real rate, and many redraws compressed in
+  time) fit cpu = a x redraws + b x seconds; the CPU share of a 10-minute run at 10 redraws/s is then
+  (6000 a + 600 b) / 600 s. b holds the time-driven work (select timeouts, cancel polls, one ledger write a
+  second), a the per-redraw work.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.common import (BENCH_DIR, CAPTURE, Row, arg_parser, bench_host, cpu_seconds, emit, insert_job,
+                          peak_rss_mib, python, read_syscalls, state, supervisor_pid, threads)
+from lora_worker.ledger.db import Database
+from lora_worker.supervisor import process
+from lora_worker.supervisor.launch import launch_supervisor
+from tests.helpers import Host, wait_for
+
+EMITTER = BENCH_DIR / "emitter.py"
+BARE_READER = BENCH_DIR / "bare_reader.py"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One reader over one emission, from the emitter's first byte to the reader's exit."""
+
+    cpu_s: float
+    wall_s: float
+    reads: int
+    peak_rss_mib: float
+    threads: int
+
+
+def emitter_argv(go: Path, *args: str) -> list[str]:
+    return [python(), str(EMITTER), "--capture", str(CAPTURE), "--go", str(go), *args]
+
+
+def follow(pid: int, go: Path) -> Sample:
+    """Measure `pid` while its emitter runs; the caller reaps it afterwards."""
+    ready = Path(str(go) + ".ready")
+    wait_for(ready.exists, timeout=300, interval=0.005, what="the emitter to render its output")
+    cpu0, reads0, nthreads = cpu_seconds(pid), read_syscalls(pid), threads(pid)
+    start = time.monotonic()
+    go.touch()
+    peak = 0.0
+    while state(pid) not in ("Z", None):
+        peak = max(peak, peak_rss_mib(pid))  # VmHWM is gone once it is a zombie: keep the last reading
+        time.sleep(0.02)
+    wall = time.monotonic() - start
+    return Sample(cpu_seconds(pid) - cpu0, wall, read_syscalls(pid) - reads0, peak, nthreads)
+
+
+def supervised(host: Host, db: Database, go: Path, *args: str) -> Sample:
+    job_id = insert_job(db, emitter_argv(go, *args))
+    launch_supervisor(job_id, host.settings)
+    pid = supervisor_pid(db, job_id)  # re-parented to us (a subreaper), so it waits as a zombie for us
+    sample = follow(pid, go)
+    os.waitpid(pid, 0)
+    return sample
+
+
+def bare(go: Path, *args: str) -> Sample:
+    proc = subprocess.Popen([python(), str(BARE_READER), *emitter_argv(go, *args)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sample = follow(proc.pid, go)
+    proc.wait()
+    return sample
+
+
+class Runs:
+    """Numbered go-files, so every emission has its own."""
+
+    def __init__(self, host: Host) -> None:
+        self.host, self.n = host, 0
+        self.db = Database.open(host.settings.database_path)
+
+    def go(self) -> Path:
+        self.n += 1
+        return self.host.root / f"go-{self.n}"
+
+    def supervised(self, *args: str) -> Sample:
+        return supervised(self.host, self.db, self.go(), *args)
+
+    def bare(self, *args: str) -> Sample:
+        return bare(self.go(), *args)
+
+
+def flood(runs: Runs, size: int, repeats: int) -> tuple[list[Row], list[str]]:
+    pairs = []
+    for _ in range(repeats):  # interleaved, so drift on a noisy machine hits both alike
+        pairs.append((runs.bare("--bytes", str(size)), runs.supervised("--bytes", str(size))))
+    ratios = [s.cpu_s / b.cpu_s for b, s in pairs]
+    sup = statistics.median(s.cpu_s for _, s in pairs)
+    base = statistics.median(b.cpu_s for b, _ in pairs)
+    ratio = statistics.median(ratios)
+    mb = size / 1e6
+    rows = [
+        Row(f"CPU for {mb:g} MB of output (median of {repeats})", f"{sup:.3f} s", f"{base:.3f} s (bare reader)",
+            ratio, "≤ 1.5×", ratio <= 1.5),
+        Row("CPU per MB", f"{sup / mb * 1e3:.2f} ms", f"{base / mb * 1e3:.2f} ms"),
+        Row("read() calls (median)", f"{statistics.median(s.reads for _, s in pairs):.0f}",
+            f"{statistics.median(b.reads for b, _ in pairs):.0f}"),
+        Row("wall time, first byte → reader exit (median)", f"{statistics.median(s.wall_s for _, s in pairs):.2f} s",
+            f"{statistics.median(b.wall_s for b, _ in pairs):.2f} s"),
+        Row("peak RSS of the reader (max)", f"{max(s.peak_rss_mib for _, s in pairs):.1f} MiB",
+            f"{max(b.peak_rss_mib for b, _ in pairs):.1f} MiB"),
+    ]
+    notes = [f"ratios of the {repeats} pairs: " + ", ".join(f"{r:.2f}×" for r in ratios),
+             f"threads in the measured processes: supervisor {pairs[0][1].threads}, bare reader {pairs[0][0].threads}"]
+    return rows, notes
+
+
+def realistic(runs: Runs, real_s: float, compressed_redraws: int, compressed_s: float) -> tuple[list[Row], list[str]]:
+    slow_n = max(2, int(10 * real_s))
+    slow = runs.supervised("--redraws", str(slow_n), "--rate", "10")
+    slow_bare = runs.bare("--redraws", str(slow_n), "--rate", "10")
+    fast = runs.supervised("--redraws", str(compressed_redraws), "--rate", f"{compressed_redraws / compressed_s:g}")
+    # cpu = a * redraws + b * seconds, from the two supervised runs
+    det = slow_n * fast.wall_s - compressed_redraws * slow.wall_s
+    a = (slow.cpu_s * fast.wall_s - fast.cpu_s * slow.wall_s) / det
+    b = (fast.cpu_s * slow_n - slow.cpu_s * compressed_redraws) / det
+    share = (6000 * a + 600 * b) / 600
+    direct = slow.cpu_s / slow.wall_s
+    base = slow_bare.cpu_s / slow_bare.wall_s
+    rows = [
+        Row("CPU share, 10 redraws/s for 10 min (fitted)", f"{share * 100:.3f} % of a core",
+            f"{base * 100:.3f} % (bare reader, 10/s)", share / base if base else None, "< 0.5 %", share < 0.005),
+        Row(f"CPU share measured at 10 redraws/s over {slow.wall_s:.0f} s", f"{direct * 100:.3f} %",
+            f"{base * 100:.3f} %", direct / base if base else None, "< 0.5 %", direct < 0.005),
+        Row(f"CPU share, {compressed_redraws} redraws in {fast.wall_s:.0f} s (compressed)",
+            f"{fast.cpu_s / fast.wall_s * 100:.3f} %"),
+        Row("fitted cost per redraw (a)", f"{a * 1e6:.1f} µs"),
+        Row("fitted time-driven cost (b)", f"{b * 1e3:.2f} ms per second"),
+    ]
+    notes = [f"supervised runs: {slow_n} redraws in {slow.wall_s:.1f} s → {slow.cpu_s * 1e3:.1f} ms CPU; "
+             f"{compressed_redraws} redraws in {fast.wall_s:.1f} s → {fast.cpu_s * 1e3:.1f} ms CPU",
+             f"peak RSS of the supervisor: {max(slow.peak_rss_mib, fast.peak_rss_mib):.1f} MiB"]
+    return rows, notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = arg_parser(__doc__)
+    parser.add_argument("--bytes", type=int, default=100_000_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--real-s", type=float, default=30.0, help="seconds of the run at the real rate")
+    parser.add_argument("--compressed-s", type=float, default=30.0, help="seconds for 6000 compressed redraws")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.bytes, args.repeats, args.real_s, args.compressed_s = 200_000, 1, 0.3, 0.5
+    process.set_child_subreaper()  # supervisors re-parent to us: we read their CPU time as zombies
+    with bench_host() as host:
+        runs = Runs(host)
+        try:
+            rows, notes = flood(runs, args.bytes, args.repeats)
+            emit("Stream overhead: flood of realistic output", rows, notes)
+            rows, notes = realistic(runs, args.real_s, 6000 if not args.quick else 20, args.compressed_s)
+            emit("Stream overhead: CPU share in a realistic run", rows, notes)
+        finally:
+            runs.db.dispose()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -93,9 +93,10 @@ def test_the_trainer_runs_the_stored_argv_with_the_allow_listed_env(client, host
 def test_progress_is_visible_mid_run(client, host):
     modes(host, step_s=0.02)
     job_id = submit(client, host)
-    mid = wait_for(lambda: (j := job(client, job_id))["status"] == "running" and 0 < j["step"] < 400 and j,
-                   what="a step between 0 and 400")
-    assert mid["phase"] == "training" and mid["loss"] is not None and mid["rate"] > 0 and mid["eta_s"] is not None
+    # eta_s stays null until two steps were seen (no history here), so wait for a moment that has one
+    mid = wait_for(lambda: (j := job(client, job_id))["status"] == "running" and 5 < j["step"] < 400
+                   and j["eta_s"] is not None and j, what="a measured step between 5 and 400")
+    assert mid["phase"] == "training" and mid["loss"] is not None and mid["rate"] > 0 and mid["eta_basis"] == "measured"
     later = wait_for(lambda: (j := job(client, job_id))["step"] > mid["step"] and j, what="more steps")
     assert later["version"] > mid["version"]
     client.post(f"/train/{job_id}/cancel")

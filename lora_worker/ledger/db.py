@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 import sqlalchemy.exc
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 from lora_worker.errors import LedgerBusy, LedgerUnwritable
@@ -79,6 +79,18 @@ class Database:
         """A read-only snapshot, rolled back on close; never takes the write lock."""
         with _busy_as_unavailable(), self._reading() as session:
             yield session
+
+    @contextmanager
+    def write_connection(self) -> Iterator[Connection]:
+        """A Core connection in a BEGIN IMMEDIATE transaction, for hot paths that skip the ORM."""
+        with _busy_as_unavailable(), self.writer.begin() as conn:
+            yield conn
+
+    @contextmanager
+    def read_connection(self) -> Iterator[Connection]:
+        """A Core connection for a read-only hot path; its transaction is rolled back on close."""
+        with _busy_as_unavailable(), self.reader.connect() as conn:
+            yield conn
 
     def dispose(self) -> None:
         self.writer.dispose()

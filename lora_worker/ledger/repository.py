@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from lora_worker.errors import JobActive, JobFinished, JobNotFound
 from lora_worker.ledger.db import Database
-from lora_worker.ledger.models import Job, JobEvent, ProgressPoint, utcnow
+from lora_worker.ledger.models import Job, JobEvent, ProgressPoint, UtcTimestamp, utcnow
 from lora_worker.ledger.states import ACTIVE_STATES, TERMINAL_STATES, TRANSITIONS, FailureClass, JobState
 
 
@@ -160,20 +160,53 @@ def request_cancel(db: Database, job_id: int, *, actor: str, reason: str = "canc
 
 def update_running(db: Database, job_id: int, *, points: Iterable[tuple[int, float | None, datetime]] = (),
                    **values: Any) -> bool:
-    """Write progress (or identity) of a running job; False once the job is no longer running."""
-    with db.write() as s:
-        now = utcnow()
-        result = s.execute(
-            update(Job)
-            .where(Job.id == job_id, Job.status == JobState.RUNNING.value)
-            .values(updated_at=now, version=Job.version + 1, **values)
-        )
+    """Write progress (or identity) of a running job; False once the job is no longer running.
+
+    The supervisor calls this every second for the whole run, so it speaks SQL to the driver directly: a
+    tenth of the ORM's CPU (bench/stream.py). Still one BEGIN IMMEDIATE transaction, still compare-and-set.
+    """
+    columns = tuple(sorted(values))
+    sql = _RUNNING_UPDATE_SQL.get(columns) or _running_update_sql(columns)
+    now = _bind(utcnow())
+    with db.write_connection() as conn:
+        result = conn.exec_driver_sql(sql, (*(_bind(values[c]) for c in columns), now, job_id))
         if result.rowcount != 1:
             return False
-        rows = [{"job_id": job_id, "step": step, "loss": loss, "at": at} for step, loss, at in points]
+        rows = [(job_id, step, loss, _bind(at)) for step, loss, at in points]
         if rows:
-            s.execute(insert(ProgressPoint).prefix_with("OR REPLACE"), rows)
-        return True
+            conn.exec_driver_sql(PROGRESS_POINT_SQL, rows)
+    return True
+
+
+def cancel_state(db: Database, job_id: int) -> tuple[str | None, bool]:
+    """(status, whether a cancel is requested): the supervisor's twice-a-second probe, kept cheap."""
+    with db.read_connection() as conn:
+        row = conn.exec_driver_sql(
+            "SELECT status, cancel_requested_at IS NOT NULL FROM jobs WHERE id = ?", (job_id,)).first()
+    return (row[0], bool(row[1])) if row else (None, False)
+
+
+PROGRESS_POINT_SQL = "INSERT OR REPLACE INTO job_progress (job_id, step, loss, at) VALUES (?, ?, ?, ?)"
+_RUNNING_UPDATE_SQL: dict[tuple[str, ...], str] = {}
+_TIMESTAMP = UtcTimestamp()
+
+
+def _running_update_sql(columns: tuple[str, ...]) -> str:
+    unknown = [c for c in columns if c not in Job.__table__.c]
+    if unknown:
+        raise ValueError(f"not columns of jobs: {unknown}")
+    assignments = "".join(f"{c} = ?, " for c in columns)
+    sql = (f"UPDATE jobs SET {assignments}updated_at = ?, version = version + 1 "
+           f"WHERE id = ? AND status = '{JobState.RUNNING.value}'")
+    _RUNNING_UPDATE_SQL[columns] = sql
+    return sql
+
+
+def _bind(value: Any) -> Any:
+    """A Python value as the driver stores it in this schema (timestamps as ISO-8601 UTC text)."""
+    if isinstance(value, datetime):
+        return _TIMESTAMP.process_bind_param(value, None)  # type: ignore[arg-type]
+    return value
 
 
 def progress_points(db: Database, job_id: int) -> list[ProgressPoint]:

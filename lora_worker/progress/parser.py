@@ -90,6 +90,10 @@ class Decoder:
         text = decoder.decode(drop_superseded_redraws(data), final)
         return ANSI.sub("", text) if "\x1b" in text else text
 
+    def reset(self, stream: str) -> None:
+        """Forget a partial character held for `stream`: the text it belonged to was overwritten."""
+        self._decoders.pop(stream, None)
+
 
 def drop_superseded_redraws(data: bytes) -> bytes:
     """`data` less the `steps` redraws that a later one in the same chunk overwrites on the same line.

@@ -41,7 +41,10 @@ log = logging.getLogger(__name__)
 READ_BYTES = 1 << 16
 SELECT_TIMEOUT_S = 0.2
 CANCEL_POLL_S = 0.5
-DRAIN_GRACE_S = 10.0  # after the launcher exits, how long stragglers may hold the pipes
+DRAIN_GRACE_S = 10.0
+MATERIALIZE_S = 0.05  # how long the newest redraw may wait to be parsed (real steps are 0.2 s or more apart)
+COALESCE_S = 0.25  # the loop's shortest period while the trainer writes little
+OUTPUT = "output"  # the trainer's stdout and stderr, merged  # after the launcher exits, how long stragglers may hold the pipes
 TAIL_LINES = 200
 # What a locked, full or failing ledger raises: waited out or retried, never fatal to the run.
 TRANSIENT = (sqlalchemy.exc.OperationalError, LedgerBusy, LedgerUnwritable)
@@ -73,6 +76,8 @@ class Runner:
         self._training_at: datetime | None = None
         self.clock = EtaClock(total_steps=0, estimated_duration_s=None)
         self.artifact: ArtifactCheck | None = None
+        self._latest: dict[str, bytes] = {}  # per stream, the newest redraw not parsed yet
+        self._materialized_at = 0.0
 
     # -- entry -------------------------------------------------------------------------------------------
 
@@ -128,7 +133,9 @@ class Runner:
         try:
             proc = subprocess.Popen(  # noqa: S603 - argv is the stored list; no shell
                 job.argv, cwd=self.settings.sd_scripts_dir, env=job.env, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True,
+                # One pipe for both streams: the kernel keeps the trainer's writes in the order they were made,
+                # which two pipes cannot (a "saving checkpoint:" line must follow the redraw before it).
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
                 umask=0o002,  # outputs readable and writable by the shared group (arbo)
             )
         except OSError as exc:
@@ -148,23 +155,15 @@ class Runner:
     def _supervise(self, proc: subprocess.Popen[bytes]) -> None:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         selector = selectors.DefaultSelector()
-        for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
-            assert pipe is not None
-            os.set_blocking(pipe.fileno(), False)
-            selector.register(pipe.fileno(), selectors.EVENT_READ, name)
-        open_pipes, exited_at = 2, None
+        assert proc.stdout is not None
+        os.set_blocking(proc.stdout.fileno(), False)
+        selector.register(proc.stdout.fileno(), selectors.EVENT_READ, OUTPUT)
+        open_pipes, exited_at = 1, None
         try:
             while open_pipes or proc.poll() is None:
-                for key, _ in selector.select(SELECT_TIMEOUT_S):
-                    try:
-                        data = os.read(key.fd, READ_BYTES)
-                    except BlockingIOError:
-                        continue
-                    if data:
-                        self._consume(key.data, data)
-                    else:
-                        selector.unregister(key.fd)
-                        open_pipes -= 1
+                started = time.monotonic()
+                closed, backlog = self._read_ready(selector)
+                open_pipes -= closed
                 now = time.monotonic()
                 if proc.poll() is not None and exited_at is None:
                     exited_at = now
@@ -176,17 +175,51 @@ class Runner:
                     # accelerate waits for its trainer, so whatever still holds the pipes is a straggler.
                     self._kill_everything(proc.pid, signal.SIGKILL)
                 self._tick(now)
+                if not backlog:
+                    # Let output gather in the pipe: one wake-up, read and parse per COALESCE_S instead of one
+                    # per redraw. Nothing here must react faster; the ledger is written once a second.
+                    time.sleep(max(0.0, COALESCE_S - (time.monotonic() - started)))
         finally:
             selector.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
-        for stream in ("stdout", "stderr"):
-            self._feed_text(stream, self.decoder.decode(stream, b"", final=True))
+        self._materialize()
+        self._feed_text(OUTPUT, self.decoder.decode(OUTPUT, b"", final=True))
         self.parser.close()
         self.joblog.end_of_output()
 
+    def _read_ready(self, selector: selectors.BaseSelector) -> tuple[int, bool]:
+        """Read what the pipes hold; (pipes that reached EOF, whether a read filled its buffer)."""
+        closed, backlog = 0, False
+        for key, _ in selector.select(SELECT_TIMEOUT_S):
+            try:
+                data = os.read(key.fd, READ_BYTES)
+            except BlockingIOError:
+                continue
+            if data:
+                self._consume(key.data, data)
+                backlog = backlog or len(data) == READ_BYTES
+            else:
+                selector.unregister(key.fd)
+                closed += 1
+        return closed, backlog
+
     def _consume(self, stream: str, data: bytes) -> None:
+        cut = data.rfind(b"\r") if b"\n" not in data else -1
+        if cut >= 0:
+            # A run of tqdm redraws, each overwriting the last on the same line: only the newest can matter
+            # to the parser, the log or a client. Keep its bytes and parse it once, a moment later
+            # (MATERIALIZE_S), instead of every redraw: a flooding trainer then costs little more than its read.
+            self._latest[stream] = data[cut:]
+            self.decoder.reset(stream)
+            return
+        self._materialize()  # first what came before, on either stream: a phase line must follow its redraw
         self._feed_text(stream, self.decoder.decode(stream, data))
+
+    def _materialize(self) -> None:
+        """Parse the newest redraw kept back on each stream."""
+        for name in list(self._latest):
+            self._feed_text(name, self.decoder.decode(name, self._latest.pop(name)))
 
     def _feed_text(self, stream: str, text: str) -> None:
         if not text:
@@ -226,6 +259,9 @@ class Runner:
     # -- periodic work -----------------------------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
+        if self._latest and now - self._materialized_at >= MATERIALIZE_S:
+            self._materialized_at = now
+            self._materialize()
         self.joblog.tick(now)
         process.reap_orphans(keep={self.proc.pid})
         if now - self._last_write >= self.settings.progress_interval_s:
@@ -243,13 +279,13 @@ class Runner:
 
     def _poll_cancel(self) -> None:
         try:
-            job = repo.find_job(self.db, self.job_id)
+            status, cancel = repo.cancel_state(self.db, self.job_id)
         except TRANSIENT as exc:
             log.warning("job %s: cannot read the ledger (%s); will retry", self.job_id, exc)
             return
-        if job is None or job.status != JobState.RUNNING.value:
+        if status != JobState.RUNNING.value:
             self._begin_stop("lost", "the job is no longer running in the ledger")
-        elif job.cancel_requested_at is not None and self.stop_reason is None:
+        elif cancel and self.stop_reason is None:
             self._begin_stop("cancel", "cancel requested")
 
     def _watchdog(self, now: float) -> None:

@@ -1,7 +1,8 @@
 """The stream benchmark's baseline: start a command and read both its pipes to the end, discarding the bytes.
 
-The same loop shape as the supervisor's (supervisor/runner.py `_supervise`): a selector on stdout and
-stderr, `os.read` of 64 KiB, a 0.2 s select timeout. Nothing is decoded, parsed, logged or written.
+The same pipe and loop shape as the supervisor's (supervisor/runner.py `_supervise`): stdout and stderr merged
+into one pipe, a selector on it, `os.read` of 64 KiB, a 0.2 s select timeout. Nothing is decoded, parsed,
+logged or written, and it never pauses to let output gather.
 Usage: python bench/bare_reader.py <command> [args…]
 """
 from __future__ import annotations
@@ -16,14 +17,13 @@ SELECT_TIMEOUT_S = 0.2
 
 
 def main(argv: list[str]) -> int:
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     selector = selectors.DefaultSelector()
-    for pipe in (proc.stdout, proc.stderr):
-        assert pipe is not None
-        os.set_blocking(pipe.fileno(), False)
-        selector.register(pipe.fileno(), selectors.EVENT_READ)
-    open_pipes = 2
+    assert proc.stdout is not None
+    os.set_blocking(proc.stdout.fileno(), False)
+    selector.register(proc.stdout.fileno(), selectors.EVENT_READ)
+    open_pipes = 1
     while open_pipes or proc.poll() is None:
         for key, _ in selector.select(SELECT_TIMEOUT_S):
             try:

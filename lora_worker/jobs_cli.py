@@ -21,7 +21,7 @@ from lora_worker.errors import JobFinished
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job
-from lora_worker.ledger.reconcile import reconcile, reconcile_job
+from lora_worker.ledger.reconcile import current_job, reconcile
 from lora_worker.ledger.states import ACTIVE_STATES, JobState
 from lora_worker.progress.logfile import LogReader
 from lora_worker.retention import prune
@@ -77,7 +77,7 @@ def cmd_ls(db: Database, settings: Settings, args: argparse.Namespace, out: Text
 
 
 def cmd_show(db: Database, settings: Settings, args: argparse.Namespace, out: TextIO) -> int:
-    job = _reconciled(db, settings, args.job_id)
+    job = current_job(db, settings, args.job_id, actor="cli")
     fields = {
         "status": job.status + (f" ({job.phase})" if job.phase else ""),
         "tier": f"{job.tier} on device {job.device_index}, seed {job.seed}",
@@ -104,7 +104,7 @@ def cmd_show(db: Database, settings: Settings, args: argparse.Namespace, out: Te
 
 def cmd_log(db: Database, settings: Settings, args: argparse.Namespace, out: TextIO) -> int:
     try:
-        return _print_log(db, settings, _reconciled(db, settings, args.job_id), args.follow, out)
+        return _print_log(db, settings, current_job(db, settings, args.job_id, actor="cli"), args.follow, out)
     except KeyboardInterrupt:  # the usual way to stop following
         return 130
 
@@ -124,7 +124,7 @@ def _print_log(db: Database, settings: Settings, job: Job, follow: bool, out: Te
             return 0
         time.sleep(FOLLOW_POLL_S)
         # Read the row after the log: once it says "ended", one more pass of the loop drains the last bytes.
-        job = _reconciled(db, settings, job.id)
+        job = current_job(db, settings, job.id, actor="cli")
 
 
 def cmd_cancel(db: Database, settings: Settings, args: argparse.Namespace, out: TextIO) -> int:
@@ -162,19 +162,12 @@ COMMANDS: dict[str, Callable[[Database, Settings, argparse.Namespace, TextIO], i
 
 # -- helpers -------------------------------------------------------------------------------------------------
 
-def _reconciled(db: Database, settings: Settings, job_id: int) -> Job:
-    job = repo.get_job(db, job_id)
-    if JobState(job.status) in ACTIVE_STATES and reconcile_job(db, settings, job, actor="cli"):
-        job = repo.get_job(db, job_id)
-    return job
-
-
 def _wait_until_ended(db: Database, settings: Settings, job_ids: Sequence[int], out: TextIO) -> int:
     deadline = time.monotonic() + settings.cancel_grace_s + WAIT_MARGIN_S
     pending = list(job_ids)
     while pending and time.monotonic() < deadline:
         time.sleep(FOLLOW_POLL_S)
-        pending = [i for i in pending if JobState(_reconciled(db, settings, i).status) in ACTIVE_STATES]
+        pending = [i for i in pending if JobState(current_job(db, settings, i, actor="cli").status) in ACTIVE_STATES]
     for job_id in job_ids:
         out.write(f"job {job_id}: {repo.get_job(db, job_id).status}\n")
     return 1 if pending else 0

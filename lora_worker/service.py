@@ -30,8 +30,8 @@ from lora_worker.invocation.request import TrainRequest, check_device
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, ProgressPoint, utcnow
-from lora_worker.ledger.reconcile import reconcile, reconcile_job
-from lora_worker.ledger.states import ACTIVE_STATES, FailureClass, JobState
+from lora_worker.ledger.reconcile import current_job, reconcile
+from lora_worker.ledger.states import FailureClass, JobState
 from lora_worker.preflight.dataset import DatasetManifest, inspect_dataset
 from lora_worker.preflight.disk import require_free_space
 from lora_worker.preflight.model import check_base_model
@@ -189,10 +189,7 @@ class Worker:
         """A job as the ledger has it, after reconciling it if it claims to be active."""
         if not 0 < job_id <= MAX_JOB_ID:
             raise JobNotFound(f"No job has id {job_id}.", job_id=job_id)
-        job = repo.get_job(self.db, job_id)
-        if JobState(job.status) in ACTIVE_STATES and reconcile_job(self.db, self.settings, job, actor="api"):
-            job = repo.get_job(self.db, job_id)
-        return job
+        return current_job(self.db, self.settings, job_id, actor="api")
 
     def jobs(self, *, status: list[str], limit: int, before_id: int | None) -> list[Job]:
         self.reconcile_active()

@@ -4,7 +4,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import shutil
 import sqlite3
 import struct

@@ -226,3 +226,16 @@ def test_a_flood_of_redraws_reads_the_same_as_without_dropping(tmp_path, monkeyp
     fast = _read_all(items, tmp_path / "fast")
     monkeypatch.setattr("lora_worker.progress.parser.drop_superseded_redraws", lambda data: data)
     assert fast == _read_all(items, tmp_path / "plain")
+
+
+def test_redraws_are_dropped_line_by_line_in_a_merged_stream():
+    from lora_worker.progress.parser import drop_superseded_redraws_by_line
+    redraws = b"".join(f"\rsteps:  {n:2d}%|#   | {n}/100 [00:0{n % 10}<00:09,  1.00s/it, avr_loss=0.5]".encode()
+                       for n in range(1, 40))
+    chunk = redraws + b"\nepoch is incremented. current_epoch: 0, epoch: 1\n" + redraws
+    kept = drop_superseded_redraws_by_line(chunk)
+    assert len(kept) < len(chunk) / 5 and kept.count(b"\n") == 2
+    whole, cut = Parser(), Parser()
+    whole.feed("output", chunk.decode())
+    cut.feed("output", kept.decode())
+    assert (cut.progress.step, cut.progress.loss) == (whole.progress.step, whole.progress.loss) == (39, 0.5)

@@ -15,7 +15,7 @@ from lora_worker.artifacts import inspect_lora
 from lora_worker.invocation.builder import build_argv, build_env
 from lora_worker.invocation.request import TrainRequest
 from lora_worker.ledger import repository as repo
-from lora_worker.ledger.states import TERMINAL_STATES, JobState
+from lora_worker.ledger.states import TERMINAL_STATES
 from lora_worker.supervisor.launch import launch_supervisor
 from tests.helpers import pid_alive, set_modes, wait_for
 

@@ -15,12 +15,23 @@ from lora_worker.ledger.states import JobState
 MAX_PATH = 4096
 # Names that become a file name, a folder name or a caption token: ASCII, no separators, no leading '-'
 # (a value must never look like a flag), no control characters, bounded.
-OUTPUT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
-TRIGGER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}\Z")
-SUBJECT_CLASS = re.compile(r"^[A-Za-z0-9]+(?:[ _-][A-Za-z0-9]+){0,5}\Z")
+# Written so they mean the same in Python and in ECMA-262 (the OpenAPI document's dialect), and matched whole
+# (FullMatch): Python's `$` alone would let a trailing newline through.
+OUTPUT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+TRIGGER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
+SUBJECT_CLASS = re.compile(r"^[A-Za-z0-9]+(?:[ _-][A-Za-z0-9]+){0,5}$")
 REPEATS = (1, 100)
 SEED = (0, 2**31 - 1)
 MAX_GRAD_NORM = (0.0, 10.0)
+
+
+class FullMatch(validate.Regexp):
+    """A Regexp validator that must match the whole value (re.fullmatch), documented by its pattern."""
+
+    def __call__(self, value: str) -> str:
+        if self.regex.fullmatch(value) is None:
+            raise ValidationError(self._format_error(value))
+        return value
 
 
 def _path_field() -> fields.String:
@@ -36,11 +47,11 @@ class TrainRequestSchema(Schema):
     dataset_dir = _path_field()
     base_model_path = _path_field()
     output_dir = _path_field()
-    output_name = fields.String(required=True, validate=validate.Regexp(
+    output_name = fields.String(required=True, validate=FullMatch(
         OUTPUT_NAME, error="1-64 of A-Z a-z 0-9 . _ -, starting with a letter or digit."))
-    trigger = fields.String(required=True, validate=validate.Regexp(
+    trigger = fields.String(required=True, validate=FullMatch(
         TRIGGER, error="1-32 of A-Z a-z 0-9 _ -, starting with a letter or digit."))
-    subject_class = fields.String(required=True, validate=[validate.Length(max=48), validate.Regexp(
+    subject_class = fields.String(required=True, validate=[validate.Length(max=48), FullMatch(
         SUBJECT_CLASS, error="Words of A-Z a-z 0-9 separated by single spaces, '_' or '-' (at most 48 chars).")])
     repeats = fields.Integer(required=True, strict=True, validate=validate.Range(*REPEATS))
     tier = fields.String(required=True, validate=validate.OneOf(list(TIERS)))
@@ -127,7 +138,7 @@ class AcceptedSchema(Schema):
     estimated_duration_s = fields.Float(allow_none=True)
 
 
-IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,128}\Z")
+IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,128}")  # matched whole (fullmatch)
 
 
 class StatusQuerySchema(Schema):

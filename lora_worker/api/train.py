@@ -68,7 +68,7 @@ def _json_body() -> object:
 
 def _idempotency_key() -> str | None:
     key = request.headers.get("Idempotency-Key")
-    if key is not None and not IDEMPOTENCY_KEY.match(key):
+    if key is not None and not IDEMPOTENCY_KEY.fullmatch(key):
         raise InvalidRequest({"Idempotency-Key": ["1-128 visible ASCII characters."]})
     return key
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from lora_worker.errors import InvalidRequest, Unavailable
 
-SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")
+SAFE_COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")  # matched whole (fullmatch)
 
 
 def resolve_dir(raw: str, base: Path, field: str) -> Path:
@@ -48,7 +48,7 @@ def resolve_new_dir(raw: str, base: Path, field: str) -> Path:
         path = path.parent
     real = _resolve_existing(str(path), field)
     for name in missing:
-        if not SAFE_COMPONENT.match(name):
+        if not SAFE_COMPONENT.fullmatch(name):
             raise InvalidRequest({field: [f"New directory name {name!r} is not allowed "
                                           "(letters, digits, '.', '_', '-'; not starting with '.' or '-')."]})
     resolved = real.joinpath(*missing)

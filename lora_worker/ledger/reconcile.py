@@ -17,7 +17,7 @@ from lora_worker.config import Settings
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, utcnow
-from lora_worker.ledger.states import FailureClass, JobState
+from lora_worker.ledger.states import ACTIVE_STATES, FailureClass, JobState
 from lora_worker.supervisor import process
 from lora_worker.supervisor.locks import job_lock_path
 
@@ -39,6 +39,15 @@ def reconcile(db: Database, settings: Settings, *, actor: str = "reconcile") -> 
         if action is not None:
             actions.append(action)
     return actions
+
+
+def current_job(db: Database, settings: Settings, job_id: int, *, actor: str) -> Job:
+    """A job as the ledger has it, reconciled first when it claims to be active: a reader never sees a dead
+    supervisor's job as running."""
+    job = repo.get_job(db, job_id)
+    if JobState(job.status) in ACTIVE_STATES and reconcile_job(db, settings, job, actor=actor):
+        job = repo.get_job(db, job_id)
+    return job
 
 
 def reconcile_job(db: Database, settings: Settings, job: Job, *, actor: str = "reconcile") -> Action | None:

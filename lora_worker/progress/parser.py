@@ -87,7 +87,7 @@ class Decoder:
 
     def decode(self, stream: str, data: bytes, final: bool = False) -> str:
         decoder = self._decoders.setdefault(stream, codecs.getincrementaldecoder("utf-8")("replace"))
-        text = decoder.decode(drop_superseded_redraws(data), final)
+        text = decoder.decode(drop_superseded_redraws_by_line(data), final)
         return ANSI.sub("", text) if "\x1b" in text else text
 
     def reset(self, stream: str) -> None:
@@ -115,6 +115,14 @@ def drop_superseded_redraws(data: bytes) -> bytes:
     if any(data.find(guard, first, keep) >= 0 for guard in MARKER_GUARD_BYTES):
         return data
     return data[:first] + data[keep:]
+
+
+def drop_superseded_redraws_by_line(data: bytes) -> bytes:
+    """`drop_superseded_redraws` on each line of `data`: a chunk of the merged output stream holds log lines
+    between its runs of redraws, and each run is overwritten within its own line."""
+    if b"\n" not in data:
+        return drop_superseded_redraws(data)
+    return b"\n".join(drop_superseded_redraws(line) if b"\r" in line else line for line in data.split(b"\n"))
 
 
 class Parser:

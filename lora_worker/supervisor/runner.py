@@ -43,7 +43,8 @@ SELECT_TIMEOUT_S = 0.2
 CANCEL_POLL_S = 0.5
 DRAIN_GRACE_S = 10.0
 MATERIALIZE_S = 0.05  # how long the newest redraw may wait to be parsed (real steps are 0.2 s or more apart)
-COALESCE_S = 0.25  # the loop's shortest period while the trainer writes little
+COALESCE_S = 0.25  # the loop's shortest period while the trainer writes little…
+BUSY_BYTES = 8 * 1024  # …that is, less than this per wake-up (a quarter second of redraws is ~250 bytes)
 OUTPUT = "output"  # the trainer's stdout and stderr, merged  # after the launcher exits, how long stragglers may hold the pipes
 TAIL_LINES = 200
 # What a locked, full or failing ledger raises: waited out or retried, never fatal to the run.
@@ -189,8 +190,8 @@ class Runner:
         self.joblog.end_of_output()
 
     def _read_ready(self, selector: selectors.BaseSelector) -> tuple[int, bool]:
-        """Read what the pipes hold; (pipes that reached EOF, whether a read filled its buffer)."""
-        closed, backlog = 0, False
+        """Read what the pipe holds; (pipes that reached EOF, whether the trainer is writing a lot)."""
+        closed, got = 0, 0
         for key, _ in selector.select(SELECT_TIMEOUT_S):
             try:
                 data = os.read(key.fd, READ_BYTES)
@@ -198,11 +199,11 @@ class Runner:
                 continue
             if data:
                 self._consume(key.data, data)
-                backlog = backlog or len(data) == READ_BYTES
+                got += len(data)
             else:
                 selector.unregister(key.fd)
                 closed += 1
-        return closed, backlog
+        return closed, got >= BUSY_BYTES
 
     def _consume(self, stream: str, data: bytes) -> None:
         cut = data.rfind(b"\r") if b"\n" not in data else -1

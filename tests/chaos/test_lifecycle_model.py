@@ -19,11 +19,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from lora_worker import create_app
-from lora_worker.config import Settings
 from lora_worker.ledger.migrate import upgrade
 from tests.chaos.invariants import TERMINAL, active_rows, integrity_ok, terminal_events
-from tests.helpers import (SDXL_TINY, fake_gpus, install_fake_trainer, make_dataset, payload, pid_alive, set_modes,
-                           wait_for, write_safetensors)
+from tests.helpers import make_host, pid_alive, set_modes, wait_for
 
 EXAMPLES = int(os.environ.get("CHAOS_MODEL_EXAMPLES", "6"))
 
@@ -32,12 +30,8 @@ class JobLifecycle(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.root = Path(tempfile.mkdtemp(prefix="lifecycle-"))
-        install = install_fake_trainer(self.root / "opt")
-        write_safetensors(self.root / "models" / "m.safetensors", SDXL_TINY)
-        self.dataset = make_dataset(self.root / "train")
-        self.settings = Settings(state_dir=self.root / "state", train_root=self.root / "train",
-                                 model_dirs=(self.root / "models",), nvml_fake_file=fake_gpus(self.root / "g.json"),
-                                 progress_interval_s=0.1, cancel_grace_s=0.5, launch_grace_s=2.0, **install)
+        self.host = make_host(self.root, cancel_grace_s=0.5)
+        self.settings = self.host.settings
         upgrade(self.settings.database_path)
         self.app = create_app(self.settings)
         self.client = self.app.test_client()
@@ -56,8 +50,7 @@ class JobLifecycle(RuleBasedStateMachine):
         record, release = self.root / f"record-{self.n}.json", self.root / f"release-{self.n}"
         set_modes(self.settings.sd_scripts_dir, step_s=0.002, hold_at_step=5, release_file=str(release),
                   record=str(record))
-        response = self.client.post("/train", json=payload(self.dataset, self.root / "models" / "m.safetensors",
-                                                           output_name=f"m{self.n}"))
+        response = self.client.post("/train", json=self.host.payload(output_name=f"m{self.n}"))
         if response.status_code == 202:
             job_id = response.get_json()["worker_job_id"]
             self.jobs[job_id] = {"record": record, "release": release, "final": None}

@@ -32,21 +32,18 @@ from lora_worker.ledger.states import FailureClass, JobState, Phase
 from lora_worker.progress.eta import EtaClock
 from lora_worker.progress.logfile import JobLog
 from lora_worker.progress.outcome import Outcome, decide
-from lora_worker.progress.parser import Decoder, Parser
 from lora_worker.supervisor import process
 from lora_worker.supervisor.locks import gpu_lock_path
+from lora_worker.supervisor.output import STREAM, TrainerOutput
 
 log = logging.getLogger(__name__)
 
 READ_BYTES = 1 << 16
 SELECT_TIMEOUT_S = 0.2
 CANCEL_POLL_S = 0.5
-DRAIN_GRACE_S = 10.0
-MATERIALIZE_S = 0.05  # how long the newest redraw may wait to be parsed (real steps are 0.2 s or more apart)
+DRAIN_GRACE_S = 10.0  # after the launcher exits, how long stragglers may hold the pipe
 COALESCE_S = 0.25  # the loop's shortest period while the trainer writes little…
 BUSY_BYTES = 8 * 1024  # …that is, less than this per wake-up (a quarter second of redraws is ~250 bytes)
-OUTPUT = "output"  # the trainer's stdout and stderr, merged  # after the launcher exits, how long stragglers may hold the pipes
-TAIL_LINES = 200
 # What a locked, full or failing ledger raises: waited out or retried, never fatal to the run.
 TRANSIENT = (sqlalchemy.exc.OperationalError, LedgerBusy, LedgerUnwritable)
 T = TypeVar("T")
@@ -59,26 +56,19 @@ class Runner:
         self.job_id = job_id
         self.settings = settings
         self.db = db
-        self.decoder = Decoder()
-        self.parser = Parser()
-        self.tail: list[str] = []
         self.stop_reason: str | None = None  # "cancel", "signal", "stall", "lost"
         self.stalled_in: str | None = None
         self._kill_at: float | None = None
         self._killed_hard = False
         self._signalled: int | None = None
-        self._dirty = False
         self._last_write = 0.0
         self._last_cancel_poll = 0.0
         self._activity_at = time.monotonic()
         self._pending_points: dict[int, float | None] = {}
-        self._pending_tail = ""
         self._started = time.monotonic()
         self._training_at: datetime | None = None
         self.clock = EtaClock(total_steps=0, estimated_duration_s=None)
         self.artifact: ArtifactCheck | None = None
-        self._latest: dict[str, bytes] = {}  # per stream, the newest redraw not parsed yet
-        self._materialized_at = 0.0
 
     # -- entry -------------------------------------------------------------------------------------------
 
@@ -98,6 +88,7 @@ class Runner:
         self.job = job
         self.joblog = JobLog(self.settings.log_dir, self.job_id, head_bytes=self.settings.log_head_bytes,
                              tail_bytes=self.settings.log_tail_bytes)
+        self.output = TrainerOutput(self.joblog, self._on_output)
         self.clock = EtaClock(total_steps=job.total_steps, estimated_duration_s=job.estimated_duration_s)
         self._started = time.monotonic()
         gpu_fd = process.hold_lock(gpu_lock_path(self.settings, job.device_index))
@@ -128,7 +119,7 @@ class Runner:
     # -- the trainer -------------------------------------------------------------------------------------
 
     def _run_trainer(self, job: Job) -> Outcome:
-        self._note(f"job {job.id}: {shlex.join(job.argv)}")
+        self.output.note(f"job {job.id}: {shlex.join(job.argv)}")
         process.set_child_subreaper()
         started = time.time()
         try:
@@ -140,7 +131,7 @@ class Runner:
                 umask=0o002,  # outputs readable and writable by the shared group (arbo)
             )
         except OSError as exc:
-            self._note(f"cannot start the trainer: {exc}")
+            self.output.note(f"cannot start the trainer: {exc}")
             return Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR, f"Cannot start the trainer: {exc}")
         self.proc = proc
         ident = process.identity_of(proc.pid)
@@ -150,7 +141,7 @@ class Runner:
         self._ensure_gone(proc.pid)
         self._flush(force=True)
         rc = proc.returncode
-        self._note(f"trainer ended: {process.decode_wait_status(rc)}")
+        self.output.note(f"trainer ended: {process.decode_wait_status(rc)}")
         return self._outcome(job, rc, started)
 
     def _supervise(self, proc: subprocess.Popen[bytes]) -> None:
@@ -158,7 +149,7 @@ class Runner:
         selector = selectors.DefaultSelector()
         assert proc.stdout is not None
         os.set_blocking(proc.stdout.fileno(), False)
-        selector.register(proc.stdout.fileno(), selectors.EVENT_READ, OUTPUT)
+        selector.register(proc.stdout.fileno(), selectors.EVENT_READ, STREAM)
         open_pipes, exited_at = 1, None
         try:
             while open_pipes or proc.poll() is None:
@@ -171,7 +162,8 @@ class Runner:
                     if open_pipes and proc.returncode < 0:
                         # The launcher itself was killed; its trainer runs on orphaned and the run has
                         # failed already, so stop the rest now rather than let it hold the GPU.
-                        self._begin_stop("orphaned", f"the launcher was {process.decode_wait_status(proc.returncode)}")
+                        status = process.decode_wait_status(proc.returncode)
+                        self._begin_stop("orphaned", f"the launcher was {status}")
                 if exited_at is not None and open_pipes and now - exited_at > DRAIN_GRACE_S:
                     # accelerate waits for its trainer, so whatever still holds the pipes is a straggler.
                     self._kill_everything(proc.pid, signal.SIGKILL)
@@ -184,10 +176,7 @@ class Runner:
             selector.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
-        self._materialize()
-        self._feed_text(OUTPUT, self.decoder.decode(OUTPUT, b"", final=True))
-        self.parser.close()
-        self.joblog.end_of_output()
+        self.output.end()
 
     def _read_ready(self, selector: selectors.BaseSelector) -> tuple[int, bool]:
         """Read what the pipe holds; (pipes that reached EOF, whether the trainer is writing a lot)."""
@@ -198,39 +187,15 @@ class Runner:
             except BlockingIOError:
                 continue
             if data:
-                self._consume(key.data, data)
+                self.output.consume(data, time.monotonic())
                 got += len(data)
             else:
                 selector.unregister(key.fd)
                 closed += 1
         return closed, got >= BUSY_BYTES
 
-    def _consume(self, stream: str, data: bytes) -> None:
-        cut = data.rfind(b"\r") if b"\n" not in data else -1
-        if cut >= 0:
-            # A run of tqdm redraws, each overwriting the last on the same line: only the newest can matter
-            # to the parser, the log or a client. Keep its bytes and parse it once, a moment later
-            # (MATERIALIZE_S), instead of every redraw: a flooding trainer then costs little more than its read.
-            self._latest[stream] = data[cut:]
-            self.decoder.reset(stream)
-            return
-        self._materialize()  # first what came before, on either stream: a phase line must follow its redraw
-        self._feed_text(stream, self.decoder.decode(stream, data))
-
-    def _materialize(self) -> None:
-        """Parse the newest redraw kept back on each stream."""
-        for name in list(self._latest):
-            self._feed_text(name, self.decoder.decode(name, self._latest.pop(name)))
-
-    def _feed_text(self, stream: str, text: str) -> None:
-        if not text:
-            return
-        phase, step = self.parser.progress.phase, self.parser.progress.step
-        if self.parser.feed(stream, text):
-            self._dirty = True
-        self.joblog.feed(stream, text)
-        self._remember_tail(text)
-        p = self.parser.progress
+    def _on_output(self, phase: Phase, step: int) -> None:
+        p = self.output.progress
         now = time.monotonic()
         if p.phase is not phase or p.step != step or p.phase is not Phase.TRAINING:
             # Any output counts as life in the quiet phases; in training only a new step does.
@@ -240,30 +205,10 @@ class Runner:
         if p.phase is not phase:
             self._flush(force=True)
 
-    def _note(self, message: str) -> None:
-        """A line of the supervisor's own in the run log, and in the tail an error message quotes."""
-        self.joblog.note(message)
-        self.tail.append(f"[lora-worker] {message}"[:1000])
-        del self.tail[:-TAIL_LINES]
-
-    def _remember_tail(self, text: str) -> None:
-        # The last lines, collapsed like the log, for the error message of a failed run.
-        buffered = self._pending_tail + text
-        lines = buffered.split("\n")
-        self._pending_tail = lines.pop()[-4096:]
-        for line in lines:
-            segment = line.rsplit("\r", 1)[-1] if "\r" in line else line
-            if segment.strip():
-                self.tail.append(segment.rstrip())
-        del self.tail[:-TAIL_LINES]
-
     # -- periodic work -----------------------------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
-        if self._latest and now - self._materialized_at >= MATERIALIZE_S:
-            self._materialized_at = now
-            self._materialize()
-        self.joblog.tick(now)
+        self.output.tick(now)
         process.reap_orphans(keep={self.proc.pid})
         if now - self._last_write >= self.settings.progress_interval_s:
             self._flush()
@@ -274,7 +219,7 @@ class Runner:
             self._begin_stop("signal", f"supervisor received {signal.Signals(self._signalled).name}")
         self._watchdog(now)
         if self._kill_at is not None and now >= self._kill_at and not self._killed_hard:
-            self._note(f"grace of {self.settings.cancel_grace_s:g}s over; SIGKILL to the job's processes")
+            self.output.note(f"grace of {self.settings.cancel_grace_s:g}s over; SIGKILL to the job's processes")
             self._kill_everything(self.proc.pid, signal.SIGKILL)
             self._killed_hard = True
 
@@ -290,7 +235,7 @@ class Runner:
             self._begin_stop("cancel", "cancel requested")
 
     def _watchdog(self, now: float) -> None:
-        phase = self.parser.progress.phase
+        phase = self.output.progress.phase
         limit = self.settings.stall_limits_s.get(phase.value)
         if self.stop_reason is None and limit is not None and now - self._activity_at > limit:
             self.stalled_in = phase.value
@@ -303,7 +248,7 @@ class Runner:
         if self.proc.poll() is not None and not process.group_members(self.proc.pid):
             return  # it ended on its own; the natural outcome stands
         self.stop_reason = reason
-        self._note(f"{why}; SIGTERM to process group {self.proc.pid}")
+        self.output.note(f"{why}; SIGTERM to process group {self.proc.pid}")
         log.info("job %s: %s; stopping the trainer", self.job_id, why)
         self._kill_everything(self.proc.pid, signal.SIGTERM)
         self._kill_at = time.monotonic() + self.settings.cancel_grace_s
@@ -334,13 +279,13 @@ class Runner:
     # -- the ledger --------------------------------------------------------------------------------------
 
     def _flush(self, force: bool = False) -> None:
-        for step, loss in self.parser.take_points():
+        for step, loss in self.output.parser.take_points():
             self._pending_points[step] = loss
         if self.clock.estimate is not None and self.clock.rate() is None:
-            self._dirty = True  # a history-based ETA counts down with the clock, output or not
-        if not (self._dirty or self._pending_points) or (not force and not self._due()):
+            self.output.changed = True  # a history-based ETA counts down with the clock, output or not
+        if not (self.output.changed or self._pending_points) or (not force and not self._due()):
             return
-        p = self.parser.progress
+        p = self.output.progress
         at = utcnow()
         eta, basis = self.clock.eta(p.phase, p.step, time.monotonic() - self._started)
         values = {
@@ -356,7 +301,7 @@ class Runner:
         points = [(step, _finite(loss), at) for step, loss in sorted(self._pending_points.items())]
         if self._write(points=points, **values):
             self._pending_points.clear()
-            self._dirty = False
+            self.output.changed = False
 
     def _due(self) -> bool:
         return time.monotonic() - self._last_write >= self.settings.progress_interval_s
@@ -375,17 +320,17 @@ class Runner:
     def _outcome(self, job: Job, rc: int | None, started: float) -> Outcome:
         cancelled = self.stop_reason in ("cancel", "signal")
         artifact: ArtifactCheck | None = None
-        if rc == 0 and not self.stop_reason and "model_saved" in self.parser.progress.flags:
+        if rc == 0 and not self.stop_reason and "model_saved" in self.output.progress.flags:
             tier = TIERS[job.tier]
             artifact = verify_lora(Path(job.output_dir) / f"{job.output_name}.safetensors", ExpectedLora(
                 rank=tier.network_dim, output_name=job.output_name, max_train_steps=tier.max_train_steps,
                 seed=job.seed, not_before=started - 1))
             self.artifact = artifact
-        return decide(returncode=rc, progress=self.parser.progress, log_tail=self.tail, cancelled=cancelled,
-                      stalled_in=self.stalled_in, artifact=artifact)
+        return decide(returncode=rc, progress=self.output.progress, log_tail=self.output.tail,
+                      cancelled=cancelled, stalled_in=self.stalled_in, artifact=artifact)
 
     def _finish(self, outcome: Outcome) -> None:
-        p = self.parser.progress
+        p = self.output.progress
         values: dict[str, object] = {
             "failure_class": outcome.failure_class.value if outcome.failure_class else None,
             "error": outcome.error, "exit_code": outcome.exit_code, "signal": outcome.signal,
@@ -404,7 +349,6 @@ class Runner:
             log.warning("job %s: already ended elsewhere; %s not recorded", self.job_id, outcome.state.value)
         log.info("job %s: %s%s", self.job_id, outcome.state.value,
                  f" ({outcome.failure_class.value})" if outcome.failure_class else "")
-
 
     def _artifact_values(self, artifact: ArtifactCheck) -> dict[str, object]:
         """The verified file's hash and size, and what its metadata adds to the fingerprint."""

@@ -21,8 +21,7 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.models import utcnow
 from lora_worker.ledger.states import JobState
 from lora_worker.progress.logfile import JobLog, log_paths
-from lora_worker.supervisor.locks import job_lock_path
-from lora_worker.supervisor.process import hold_lock
+from lora_worker.supervisor.locks import hold_lock, job_lock_path
 from tests.helpers import set_modes, wait_for
 from tests.service import settings_env
 from tests.test_ledger import columns

@@ -11,8 +11,7 @@ import pytest
 from lora_worker import create_app
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.states import JobState
-from lora_worker.supervisor.locks import job_lock_path
-from lora_worker.supervisor.process import hold_lock
+from lora_worker.supervisor.locks import hold_lock, job_lock_path
 from tests.helpers import set_modes, wait_for
 from tests.service import Service
 from tests.helpers import Launches

@@ -13,8 +13,7 @@ from lora_worker import create_app
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.models import utcnow
 from lora_worker.ledger.states import JobState
-from lora_worker.supervisor.locks import job_lock_path
-from lora_worker.supervisor.process import hold_lock
+from lora_worker.supervisor.locks import hold_lock, job_lock_path
 from tests.helpers import fake_gpus
 from tests.test_ledger import columns
 

@@ -12,7 +12,7 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.reconcile import reconcile
 from lora_worker.ledger.states import JobState
 from lora_worker.supervisor import process
-from lora_worker.supervisor.locks import job_lock_path
+from lora_worker.supervisor.locks import hold_lock, job_lock_path
 from tests.helpers import pid_alive
 from tests.test_ledger import columns
 
@@ -71,7 +71,7 @@ def test_a_row_from_before_a_reboot_is_host_rebooted_and_nothing_is_signalled(db
 
 def test_a_job_whose_supervisor_holds_its_lock_is_left_alone(db, migrated):
     job_id = running_job(db, boot_id=process.boot_id())
-    fd = process.hold_lock(job_lock_path(migrated, job_id))
+    fd = hold_lock(job_lock_path(migrated, job_id))
     try:
         assert reconcile(db, migrated) == []
         assert repo.get_job(db, job_id).status == "running"

@@ -5,8 +5,7 @@ from lora_worker.config import Settings
 from lora_worker.errors import GpuBusy, GpuLocked, InsufficientVram, InvalidRequest, NvmlUnavailable
 from lora_worker.gpu.nvml import GpuReading, Nvml
 from lora_worker.gpu.status import describe_process
-from lora_worker.supervisor.locks import gpu_lock_path
-from lora_worker.supervisor.process import is_locked
+from lora_worker.supervisor.locks import gpu_lock_path, is_locked
 
 
 def admit(tier: str, device_index: int, settings: Settings, nvml: Nvml) -> GpuReading:

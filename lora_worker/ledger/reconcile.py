@@ -19,7 +19,7 @@ from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, utcnow
 from lora_worker.ledger.states import ACTIVE_STATES, FailureClass, JobState
 from lora_worker.supervisor import process
-from lora_worker.supervisor.locks import job_lock_path
+from lora_worker.supervisor.locks import is_locked, job_lock_path
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def current_job(db: Database, settings: Settings, job_id: int, *, actor: str) ->
 
 
 def reconcile_job(db: Database, settings: Settings, job: Job, *, actor: str = "reconcile") -> Action | None:
-    if process.is_locked(job_lock_path(settings, job.id)):
+    if is_locked(job_lock_path(settings, job.id)):
         return None  # its supervisor is alive
     if job.status == JobState.QUEUED.value and utcnow() - job.created_at < timedelta(seconds=settings.launch_grace_s):
         return None  # being launched right now

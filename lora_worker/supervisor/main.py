@@ -7,12 +7,9 @@ import signal
 import time
 
 from lora_worker.config import load_settings, settings_from_json
-from lora_worker.ledger.db import Database
 from lora_worker.logs import configure_logging
 from lora_worker.supervisor.launch import SETTINGS_ENV
-from lora_worker.supervisor.process import hold_lock
-from lora_worker.supervisor.locks import job_lock_path
-from lora_worker.supervisor.runner import Runner
+from lora_worker.supervisor.locks import hold_lock, job_lock_path
 
 log = logging.getLogger(__name__)
 LOCK_WAIT_S = 10.0
@@ -30,6 +27,10 @@ def serve(job_id: int, ready_fd: int) -> int:
         return 1
     os.write(ready_fd, b"1")
     os.close(ready_fd)
+    # Imported only now: the web's POST /train waits for the lock above, not for SQLAlchemy to load.
+    from lora_worker.ledger.db import Database
+    from lora_worker.supervisor.runner import Runner
+
     # NORMAL: a power loss kills the run anyway, and the boot id reconciles it.
     db = Database.open(settings.database_path, busy_timeout_s=settings.supervisor_busy_timeout_s,
                        synchronous="NORMAL")

@@ -8,8 +8,6 @@ with a pidfd so it cannot be replaced between the check and the kill.
 from __future__ import annotations
 
 import ctypes
-import errno
-import fcntl
 import os
 import signal
 from dataclasses import dataclass
@@ -175,39 +173,6 @@ def processes_with_arg(token: str) -> list[int]:
         if proc.info["status"] != psutil.STATUS_ZOMBIE and token in (proc.info["cmdline"] or ()):
             found.append(proc.pid)
     return found
-
-
-def hold_lock(path: Path) -> int | None:
-    """Take an exclusive flock on `path` without waiting; the fd (to keep open) or None if held elsewhere."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return None
-        raise
-    return fd
-
-
-def is_locked(path: Path) -> bool:
-    """Whether some process holds an exclusive flock on `path`. The kernel drops a lock when its holder dies,
-    so this answers "is the holder alive?" without looking at any pid. A shared probe never blocks a holder
-    that is about to take the lock for long, and is released at once."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except OSError as exc:
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return True
-        raise
-    finally:
-        os.close(fd)  # closing drops our shared lock, if we got it
 
 
 def decode_wait_status(returncode: int | None) -> str:

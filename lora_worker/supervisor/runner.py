@@ -19,8 +19,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import TypeVar
 
-import sqlalchemy.exc
-
 from lora_worker.artifacts import ArtifactCheck, ExpectedLora, sha256_of, verify_lora
 from lora_worker.config import TIERS, Settings
 from lora_worker.errors import LedgerBusy, LedgerUnwritable
@@ -33,7 +31,7 @@ from lora_worker.progress.eta import EtaClock
 from lora_worker.progress.logfile import JobLog
 from lora_worker.progress.outcome import Outcome, decide
 from lora_worker.supervisor import process
-from lora_worker.supervisor.locks import gpu_lock_path
+from lora_worker.supervisor.locks import gpu_lock_path, hold_lock
 from lora_worker.supervisor.output import STREAM, TrainerOutput
 
 log = logging.getLogger(__name__)
@@ -44,8 +42,10 @@ CANCEL_POLL_S = 0.5
 DRAIN_GRACE_S = 10.0  # after the launcher exits, how long stragglers may hold the pipe
 COALESCE_S = 0.25  # the loop's shortest period while the trainer writes little…
 BUSY_BYTES = 8 * 1024  # …that is, less than this per wake-up (a quarter second of redraws is ~250 bytes)
-# What a locked, full or failing ledger raises: waited out or retried, never fatal to the run.
-TRANSIENT = (sqlalchemy.exc.OperationalError, LedgerBusy, LedgerUnwritable)
+# What a locked, full or failing ledger raises (lora_worker.ledger.db sorts SQLite's errors): waited out or
+# retried, never fatal to the run. Any other error (the file gone, the schema missing) is not waited on: the
+# supervisor gives up its lock, and reconcile settles the row instead of a retry loop holding it "running".
+TRANSIENT = (LedgerBusy, LedgerUnwritable)
 T = TypeVar("T")
 
 
@@ -91,7 +91,7 @@ class Runner:
         self.output = TrainerOutput(self.joblog, self._on_output)
         self.clock = EtaClock(total_steps=job.total_steps, estimated_duration_s=job.estimated_duration_s)
         self._started = time.monotonic()
-        gpu_fd = process.hold_lock(gpu_lock_path(self.settings, job.device_index))
+        gpu_fd = hold_lock(gpu_lock_path(self.settings, job.device_index))
         try:
             if gpu_fd is None:
                 outcome = Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR,

@@ -135,8 +135,8 @@ def growth(size: int) -> tuple[int, int, int]:
         client = app.test_client()
         job_id = client.post("/train", json=host.payload(tier="quality" if size else "fast")).get_json()[
             "worker_job_id"]
-        wait_for(lambda: client.get(f"/train/{job_id}").get_json()["status"] != "running", timeout=600,
-                 what="job end")
+        wait_for(lambda: client.get(f"/train/{job_id}").get_json()["status"] in ("succeeded", "failed", "cancelled"),
+                 timeout=600, what="job end")  # not just "not running": a new job is "queued" at first
         app.extensions["lora_worker"].db.dispose()
         conn = sqlite3.connect(path)
         points = conn.execute("SELECT count(*) FROM job_progress").fetchone()[0]

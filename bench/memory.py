@@ -24,7 +24,9 @@ top = {{m.split('.')[0] for m in sys.modules}} - set(sys.stdlib_module_names) - 
 hwm = next(line for line in open('/proc/self/status') if line.startswith('VmHWM:'))
 print(json.dumps({{"kib": int(hwm.split()[1]), "third_party": sorted(t for t in top if not t.startswith('_'))}}))
 """
-SUPERVISOR_IMPORTS = "import lora_worker.supervisor.__main__, lora_worker.supervisor.main"
+# main.py imports the ledger and the runner only once it holds the job lock; a run loads them all.
+SUPERVISOR_IMPORTS = ("import lora_worker.supervisor.__main__, lora_worker.supervisor.main, "
+                      "lora_worker.supervisor.runner, lora_worker.ledger.db")
 
 
 def probe(imports: str) -> dict:

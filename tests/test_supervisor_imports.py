@@ -9,9 +9,21 @@ WEB_ONLY = ("flask", "werkzeug", "marshmallow", "apispec", "prometheus_client", 
 
 
 def test_the_supervisor_entry_modules_import_no_web_framework():
+    # Everything a run loads: main.py imports the ledger and the runner lazily, once it holds the job lock.
+    code = ("import json, sys, lora_worker.supervisor.__main__, lora_worker.supervisor.main, "
+            "lora_worker.supervisor.runner, lora_worker.ledger.db; "
+            "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                       text=True).stdout)
+    assert {"lora_worker", "sqlalchemy", "psutil"} <= set(loaded)
+    assert not set(WEB_ONLY) & set(loaded)
+
+
+def test_the_supervisor_takes_its_job_lock_before_loading_the_ledger():
+    # POST /train waits until the supervisor holds the job lock; what main.py imports up front is that wait.
     code = ("import json, sys, lora_worker.supervisor.__main__, lora_worker.supervisor.main; "
             "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                                        text=True).stdout)
     assert "lora_worker" in loaded
-    assert not set(WEB_ONLY) & set(loaded)
+    assert not {"sqlalchemy", "psutil"} & set(loaded)

@@ -2,8 +2,8 @@
 
 Started by the web process in a new session. It forks once more: the first process waits until the real
 supervisor holds the job lock, then exits, so the web reaps it at once and never keeps a zombie; the real
-supervisor is re-parented to init (or the unit's subreaper) and lives on. Only `os`, `sys` and `fcntl` are
-imported before the fork.
+supervisor is re-parented to init (or the unit's subreaper) and lives on. Only `os` and `sys` are imported
+before the fork.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import time
 from pathlib import Path
 
 from lora_worker.config import Settings
@@ -31,6 +32,15 @@ def hold_lock(path: Path) -> int | None:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             return None
         raise
+    return fd
+
+
+def take_lock(path: Path, wait_s: float) -> int | None:
+    """`hold_lock`, retried for up to `wait_s`: a reconcile or an admission check probing the lock holds it
+    shared for microseconds, which must not pass for another holder."""
+    deadline = time.monotonic() + wait_s
+    while (fd := hold_lock(path)) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
     return fd
 
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 
 from lora_worker.config import load_settings, settings_from_json
 from lora_worker.logs import configure_logging
 from lora_worker.supervisor.launch import SETTINGS_ENV
-from lora_worker.supervisor.locks import hold_lock, job_lock_path
+from lora_worker.supervisor.locks import job_lock_path, take_lock
 
 log = logging.getLogger(__name__)
 LOCK_WAIT_S = 10.0
@@ -20,7 +19,7 @@ def serve(job_id: int, ready_fd: int) -> int:
     configure_logging(job_id=job_id)
     raw = os.environ.get(SETTINGS_ENV)
     settings = settings_from_json(raw) if raw else load_settings()
-    lock_fd = _take_lock(job_lock_path(settings, job_id))
+    lock_fd = take_lock(job_lock_path(settings, job_id), LOCK_WAIT_S)
     if lock_fd is None:
         log.error("job %s: another supervisor holds the job lock", job_id)
         os.close(ready_fd)
@@ -43,11 +42,3 @@ def serve(job_id: int, ready_fd: int) -> int:
         db.dispose()
         os.close(lock_fd)  # last: from here, reconcile may treat the job as unattended
     return 0
-
-
-def _take_lock(path) -> int | None:  # type: ignore[no-untyped-def]
-    # A reconcile probing the lock holds it shared for microseconds; wait that out rather than give up.
-    deadline = time.monotonic() + LOCK_WAIT_S
-    while (fd := hold_lock(path)) is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return fd

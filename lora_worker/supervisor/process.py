@@ -1,4 +1,4 @@
-"""The OS seam: process identity, signals, locks and reaping. Everything that touches /proc or sends a signal
+"""The OS seam: process identity, signals and reaping (the lock files are in `locks`). Everything that touches /proc or sends a signal
 is here, so the rest of the supervisor reads as policy.
 
 A pid alone never identifies a process: the kernel reuses pids. A process is ours only if (boot id, pid, start

@@ -31,7 +31,7 @@ from lora_worker.progress.eta import EtaClock
 from lora_worker.progress.logfile import JobLog
 from lora_worker.progress.outcome import Outcome, decide
 from lora_worker.supervisor import process
-from lora_worker.supervisor.locks import gpu_lock_path, hold_lock
+from lora_worker.supervisor.locks import gpu_lock_path, take_lock
 from lora_worker.supervisor.output import STREAM, TrainerOutput
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 READ_BYTES = 1 << 16
 SELECT_TIMEOUT_S = 0.2
 CANCEL_POLL_S = 0.5
+GPU_LOCK_WAIT_S = 2.0  # an admission probe holds it shared for microseconds; a trainer holds it for hours
 DRAIN_GRACE_S = 10.0  # after the launcher exits, how long stragglers may hold the pipe
 COALESCE_S = 0.25  # the loop's shortest period while the trainer writes little…
 BUSY_BYTES = 8 * 1024  # …that is, less than this per wake-up (a quarter second of redraws is ~250 bytes)
@@ -56,7 +57,7 @@ class Runner:
         self.job_id = job_id
         self.settings = settings
         self.db = db
-        self.stop_reason: str | None = None  # "cancel", "signal", "stall", "lost"
+        self.stop_reason: str | None = None  # "cancel", "signal", "stall", "lost", "orphaned"
         self.stalled_in: str | None = None
         self._kill_at: float | None = None
         self._killed_hard = False
@@ -65,10 +66,11 @@ class Runner:
         self._last_cancel_poll = 0.0
         self._activity_at = time.monotonic()
         self._pending_points: dict[int, float | None] = {}
+        self._pending_values: dict[str, object] = {}  # written with the next progress write that lands
         self._started = time.monotonic()
         self._training_at: datetime | None = None
         self.clock = EtaClock(total_steps=0, estimated_duration_s=None)
-        self.artifact: ArtifactCheck | None = None
+        self.artifact_values: dict[str, object] = {}
 
     # -- entry -------------------------------------------------------------------------------------------
 
@@ -91,7 +93,7 @@ class Runner:
         self.output = TrainerOutput(self.joblog, self._on_output)
         self.clock = EtaClock(total_steps=job.total_steps, estimated_duration_s=job.estimated_duration_s)
         self._started = time.monotonic()
-        gpu_fd = hold_lock(gpu_lock_path(self.settings, job.device_index))
+        gpu_fd = take_lock(gpu_lock_path(self.settings, job.device_index), GPU_LOCK_WAIT_S)
         try:
             if gpu_fd is None:
                 outcome = Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR,
@@ -122,6 +124,7 @@ class Runner:
         self.output.note(f"job {job.id}: {shlex.join(job.argv)}")
         process.set_child_subreaper()
         started = time.time()
+        self._activity_at = time.monotonic()  # the watchdog counts from the trainer's start, not the supervisor's
         try:
             proc = subprocess.Popen(  # noqa: S603 - argv is the stored list; no shell
                 job.argv, cwd=self.settings.sd_scripts_dir, env=job.env, stdin=subprocess.DEVNULL,
@@ -135,11 +138,17 @@ class Runner:
             return Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR, f"Cannot start the trainer: {exc}")
         self.proc = proc
         ident = process.identity_of(proc.pid)
-        self._write(trainer_pid=proc.pid, trainer_start_ticks=ident.start_ticks if ident else None)
+        # Reconcile needs these to kill a trainer whose supervisor died: kept until a write lands.
+        self._pending_values = {"trainer_pid": proc.pid, "trainer_start_ticks": ident.start_ticks if ident else None}
+        self._write()
         log.info("job %s: trainer group %s started", self.job_id, proc.pid)
         self._supervise(proc)
         self._ensure_gone(proc.pid)
-        self._flush(force=True)
+        proc.stdout.close()  # type: ignore[union-attr]
+        delay = 0.1
+        while not self._flush(force=True):  # the last loss points land before the terminal state does
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
         rc = proc.returncode
         self.output.note(f"trainer ended: {process.decode_wait_status(rc)}")
         return self._outcome(job, rc, started)
@@ -263,28 +272,33 @@ class Runner:
         process.kill_all(process.live_descendants(os.getpid()), sig)
 
     def _ensure_gone(self, pgid: int) -> None:
-        """Return only when no process of the job is alive."""
-        deadline = time.monotonic() + 30.0
+        """Return only when no process of the job is alive. A process that outlives SIGKILL (stuck in the
+        driver, state D) still holds the GPU: the job stays active and the GPU lock held until it goes,
+        rather than the ledger saying "every process is gone" while one is not."""
+        patient_until = warn_at = time.monotonic() + 30.0
         while True:
             leftovers = process.group_members(pgid) + [p.pid for p in process.live_descendants(os.getpid())]
             process.reap_orphans(keep=set())
             if not leftovers:
                 return
-            if time.monotonic() > deadline:
-                log.error("job %s: processes %s survive SIGKILL", self.job_id, leftovers)
-                return
+            if time.monotonic() > warn_at:
+                log.error("job %s: processes %s survive SIGKILL; waiting for them to go", self.job_id, leftovers)
+                self.output.note(f"processes {leftovers} survive SIGKILL; the job ends when they are gone")
+                warn_at = time.monotonic() + 300.0
             self._kill_everything(pgid, signal.SIGKILL)
-            time.sleep(0.05)
+            time.sleep(0.05 if time.monotonic() < patient_until else 1.0)  # each pass lists every process
 
     # -- the ledger --------------------------------------------------------------------------------------
 
-    def _flush(self, force: bool = False) -> None:
+    def _flush(self, force: bool = False) -> bool:
+        """Write the progress if it changed and is due (or `force`); False if the ledger did not take it."""
         for step, loss in self.output.parser.take_points():
             self._pending_points[step] = loss
         if self.clock.estimate is not None and self.clock.rate() is None:
             self.output.changed = True  # a history-based ETA counts down with the clock, output or not
-        if not (self.output.changed or self._pending_points) or (not force and not self._due()):
-            return
+        pending = self.output.changed or self._pending_points or self._pending_values
+        if not pending or (not force and not self._due()):
+            return True
         p = self.output.progress
         at = utcnow()
         eta, basis = self.clock.eta(p.phase, p.step, time.monotonic() - self._started)
@@ -299,9 +313,11 @@ class Runner:
         if self._training_at is not None:
             values["training_started_at"] = self._training_at
         points = [(step, _finite(loss), at) for step, loss in sorted(self._pending_points.items())]
-        if self._write(points=points, **values):
-            self._pending_points.clear()
-            self.output.changed = False
+        if not self._write(points=points, **values):
+            return False
+        self._pending_points.clear()
+        self.output.changed = False
+        return True
 
     def _due(self) -> bool:
         return time.monotonic() - self._last_write >= self.settings.progress_interval_s
@@ -309,8 +325,9 @@ class Runner:
     def _write(self, points: list[tuple[int, float | None, datetime]] | None = None, **values: object) -> bool:
         self._last_write = time.monotonic()
         try:
-            if not repo.update_running(self.db, self.job_id, points=points or (), **values):
+            if not repo.update_running(self.db, self.job_id, points=points or (), **self._pending_values, **values):
                 self._begin_stop("lost", "the job is no longer running in the ledger")
+            self._pending_values = {}
             return True
         except TRANSIENT as exc:
             # Progress can wait; the trainer must not. Kept in memory and written at the next tick.
@@ -325,7 +342,11 @@ class Runner:
             artifact = verify_lora(Path(job.output_dir) / f"{job.output_name}.safetensors", ExpectedLora(
                 rank=tier.network_dim, output_name=job.output_name, max_train_steps=tier.max_train_steps,
                 seed=job.seed, not_before=started - 1))
-            self.artifact = artifact
+            if artifact.problem is None:
+                try:
+                    self.artifact_values = self._artifact_values(artifact)
+                except OSError as exc:  # gone or unreadable since the header was read: not a proven success
+                    artifact = ArtifactCheck(artifact.path, problem=f"cannot be read to hash it: {exc}")
         return decide(returncode=rc, progress=self.output.progress, log_tail=self.output.tail,
                       cancelled=cancelled, stalled_in=self.stalled_in, artifact=artifact)
 
@@ -337,8 +358,8 @@ class Runner:
             "lora_path": outcome.lora_path, "step": p.step, "loss": _finite(p.loss),
             "eta_s": 0.0 if outcome.state is JobState.SUCCEEDED else None,
         }
-        if outcome.state is JobState.SUCCEEDED and self.artifact is not None:
-            values.update(self._artifact_values(self.artifact))
+        if outcome.state is JobState.SUCCEEDED:
+            values.update(self.artifact_values)
         reason = {JobState.SUCCEEDED: "trainer finished and the LoRA verified",
                   JobState.CANCELLED: "cancelled; every process of the job is gone"}.get(
             outcome.state, outcome.failure_class.value if outcome.failure_class else "failed")

@@ -69,9 +69,9 @@ def test_a_locked_ledger_gives_503_with_retry_after_and_training_goes_on(host, m
         svc.stop()
 
 
-def faulty_launcher(flag: Path):
+def faulty_launcher(flag: Path, once: str = ""):
     def launch(job_id: int, settings: Settings) -> None:
-        env = {**os.environ, SETTINGS_ENV: settings_to_json(settings), "FAULT_FLAG": str(flag)}
+        env = {**os.environ, SETTINGS_ENV: settings_to_json(settings), "FAULT_FLAG": str(flag), "FAULT_ONCE": once}
         proc = subprocess.Popen([sys.executable, "-m", "tests.chaos.faulty_supervisor", str(job_id)], cwd=REPO_ROOT,
                                 env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
         assert proc.wait(30) == 0
@@ -102,7 +102,34 @@ def test_a_full_disk_on_progress_writes_never_stops_the_trainer_and_the_outcome_
                         timeout=30, what="the final state")
         assert (done["status"], done["step"], done["failure_class"]) == ("succeeded", 400, None)
         assert before["step"] < done["step"]
+        # the loss points of the steps run while the disk was full were kept and written before the end
+        curve = client.get(f"/train/{job_id}/progress?points=1000").get_json()["points"]
+        assert curve[-1]["step"] == 400 and sum(p["step"] > before["step"] for p in curve) > 5
     finally:
+        app.extensions["lora_worker"].db.dispose()
+
+
+def test_the_trainer_pid_lands_in_the_ledger_even_when_its_first_write_meets_a_lock(host, migrated):
+    # Reconcile kills a dead supervisor's trainer by the pid in the row: a write lost to a busy ledger must
+    # be written again, or that trainer would run on unsupervised.
+    record = host.root / "record.json"
+    release = host.root / "release"
+    set_modes(host.sd_scripts, step_s=0.01, record=str(record), hold_at_step=5, release_file=str(release))
+    app = create_app(migrated, launch=faulty_launcher(host.root / "no-flag", once="trainer_pid"))
+    client = app.test_client()
+    try:
+        job_id = client.post("/train", json=host.payload()).get_json()["worker_job_id"]
+        trainer = wait_for(lambda: record.exists() and json.loads(record.read_text()), what="trainer record")
+        row = wait_for(lambda: (r := sqlite3.connect(migrated.database_path).execute(
+            "SELECT trainer_pid, trainer_start_ticks FROM jobs WHERE id = ?", (job_id,)).fetchone())[0] and r,
+            timeout=10, what="the trainer's pid in the row")
+        assert row[0] == trainer["pgid"] and row[1] is not None  # the launcher leads the job's group
+        release.touch()
+        done = wait_for(lambda: (j := client.get(f"/train/{job_id}").get_json())["status"] != "running" and j,
+                        timeout=30, what="the final state")
+        assert done["status"] == "succeeded", done
+    finally:
+        release.touch()
         app.extensions["lora_worker"].db.dispose()
 
 

@@ -38,7 +38,6 @@ class LoraInfo:
     """What a LoRA file says about itself."""
 
     ranks: frozenset[int]
-    module_count: int
     families: frozenset[str]  # e.g. {"lora_unet"}
     metadata: dict[str, str] = field(default_factory=dict)
     file_size: int = 0
@@ -81,7 +80,7 @@ def _check_offsets(path: Path, tensors: dict[str, Any], data_bytes: int) -> None
             raise HeaderError(f"{path.name}: tensor {name!r} has a malformed entry") from exc
         if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
             raise HeaderError(f"{path.name}: tensor {name!r} has a malformed shape")
-        if not (0 <= begin <= stop <= data_bytes):
+        if not all(type(o) is int for o in (begin, stop)) or not 0 <= begin <= stop <= data_bytes:
             raise HeaderError(f"{path.name}: tensor {name!r} lies outside the file")
         end = max(end, stop)
     if end != data_bytes:
@@ -101,12 +100,14 @@ def inspect_lora(path: Path) -> LoraInfo:
     modules = 0
     for name, info in header.tensors.items():
         if name.endswith(".lora_down.weight"):
+            if not info["shape"]:
+                raise HeaderError(f"{path.name}: tensor {name!r} has no shape; a lora_down weight has a rank")
             modules += 1
             ranks.add(int(info["shape"][0]))
             families.add(name.split("_", 2)[0] + "_" + name.split("_", 2)[1])
     if modules == 0:
         raise HeaderError(f"{path.name}: no lora_down weights; not a LoRA")
-    return LoraInfo(ranks=frozenset(ranks), module_count=modules, families=frozenset(families),
+    return LoraInfo(ranks=frozenset(ranks), families=frozenset(families),
                     metadata=header.metadata, file_size=header.file_size)
 
 

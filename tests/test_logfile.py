@@ -80,3 +80,28 @@ def test_a_full_disk_never_stops_the_writer(tmp_path, monkeypatch):
     log.feed("stdout", "a line\n")
     log.close()
     assert log.write_errors == 1
+
+
+def test_a_compaction_that_fails_on_a_full_disk_leaves_the_log_writable(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    log = JobLog(tmp_path, 4, head_bytes=100, tail_bytes=200)
+    real_open = Path.open
+
+    def full_for_the_copy(self, mode="r", *args, **kwargs):
+        if self.suffix == ".tmp":
+            raise OSError(28, "No space left on device")
+        return real_open(self, mode, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", full_for_the_copy)
+    written = [f"line {i:04d}\n" for i in range(100)]  # 10 bytes each: compaction is due many times over
+    for line in written:
+        log.feed("stdout", line)
+    assert log.write_errors > 0 and not (tmp_path / "job-4.tail.tmp").exists()
+    monkeypatch.undo()  # space again: the next compaction goes through
+    for line in written:
+        log.feed("stdout", line)
+    log.close()
+    reader = LogReader(tmp_path, 4)
+    assert reader.size() == 2 * 1000
+    assert reader.tail_lines(3).text == "".join(written[-3:])

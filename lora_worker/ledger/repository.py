@@ -215,14 +215,6 @@ def progress_points(db: Database, job_id: int) -> list[ProgressPoint]:
                               .order_by(ProgressPoint.step)))
 
 
-def count_jobs(db: Database, *, status: Sequence[str] = ()) -> int:
-    query = select(func.count()).select_from(Job)
-    if status:
-        query = query.where(Job.status.in_(list(status)))
-    with db.read() as s:
-        return int(s.scalar(query) or 0)
-
-
 def delete_jobs(db: Database, job_ids: Sequence[int]) -> int:
     """Remove finished rows with their events and progress (never an active one)."""
     if not job_ids:

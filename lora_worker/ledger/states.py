@@ -59,8 +59,3 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),
 }
-
-
-def sources_of(target: JobState) -> frozenset[JobState]:
-    """The states from which `target` may be reached."""
-    return frozenset(s for s, targets in TRANSITIONS.items() if target in targets)

@@ -85,11 +85,6 @@ class JobLog:
                 except OSError:
                     self.write_errors += 1
 
-    @property
-    def size(self) -> int:
-        """The logical size: bytes written since the start of the log."""
-        return self._tail_start + self._tail_size if self._tail else self._head_size
-
     def _write(self, text: str) -> None:
         data = text.encode("utf-8", "replace")
         try:
@@ -118,20 +113,25 @@ class JobLog:
     def _compact(self) -> None:
         assert self._tail is not None
         self._tail.close()
-        with self.tail_path.open("rb") as fh:
-            header = fh.readline()
-            fh.seek(len(header) + self._tail_size - self.tail_bytes)
-            body = fh.read()
-        # Start the kept part at a line boundary so the tail reads cleanly.
-        newline = body.find(b"\n")
-        body = body[newline + 1:] if 0 <= newline < len(body) - 1 else body
-        start = self._tail_start + self._tail_size - len(body)
         tmp = self.tail_path.with_suffix(".tmp")
-        with tmp.open("wb") as out:
-            out.write(_tail_header(start) + body)
-        os.replace(tmp, self.tail_path)
-        self._tail = self.tail_path.open("ab")
-        self._tail_start, self._tail_size = start, len(body)
+        try:
+            with self.tail_path.open("rb") as fh:
+                header = fh.readline()
+                fh.seek(len(header) + self._tail_size - self.tail_bytes)
+                body = fh.read()
+            # Start the kept part at a line boundary so the tail reads cleanly.
+            newline = body.find(b"\n")
+            body = body[newline + 1:] if 0 <= newline < len(body) - 1 else body
+            start = self._tail_start + self._tail_size - len(body)
+            with tmp.open("wb") as out:
+                out.write(_tail_header(start) + body)
+            os.replace(tmp, self.tail_path)
+            self._tail_start, self._tail_size = start, len(body)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a full disk: the tail grows on uncompacted, and compaction is retried
+            raise
+        finally:
+            self._tail = self.tail_path.open("ab")  # whatever happened above, the log stays writable
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """POST /train: everything is validated before anything is written; every refusal is a JSON 4xx/503."""
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import unicodedata
@@ -91,6 +92,7 @@ def test_an_unconfigured_device_is_a_422(api, host, launches):
     (b"[1, 2]", 422, "validation_failed"),
     (b'"a string"', 422, "validation_failed"),
     (b"", 400, "bad_request"),
+    (b"[" * 20_000 + b"]" * 20_000, 400, "bad_request"),  # under the size limit, past the parser's recursion
 ])
 def test_malformed_bodies(api, host, launches, body, status, code):
     response = api.post("/train", data=body, content_type="application/json")
@@ -172,6 +174,28 @@ def test_a_new_output_dir_name_must_be_safe(api, host, launches):
     assert not out.exists()
 
 
+def test_an_output_dir_under_a_file_is_a_422_and_writes_nothing(api, host, launches):
+    notes = host.dataset.parent / "notes.txt"
+    notes.write_text("not a directory")
+    body = assert_refused(api.post("/train", json=host.payload(output_dir=str(notes / "output"))), 422,
+                          "validation_failed", host.settings, launches, "output_dir")
+    assert "is not one" in body["fields"]["output_dir"][0]
+
+
+@pytest.mark.parametrize("field", ["dataset_dir", "base_model_path", "output_dir"])
+def test_a_lone_surrogate_in_a_path_is_a_422(api, host, launches, field):
+    body = json.dumps({**host.payload(), field: "/train/t1/\ud800"}).encode()  # valid JSON, not encodable
+    assert_refused(api.post("/train", data=body, content_type="application/json"), 422, "validation_failed",
+                   host.settings, launches, field)
+
+
+def test_max_grad_norm_must_be_a_json_number(api, host, launches):
+    assert_refused(api.post("/train", json=host.payload(max_grad_norm="0.5")), 422, "validation_failed",
+                   host.settings, launches, "max_grad_norm")
+    assert_refused(api.post("/train", json=host.payload(max_grad_norm=True)), 422, "validation_failed",
+                   host.settings, launches, "max_grad_norm")
+
+
 def test_output_dir_is_created_group_writable(api, host):
     os.chmod(host.dataset.parent, 0o2770)
     target = host.dataset.parent / "output" / "run1"
@@ -192,6 +216,20 @@ def test_a_folder_without_images_is_refused(api, host, launches):
     for f in (host.dataset / "10_ohwx woman").iterdir():
         f.unlink()
     assert_refused(api.post("/train", json=host.payload()), 422, "dataset_invalid", host.settings, launches)
+
+
+def test_a_dataset_folder_the_worker_cannot_list_is_a_422(api, host, launches, monkeypatch):
+    # The sessions run as root, where chmod 000 stops nothing: the refusal is played by the OS call itself.
+    real_scandir = os.scandir
+
+    def denied(path):  # type: ignore[no-untyped-def]
+        if str(path).endswith("10_ohwx woman"):
+            raise PermissionError(13, "Permission denied")
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", denied)
+    body = assert_refused(api.post("/train", json=host.payload()), 422, "dataset_invalid", host.settings, launches)
+    assert "Permission denied" in body["message"]
 
 
 def test_other_training_folders_in_the_dataset_are_refused(api, host, launches):

@@ -38,6 +38,16 @@ def _path_field() -> fields.String:
     return fields.String(required=True, validate=validate.Length(min=1, max=MAX_PATH))
 
 
+class JsonNumber(fields.Float):
+    """A JSON number and nothing else: marshmallow's Float would take "0.5" or true, which the OpenAPI
+    document (type: number) and the strict integer fields refuse."""
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.make_error("invalid")
+        return super()._deserialize(value, attr, data, **kwargs)
+
+
 class TrainRequestSchema(Schema):
     """POST /train body. Every field is bounded; anything out of bounds is a 422, never a downgrade."""
 
@@ -57,13 +67,13 @@ class TrainRequestSchema(Schema):
     tier = fields.String(required=True, validate=validate.OneOf(list(TIERS)))
     device_index = fields.Integer(required=True, strict=True, validate=validate.Range(0, 63))
     seed = fields.Integer(required=True, strict=True, validate=validate.Range(*SEED))
-    max_grad_norm = fields.Float(load_default=None, allow_nan=False, validate=validate.Range(*MAX_GRAD_NORM))
+    max_grad_norm = JsonNumber(load_default=None, allow_nan=False, validate=validate.Range(*MAX_GRAD_NORM))
     lora_target_modules = fields.String(load_default=None, validate=validate.OneOf(list(LORA_TARGET_PRESETS)))
 
     @validates("dataset_dir", "base_model_path", "output_dir")
     def _plain_absolute_path(self, value: str, data_key: str) -> None:
-        if any(unicodedata.category(ch) == "Cc" for ch in value):
-            raise ValidationError("Must not contain control characters (NUL, newline, …).")
+        if any(unicodedata.category(ch) in ("Cc", "Cs") for ch in value):
+            raise ValidationError("Must not contain control characters (NUL, newline, …) or lone surrogates.")
         if unicodedata.normalize("NFC", value) != value:
             raise ValidationError("Must be in Unicode normal form NFC.")
         if not value.startswith("/"):

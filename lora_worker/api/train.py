@@ -5,6 +5,7 @@ import hashlib
 import json
 
 from flask import Blueprint, Response, jsonify, request
+from werkzeug.exceptions import BadRequest
 
 from lora_worker.api import worker
 from lora_worker.api.schemas import (IDEMPOTENCY_KEY, AcceptedSchema, JobListQuerySchema, JobListSchema, JobSchema,
@@ -63,7 +64,10 @@ def cancel(job_id: int) -> tuple[Response, int]:
 
 def _json_body() -> object:
     # force=True: parse whatever the content type says; a body that is not JSON is a 400.
-    return request.get_json(force=True)
+    try:
+        return request.get_json(force=True)
+    except RecursionError as exc:  # thousands of nested brackets: the parser's recursion limit, not a bug of ours
+        raise BadRequest("The JSON body is nested too deeply.") from exc
 
 
 def _idempotency_key() -> str | None:

@@ -51,9 +51,9 @@ def resolve_new_dir(raw: str, base: Path, field: str) -> Path:
         if not SAFE_COMPONENT.fullmatch(name):
             raise InvalidRequest({field: [f"New directory name {name!r} is not allowed "
                                           "(letters, digits, '.', '_', '-'; not starting with '.' or '-')."]})
+    if not real.is_dir():  # the path itself, or the existing part a new directory would be made under
+        raise InvalidRequest({field: [f"Must be a directory; {real} is not one."]})
     resolved = real.joinpath(*missing)
-    if resolved.exists() and not resolved.is_dir():
-        raise InvalidRequest({field: ["Must be a directory."]})
     _require_inside(resolved, base, field)
     return resolved
 

@@ -57,7 +57,7 @@ def inspect_dataset(dataset_dir: Path, folder_name: str) -> DatasetManifest:
     if not folder.is_dir():
         raise DatasetInvalid({"dataset_dir": [
             f"Expected the folder {folder_name!r} (<repeats>_<trigger> <subject_class>) inside {dataset_dir}."]})
-    images = [entry for entry in sorted(os.scandir(folder), key=lambda e: e.name)
+    images = [entry for entry in sorted(_entries(folder), key=lambda e: e.name)
               if entry.is_file() and Path(entry.name).suffix.lower() in IMAGE_EXTENSIONS]
     if not images:
         raise DatasetInvalid({"dataset_dir": [
@@ -78,11 +78,20 @@ def inspect_dataset(dataset_dir: Path, folder_name: str) -> DatasetManifest:
 
 def _check_other_folders(dataset_dir: Path, expected: str) -> None:
     # sd-scripts trains on every `<n>_name` folder with n >= 1; another one would change the run silently.
-    others = sorted(e.name for e in os.scandir(dataset_dir)
+    others = sorted(e.name for e in _entries(dataset_dir)
                     if e.is_dir() and e.name != expected and (m := KOHYA_FOLDER.match(e.name)) and int(m[1]) > 0)
     if others:
         raise DatasetInvalid({"dataset_dir": [
             f"Holds other training folders {others}; only {expected!r} may be there."]})
+
+
+def _entries(directory: Path) -> list[os.DirEntry[str]]:
+    # A folder the worker may not list (made 0700 by another user) is the request's problem: a 422, not a 500.
+    try:
+        with os.scandir(directory) as it:
+            return list(it)
+    except OSError as exc:
+        raise DatasetInvalid({"dataset_dir": [f"Cannot list {directory}: {exc.strerror}."]}) from exc
 
 
 def _image_problem(path: Path) -> str | None:

@@ -260,6 +260,20 @@ def test_the_backend_bounds_each_call_and_keeps_the_other_device(monkeypatch):
     assert readings[1].error and "took over" in readings[1].error
 
 
+def test_calls_that_time_out_stop_nvml_only_until_they_come_back(monkeypatch):
+    slow = {"mem:0": 0.6}
+    stub = stub_pynvml([dev("00000000:01:00.0", "3090")], slow=slow)
+    monkeypatch.setitem(sys.modules, "pynvml", stub)
+    backend = PynvmlBackend(timeout_s=0.05)
+    for _ in range(PynvmlBackend.MAX_STUCK_CALLS):
+        assert "took over" in backend.read()[0].error
+    with pytest.raises(NvmlUnavailable, match="never returned"):  # four calls still out: stop calling
+        backend.read()
+    slow.clear()
+    time.sleep(0.8)  # the slow calls return, late
+    assert backend.read()[0].error is None  # and NVML is read again, without a restart
+
+
 def test_a_device_error_is_reported_for_that_device_only(monkeypatch):
     stub = stub_pynvml([dev("00000000:01:00.0", "3090"), dev("00000000:02:00.0", "A6000")])
     stub.nvmlDeviceGetMemoryInfo = lambda h: (_ for _ in ()).throw(stub.NVMLError("GPU is lost")) if h == 1 else \

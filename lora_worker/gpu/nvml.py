@@ -53,11 +53,12 @@ class _Timeout(Exception):
 class PynvmlBackend:
     """The real NVML. Calls run on a helper thread so a wedged driver costs a bounded wait, not a request."""
 
-    MAX_STUCK_CALLS = 4  # threads left behind by calls that never returned; past this, stop calling
+    MAX_STUCK_CALLS = 4  # calls still out past their timeout, each holding a thread; past this, stop calling
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self._stuck = 0
+        self._stuck_lock = threading.Lock()  # not `_lock`: `_init` holds that one while it calls
         self._initialised = False
         self._lock = threading.Lock()
 
@@ -128,12 +129,20 @@ class PynvmlBackend:
                 box["value"] = fn(*args)
             except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
                 box["error"] = exc
+            finally:
+                with self._stuck_lock:
+                    box["done"] = True
+                    if box.get("late"):
+                        self._stuck -= 1  # a slow call came back after all: NVML is usable again
 
         thread = threading.Thread(target=target, daemon=True, name="nvml-call")
         thread.start()
         thread.join(self.timeout_s)
-        if thread.is_alive():
-            self._stuck += 1
+        with self._stuck_lock:
+            late = box["late"] = "done" not in box
+            if late:
+                self._stuck += 1
+        if late:
             raise _Timeout(f"{getattr(fn, '__name__', 'NVML call')} took over {self.timeout_s:g}s")
         if "error" in box:
             raise box["error"]

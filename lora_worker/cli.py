@@ -51,7 +51,9 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "systemd",
                         "gunicorn.conf.py")
     gunicorn = os.path.join(os.path.dirname(sys.executable), "gunicorn")
-    os.execv(gunicorn, [gunicorn, "-c", conf, "--bind", args.bind, "lora_worker.wsgi:app"])
+    # Without --bind, gunicorn.conf.py takes the `bind` setting (config file or LORA_WORKER_BIND).
+    bind = ["--bind", args.bind] if args.bind else []
+    os.execv(gunicorn, [gunicorn, "-c", conf, *bind, "lora_worker.wsgi:app"])
     return 0  # not reached
 
 
@@ -88,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("reconcile", help="mark active jobs whose supervisor died as failed")
     sub.add_parser("doctor", help="check NVML, devices, the trainer install, state dir and train root")
     serve = sub.add_parser("serve", help="migrate, reconcile and run gunicorn")
-    serve.add_argument("--bind", default="127.0.0.1:8203")
+    serve.add_argument("--bind", default=None, help="override the `bind` setting (default 127.0.0.1:8203)")
     jobs_cli.add_parser(sub)
     return parser
 

@@ -218,9 +218,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
+MAX_DAYS = 100_000  # ~270 years: past this, a cutoff date does not exist
+
+
 def _days(text: str) -> float:
     value = float(text)
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be 0 or more days, not {text}")
+    if not 0 <= value <= MAX_DAYS:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"must be between 0 and {MAX_DAYS} days, not {text}")
     return value
 

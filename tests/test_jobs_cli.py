@@ -40,13 +40,13 @@ def cli(settings, *argv: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=120)
 
 
-def finished(db, state: JobState, days_ago: float, **values: object) -> int:
+def finished(db, state: JobState, days_ago: float, lora_path: str | None = None, **values: object) -> int:
     job = repo.create_job(db, columns(**values))
     end = utcnow() - timedelta(days=days_ago)
     repo.transition(db, job.id, JobState.RUNNING, actor="supervisor", started_at=end - timedelta(minutes=10))
     repo.update_running(db, job.id, step=3, points=[(1, 0.5, end), (2, 0.4, end)])
     extra = ({"failure_class": "cuda_oom", "error": "CUDA ran out of memory.\ntorch.OutOfMemoryError"}
-             if state is JobState.FAILED else {"lora_path": f"/out/{job.id}.safetensors"})
+             if state is JobState.FAILED else {"lora_path": lora_path or f"/out/{job.id}.safetensors"})
     repo.transition(db, job.id, state, actor="supervisor", finished_at=end, **extra)
     return job.id
 
@@ -213,15 +213,15 @@ def rows_of(migrated, table: str, job_id: int) -> int:
 
 
 def test_prune_forgets_old_finished_jobs_with_events_progress_and_logs_but_never_a_lora(db, migrated, supervised):
-    old = finished(db, JobState.SUCCEEDED, 100)
+    lora = migrated.train_root / "t1" / "output" / "ohwx.safetensors"
+    lora.parent.mkdir(parents=True)
+    lora.write_bytes(b"a trained LoRA")
+    old = finished(db, JobState.SUCCEEDED, 100, lora_path=str(lora), output_dir=str(lora.parent))  # names the file
     old_failed = finished(db, JobState.FAILED, 91)
     recent = finished(db, JobState.SUCCEEDED, 89)
     running = supervised()
     for job_id in (old, old_failed, recent, running):
         write_log(migrated, job_id, [f"output of {job_id}"] * 20).close()
-    lora = migrated.train_root / "t1" / "output" / "ohwx.safetensors"
-    lora.parent.mkdir(parents=True)
-    lora.write_bytes(b"a trained LoRA")
     assert rows_of(migrated, "job_progress", old) == 2
 
     code, out = jobs(migrated, "prune", "--older-than", "90")
@@ -244,6 +244,7 @@ def test_prune_dry_run_removes_nothing_and_retention_is_the_default(db, migrated
 
 
 @pytest.mark.parametrize("argv", [["prune", "--older-than", "-1"], ["prune", "--older-than", "nan"],
+                                  ["prune", "--older-than", "inf"], ["prune", "--older-than", "1e10"],
                                   ["show", "0"], ["cancel"], ["cancel", "3", "--all"], ["log", "x"]])
 def test_bad_arguments_are_refused_with_usage(argv, capsys):
     with pytest.raises(SystemExit) as refused:

@@ -1,7 +1,8 @@
 """The worker's operations, one function per thing a client can ask. Views call these and nothing else.
 
 Dispatch checks everything before it writes anything: a refused request leaves no row, no directory and no
-process behind.
+process behind. Only a launch that fails after the INSERT (the output directory or the supervisor could not
+be made) leaves a row, `failed` with `launch_error`, so the attempt is on record.
 """
 from __future__ import annotations
 

@@ -98,7 +98,8 @@ def _active_job(w: Worker) -> Iterator[Metric]:
         phase.add_metric([p.value], 1 if job is not None and job.phase == p.value else 0)
     yield phase
     rate = GaugeMetricFamily("lora_worker_active_job_step_rate",
-                             "Optimizer steps per second of the active job, as the trainer reports it.")
+                             "Optimizer steps per second of the active job, measured by its supervisor "
+                             "(warm-up left out), or as the trainer reports it before that.")
     step = GaugeMetricFamily("lora_worker_active_job_step", "Optimizer steps the active job has done.")
     total = GaugeMetricFamily("lora_worker_active_job_total_steps", "Optimizer steps the active job will do.")
     if job is not None:

@@ -33,7 +33,7 @@ ERRORS: dict[int, str] = {
     401: "No bearer token, or a wrong one.",
     404: "No job has this id.",
     409: "Refused in the worker's current state (a job is active, the GPU is busy or locked, the job ended, …).",
-    413: "The body is larger than the limit (64 KiB).",
+    413: "The body is larger than the limit (`max_body_bytes`, 64 KiB by default).",
     422: "A parameter is invalid; `fields` names each one.",
     503: "The worker cannot serve this now (ledger locked, NVML or the trainer unavailable, launch failed).",
 }

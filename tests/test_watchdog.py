@@ -40,7 +40,7 @@ def test_a_job_silent_past_its_phase_limit_is_killed_and_stalled(client_with_lim
 
 def test_a_long_quiet_phase_within_its_limit_is_not_a_stall(client_with_limits, host):
     client = client_with_limits(training=1.0)  # each step is quicker than the training limit
-    modes(host, load_s=0.5, step_s=0.004)  # loading is slow, but its own limit is long
+    modes(host, load_s=1.5, step_s=0.004)  # loading is silent past the training limit, but its own limit is long
     done = wait_state(client, submit(client, host), *TERMINAL)
     assert done["status"] == "succeeded", done
 

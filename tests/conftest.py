@@ -75,11 +75,30 @@ def nvml(settings: Settings):
     return FakeNvml.from_file(settings.nvml_fake_file)
 
 
+LEFTOVER_GRACE_S = 5.0  # a supervisor may still be closing its ledger just after it wrote the final state
+
+
 @pytest.fixture(autouse=True)
 def _no_leftover_processes(tmp_path: Path):
-    """Every process a test started under its tmp dir is gone afterwards (and killed if not)."""
+    """Every process a test started under its tmp dir is gone afterwards: one still alive after a short grace
+    fails the test (a leaked trainer is a bug the test would otherwise hide), and is killed."""
     yield
-    marker = str(tmp_path)
+    leftovers = _processes_of(str(tmp_path))
+    if leftovers:
+        _, alive = psutil.wait_procs(leftovers, timeout=LEFTOVER_GRACE_S)
+        alive = [p for p in alive if _not_zombie(p)]
+        described = [_describe(p) for p in alive]
+        for proc in alive:
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if described:
+            pytest.fail(f"processes left running by the test: {described}", pytrace=False)
+
+
+def _processes_of(marker: str) -> list[psutil.Process]:
+    found = []
     for proc in psutil.process_iter(["cmdline", "environ"]):
         try:
             cmdline = " ".join(proc.info["cmdline"] or ())
@@ -87,7 +106,19 @@ def _no_leftover_processes(tmp_path: Path):
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
         if proc.pid != os.getpid() and (marker in cmdline or marker in environ.get("LORA_WORKER_SETTINGS", "")):
-            try:
-                os.kill(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            found.append(proc)
+    return [p for p in found if _not_zombie(p)]
+
+
+def _not_zombie(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _describe(proc: psutil.Process) -> str:
+    try:
+        return f"{proc.pid} {' '.join(proc.cmdline())[:120]}"
+    except psutil.Error:
+        return str(proc.pid)

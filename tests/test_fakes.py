@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -103,14 +104,25 @@ def test_the_lora_is_a_real_safetensors_file_of_the_requested_rank(rig):
     assert inspect_lora(path).ranks == {8}
 
 
-def test_no_images_exits_0_without_a_file(rig):
+def test_an_empty_train_data_dir_prints_what_the_capture_shows_and_exits_0_without_a_file(rig):
+    shutil.rmtree(rig["dataset"] / "2_ohwx dog")  # the capture's case: train_data_dir holds nothing
+    result = run(rig, bnb_warning=True)  # as on the capture box
+    assert result.returncode == 0 and not rig["out"].exists()
+    assert shape(result.stdout.decode()) == shape(capture("fail_empty_dataset", "stdout").decode())
+    assert shape(result.stderr.decode()) == shape(capture("fail_empty_dataset", "stderr").decode())
+
+
+def test_an_empty_subset_is_ignored_as_train_util_does_then_no_images_exits_0(rig):
     for f in (rig["dataset"] / "2_ohwx dog").iterdir():
         f.unlink()
     result = run(rig)
-    assert result.returncode == 0
-    assert b"No data found. Please verify arguments" in result.stdout and b"model saved." not in result.stdout
-    assert not rig["out"].exists()
-    assert shape(result.stdout.decode())[-3:] == shape(capture("fail_empty_dataset", "stdout").decode())[-3:]
+    assert result.returncode == 0 and not rig["out"].exists()
+    out = shape(result.stdout.decode())
+    [ignored] = shape(f"ignore subset with image_dir='{rig['dataset']}/2_ohwx dog': no images found / "
+                      "画像が見つからないためサブセットを無視します")
+    assert out.index("found directory <path> contains <n> image files") < out.index(ignored)
+    assert b"model saved." not in result.stdout
+    assert out[-3:] == shape(capture("fail_empty_dataset", "stdout").decode())[-3:]
 
 
 def test_unknown_flags_exit_2_inside_and_1_outside(rig):

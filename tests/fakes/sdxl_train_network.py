@@ -26,13 +26,14 @@ the worker gives the trainer an allow-listed environment and nothing else:
   skip_save                                       exit 0 after training without saving
   partial_save_then_hang                          write half the final file, then hang in the save
   hold_at_step, release_file                      at that step, wait until the file exists (a test's "finish now")
-  record                                          write {argv, pid, pgid, env, t} as JSON to this path at start
+  record                                          write {argv, pid, pgid, ppid, env, t, umask, fds} as JSON at start
   flood_bytes                                     after step 1, redraw the bar until this many bytes are written
   bnb_warning                                     print the bitsandbytes CPU warning first, as on the capture box
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -249,8 +250,8 @@ def dataset_block(args: argparse.Namespace, subsets: list) -> str:
                   "    random_crop: False", "    token_warmup_min: 1,", "    token_warmup_step: 0,",
                   "    alpha_mask: False", "    resize_interpolation: None", "    custom_attributes: {}",
                   "    is_reg: False", f"    class_tokens: {class_tokens}",
-                  f"    caption_extension: {args.caption_extension}", "", ""]
-    return "\n".join(lines)
+                  f"    caption_extension: {args.caption_extension}"]
+    return "\n".join(lines + ["", ""])  # two blank lines close the dataset, subsets or none (the capture)
 
 
 def load_model(args: argparse.Namespace) -> None:
@@ -294,6 +295,22 @@ def cache(args: argparse.Namespace, images: list[str]) -> None:
     log("move vae and unet back to original device")
 
 
+def sha256_of(path: str) -> str:
+    """train_util.calculate_sha256: the whole base checkpoint (what `sha_s` stands in for)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def legacy_model_hash(path: str) -> str:
+    """train_util.model_hash: sha256 of 64 KiB at 1 MiB in, first 8 hex digits (of nothing, for a small file)."""
+    with open(path, "rb") as fh:
+        fh.seek(0x100000)
+        return hashlib.sha256(fh.read(0x10000)).hexdigest()[:8]
+
+
 def lora_metadata(args: argparse.Namespace, rank: int, steps: int, epoch: int, total_images: int,
                   subsets: list, started: float) -> dict[str, str]:
     with open(os.path.join(HERE, "sdxl_lora_template.json")) as fh:
@@ -314,6 +331,8 @@ def lora_metadata(args: argparse.Namespace, rank: int, steps: int, epoch: int, t
         "ss_dataset_dirs": json.dumps({os.path.basename(p): {"n_repeats": r, "img_count": len(i)}
                                        for p, r, i in subsets}),
         "ss_sd_model_name": os.path.basename(args.pretrained_model_name_or_path),
+        "ss_sd_model_hash": legacy_model_hash(args.pretrained_model_name_or_path),
+        "ss_new_sd_model_hash": sha256_of(args.pretrained_model_name_or_path),
         "ss_sd_scripts_commit_hash": MODES.get("commit_hash", "48d368fa557731ad0488c07304dfeba8c07910eb"),
         "ss_training_started_at": str(started), "ss_training_finished_at": str(time.time()),
         "modelspec.title": str(args.output_name), "modelspec.resolution": f"{res}x{res}",
@@ -372,15 +391,19 @@ def train(args: argparse.Namespace) -> int:
             open(None)  # type: ignore[call-overload]  # TypeError: expected str, bytes or os.PathLike …
     log("Using DreamBooth method.")
     log("prepare images.")
-    subsets, total = scan_dataset(args)
-    images = [img for _, _, imgs in subsets for img in imgs]
-    log("get image size from name of cache files")
-    for _ in tqdm(images):
-        pass
-    log(f"set image size from cache files: 0/{len(images)}")
-    for path, _, imgs in subsets:
+    found, _ = scan_dataset(args)
+    for path, _, imgs in found:  # train_util load_dreambooth_dir, then the subset loop, per subset
+        log("get image size from name of cache files")
+        for _ in tqdm(imgs):
+            pass
+        log(f"set image size from cache files: 0/{len(imgs)}")
         log(f"found directory {path} contains {len(imgs)} image files")
-    read_captions(args, images)
+        read_captions(args, imgs)
+        if not imgs:
+            log(f"ignore subset with image_dir='{path}': no images found / 画像が見つからないためサブセットを無視します")
+    subsets = [subset for subset in found if subset[2]]
+    images = [img for _, _, imgs in subsets for img in imgs]
+    total = sum(r * len(i) for _, r, i in subsets)
     log(f"{total} train images with repeats.")
     log("0 reg images with repeats.")
     log("no regularization images / 正則化画像が見つかりませんでした")
@@ -467,8 +490,8 @@ def train(args: argparse.Namespace) -> int:
                 flood(bar, int(MODES["flood_bytes"]))
             if args.save_every_n_steps and step % args.save_every_n_steps == 0 and step < steps:
                 ckpt = os.path.join(out_dir, f"{name}-step{step:08d}.safetensors")
+                os.makedirs(out_dir, exist_ok=True)  # save_model: the directory first, then the line
                 print(f"\nsaving checkpoint: {ckpt}", flush=True)
-                os.makedirs(out_dir, exist_ok=True)
                 save_lora(ckpt, rank, args.network_alpha, lora_metadata(args, rank, step, epoch, total, subsets,
                                                                          started))
             nan = MODES.get("nan_from_step") is not None and step >= MODES["nan_from_step"]
@@ -479,8 +502,8 @@ def train(args: argparse.Namespace) -> int:
                 break
         if args.save_every_n_epochs and (epoch + 1) % args.save_every_n_epochs == 0 and epoch + 1 < epochs:
             ckpt = os.path.join(out_dir, f"{name}-{epoch + 1:06d}.safetensors")
+            os.makedirs(out_dir, exist_ok=True)  # save_model: the directory first, then the line
             print(f"\nsaving checkpoint: {ckpt}", flush=True)
-            os.makedirs(out_dir, exist_ok=True)
             save_lora(ckpt, rank, args.network_alpha, lora_metadata(args, rank, step, epoch + 1, total, subsets,
                                                                      started))
         if step >= steps:
@@ -541,8 +564,13 @@ def record(argv: list[str], grandchild: int | None) -> None:
     path = MODES.get("record")
     if path:
         with open(path + ".tmp", "w") as fh:
+            mask = os.umask(0)
+            os.umask(mask)  # reading the umask means setting it; put it back at once
+            fds = {int(fd): os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                   if os.path.exists(f"/proc/self/fd/{fd}")}  # not the listing's own, closed by now
             json.dump({"argv": argv, "pid": os.getpid(), "pgid": os.getpgid(0), "ppid": os.getppid(),
-                       "grandchild": grandchild, "env": dict(os.environ), "t": time.time()}, fh)
+                       "grandchild": grandchild, "env": dict(os.environ), "t": time.time(),
+                       "umask": mask, "fds": {str(k): v for k, v in fds.items()}}, fh)
         os.replace(path + ".tmp", path)
 
 

@@ -8,6 +8,7 @@ import shutil
 import sqlite3
 import struct
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -131,6 +132,24 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, interval: floa
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+
+
+def hold_exclusive(path: Path, seconds: float) -> threading.Thread:
+    """Another connection takes the write lock and sits on it."""
+    ready = threading.Event()
+
+    def hold() -> None:
+        conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+        conn.execute("BEGIN EXCLUSIVE")
+        ready.set()
+        time.sleep(seconds)
+        conn.execute("ROLLBACK")
+        conn.close()
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    ready.wait(30)
+    return thread
 
 
 def pid_alive(pid: int) -> bool:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -17,7 +18,7 @@ from lora_worker.invocation.request import TrainRequest
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.states import TERMINAL_STATES
 from lora_worker.supervisor.launch import launch_supervisor
-from tests.helpers import pid_alive, set_modes, wait_for
+from tests.helpers import fake_gpus, hold_exclusive, pid_alive, set_modes, wait_for
 
 pytestmark = pytest.mark.slow
 TERMINAL = {s.value for s in TERMINAL_STATES}
@@ -87,7 +88,70 @@ def test_the_trainer_runs_the_stored_argv_with_the_allow_listed_env(client, host
     assert set(rec["env"]) - {"OMP_NUM_THREADS", "ACCELERATE_MIXED_PRECISION"} == set(row.env)
     assert rec["env"]["CUDA_VISIBLE_DEVICES"] == "1"
     assert rec["pgid"] == row.trainer_pid and rec["ppid"] == row.trainer_pid  # two levels, one group
+    # nothing of the web or the supervisor leaks in: stdin is /dev/null, stdout and stderr one pipe, and the
+    # only other descriptors are the trainer's own (its record file, /proc/self/fd being listed)
+    fds = rec["fds"]
+    assert fds["0"] == "/dev/null" and fds["1"] == fds["2"] and fds["1"].startswith("pipe:")
+    assert all(path.startswith(("/proc/", str(host.root / "record.json"))) for fd, path in fds.items()
+               if fd not in ("0", "1", "2")), fds
+    assert rec["umask"] == 0o002  # the LoRA and checkpoints are readable and writable by the shared group
     wait_state(client, job_id, *TERMINAL)
+
+
+def test_a_running_job_is_followed_by_log_offset_and_shown_as_ours(client, host):
+    release = host.root / "release"
+    modes(host, hold_at_step=200, release_file=str(release))
+    job_id = submit(client, host)
+    rec = recorded(host)
+    # while it runs: /healthz names it, and /gpu-status marks the trainer's process as ours
+    assert client.get("/healthz").get_json()["active_job_id"] == job_id
+    fake_gpus(host.gpus, processes1=[{"pid": rec["pid"], "used_mib": 30_000}])
+    (proc,) = client.get("/gpu-status").get_json()["devices"][1]["processes"]
+    assert (proc["pid"], proc["ours"], proc["tts"]) == (rec["pid"], True, False)
+    # a follower passes back the offset it was given, and sees every byte once
+    followed, offset = "", 0
+
+    def follow() -> None:
+        nonlocal followed, offset
+        chunk = client.get(f"/train/{job_id}/log?offset={offset}&limit=4096").get_json()
+        assert chunk["skipped"] == 0 and chunk["offset"] == offset + len(chunk["text"].encode())
+        followed, offset = followed + chunk["text"], chunk["offset"]
+    for _ in range(5):
+        follow()
+    release.touch()
+    wait_state(client, job_id, *TERMINAL)
+    while True:  # to the end of the log
+        before = offset
+        follow()
+        if offset == before:
+            break
+    whole = client.get(f"/train/{job_id}/log?offset=0&limit=1048576").get_json()
+    assert followed == whole["text"] and "model saved." in followed
+    assert client.get("/healthz").get_json()["active_job_id"] is None
+    for bad in ("lines=10001", "lines=-1", "limit=0", "offset=-1", "lines=x"):
+        assert client.get(f"/train/{job_id}/log?{bad}").status_code == 422, bad
+
+
+def test_the_ledger_is_written_about_once_an_interval_not_once_a_step(migrated, host):
+    from dataclasses import replace
+
+    from lora_worker import create_app
+    from lora_worker.ledger.states import Phase
+
+    app = create_app(replace(migrated, progress_interval_s=2.0))
+    client = app.test_client()
+    try:
+        modes(host, step_s=0.02)  # 400 steps, 800 redraws, in about 8 s
+        started = time.monotonic()
+        done = wait_state(client, submit(client, host), *TERMINAL)
+        wall = time.monotonic() - started
+    finally:
+        app.extensions["lora_worker"].db.dispose()
+    assert done["status"] == "succeeded" and done["step"] == 400
+    # each write bumps `version`: the INSERT, two transitions, one write per phase change, the trainer's pid,
+    # the last flush, and one per interval
+    bound = 1 + 2 + len(Phase) + 2 + math.ceil(wall / 2.0)
+    assert 4 < done["version"] <= bound, (done["version"], bound, wall)
 
 
 def test_progress_is_visible_mid_run(client, host):
@@ -103,12 +167,23 @@ def test_progress_is_visible_mid_run(client, host):
     wait_state(client, job_id, *TERMINAL)
 
 
-def test_no_zombies_are_left_after_a_run(client, host):
-    modes(host)
-    wait_state(client, submit(client, host), *TERMINAL)
-    time.sleep(0.2)
-    zombies = [c for c in psutil.Process().children(recursive=True) if c.status() == psutil.STATUS_ZOMBIE]
-    assert zombies == []
+def test_no_zombies_the_web_reaps_its_launch_and_the_supervisor_reaps_the_job(client, host, db):
+    release = host.root / "release"
+    modes(host, hold_at_step=399, release_file=str(release))
+    job_id = submit(client, host)
+    rec = recorded(host)
+    # the web's child was only the first of the supervisor's two forks, and it was reaped on return
+    assert [c for c in psutil.Process().children() if c.status() == psutil.STATUS_ZOMBIE] == []
+    supervisor = repo.get_job(db, job_id).supervisor_pid
+    # A locked ledger keeps the supervisor alive after the trainer ends (it retries the final write), so
+    # what it left behind can be seen: the launcher and the trainer must be reaped, not zombies.
+    holder = hold_exclusive(db.path, 4.0)
+    release.touch()
+    wait_for(lambda: not psutil.pid_exists(rec["pgid"]) and not psutil.pid_exists(rec["pid"]), timeout=3.5,
+             what="the launcher and the trainer reaped (gone from the process table)")
+    assert pid_alive(supervisor) and psutil.Process(supervisor).children(recursive=True) == []
+    holder.join()
+    assert wait_state(client, job_id, *TERMINAL)["status"] == "succeeded"
 
 
 # -- failures -----------------------------------------------------------------------------------------------------

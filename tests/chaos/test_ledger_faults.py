@@ -7,7 +7,6 @@ import os
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -18,28 +17,10 @@ from lora_worker.config import REPO_ROOT, Settings, settings_to_json
 from lora_worker.errors import LedgerCorrupt
 from lora_worker.progress.logfile import LogReader
 from lora_worker.supervisor.launch import SETTINGS_ENV
-from tests.helpers import pid_alive, set_modes, wait_for
+from tests.helpers import hold_exclusive, pid_alive, set_modes, wait_for
 from tests.service import Service
 
 pytestmark = pytest.mark.slow
-
-
-def hold_exclusive(path: Path, seconds: float) -> threading.Thread:
-    """Another connection takes the write lock and sits on it."""
-    ready = threading.Event()
-
-    def hold() -> None:
-        conn = sqlite3.connect(path, isolation_level=None, timeout=30)
-        conn.execute("BEGIN EXCLUSIVE")
-        ready.set()
-        time.sleep(seconds)
-        conn.execute("ROLLBACK")
-        conn.close()
-
-    thread = threading.Thread(target=hold)
-    thread.start()
-    ready.wait(30)
-    return thread
 
 
 def test_a_locked_ledger_gives_503_with_retry_after_and_training_goes_on(host, migrated):

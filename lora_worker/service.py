@@ -208,6 +208,7 @@ class Worker:
         return repo.request_cancel(self.db, job_id, actor="api")
 
     def gpu_status(self) -> dict[str, Any]:
+        self.reconcile_active()  # a dead supervisor's job is neither active nor "ours"
         return gpu_status(self.nvml.read(), self.settings, repo.active_job(self.db))
 
     def health(self) -> dict[str, Any]:

@@ -112,3 +112,16 @@ def test_the_cli_reconciles_at_start_up(db, migrated, monkeypatch, capsys):
     monkeypatch.setattr(cli, "load_settings", lambda: migrated)
     assert cli.main(["reconcile"]) == 0
     assert "1 job(s) marked failed" in capsys.readouterr().out
+
+
+def test_gpu_status_never_shows_a_dead_supervisors_job_as_active(db, migrated):
+    from lora_worker import create_app
+
+    app = create_app(migrated)  # its start-up reconcile has run: the row below is newer than that
+    try:
+        job_id = running_job(db, boot_id=process.boot_id(), supervisor_pid=999_999)
+        body = app.test_client().get("/gpu-status").get_json()
+        assert body["active_job_id"] is None
+        assert repo.get_job(db, job_id).failure_class == "supervisor_lost"
+    finally:
+        app.extensions["lora_worker"].db.dispose()

@@ -235,6 +235,9 @@ def _coerce(name: str, value: Any) -> Any:
             return _devices(value)
         if name in ("disk_mib", "stall_limits_s"):
             default = DEFAULT_DISK_MIB if name == "disk_mib" else DEFAULT_STALL_LIMITS_S
+            unknown = set(map(str, dict(value))) - set(default)
+            if unknown:  # `trainig = 60` would otherwise leave the real limit at its default, silently
+                raise KeyError(f"unknown key(s) {sorted(unknown)}; known: {sorted(default)}")
             return MappingProxyType({**default, **{str(k): float(v) if name == "stall_limits_s" else int(v)
                                                    for k, v in dict(value).items()}})
         if name == "model_dirs":

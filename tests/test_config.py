@@ -50,6 +50,8 @@ def test_toml_file_then_env_overrides(tmp_path):
     ("[devices.1]\nlabel='x'\ntiers=['ultra']\ntrain_batch_size=1\nvram_mib={ultra=1}\n", "unknown tier"),
     ("[devices.1]\nlabel='x'\ntiers=['fast']\ntrain_batch_size=1\n", "vram_mib missing"),
     ("cpu_threads = 'many'\n", "cpu_threads"),
+    ("[stall_limits_s]\ntrainig = 60\n", "unknown key.*trainig"),
+    ("[disk_mib]\nultra = 10\n", "unknown key.*ultra"),
     ("this is not toml", "cannot read"),
 ])
 def test_a_mistyped_config_stops_the_service(tmp_path, text, message):

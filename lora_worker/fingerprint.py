@@ -38,18 +38,24 @@ def sd_scripts_commit(checkout: Path) -> str | None:
     if not head.startswith("ref: "):
         return None
     ref = head[5:]
-    try:
-        value = (git / ref).read_text().strip()
-        return value if SHA.match(value) else None
+    dirs = [git]
+    try:  # a worktree keeps only its HEAD; branches live in the main repository's git dir
+        dirs.append((git / (git / "commondir").read_text().strip()).resolve())
     except OSError:
         pass
-    try:
-        for line in (git / "packed-refs").read_text().splitlines():
-            sha, _, name = line.partition(" ")
-            if name == ref and SHA.match(sha):
-                return sha
-    except OSError:
-        return None
+    for directory in dirs:
+        try:
+            value = (directory / ref).read_text().strip()
+            return value if SHA.match(value) else None
+        except OSError:
+            pass
+        try:
+            for line in (directory / "packed-refs").read_text().splitlines():
+                sha, _, name = line.partition(" ")
+                if name == ref and SHA.match(sha):
+                    return sha
+        except OSError:
+            continue
     return None
 
 

@@ -74,3 +74,19 @@ def test_the_commit_is_read_from_packed_refs_and_detached_heads(tmp_path):
     (git / "HEAD").write_text("b" * 40 + "\n")
     assert sd_scripts_commit(tmp_path) == "b" * 40
     assert sd_scripts_commit(tmp_path / "nowhere") is None
+
+
+def test_the_commit_of_a_worktree_checkout_is_found_in_the_main_repository(tmp_path):
+    # `git worktree add` layout: the checkout's .git is a file; its git dir holds HEAD and `commondir`,
+    # and the branch it names lives in the main repository's refs
+    main = tmp_path / "main" / ".git"
+    (main / "refs" / "heads").mkdir(parents=True)
+    (main / "refs" / "heads" / "sd3").write_text("c" * 40 + "\n")
+    own = main / "worktrees" / "sd-scripts"
+    own.mkdir(parents=True)
+    (own / "HEAD").write_text("ref: refs/heads/sd3\n")
+    (own / "commondir").write_text("../..\n")
+    checkout = tmp_path / "sd-scripts"
+    checkout.mkdir()
+    (checkout / ".git").write_text(f"gitdir: {own}\n")
+    assert sd_scripts_commit(checkout) == "c" * 40

@@ -112,6 +112,10 @@ def test_the_active_job_shows_its_phase_step_and_step_rate(api, db, migrated):
 
 
 def test_a_dead_supervisor_shows_as_a_reconcile_action_not_as_a_running_phase(api, db):
+    # a supervisor that failed its own job after an internal error is not a reconcile
+    own = repo.create_job(db, columns(train_id="t2"))
+    repo.transition(db, own.id, JobState.RUNNING, actor="supervisor")
+    repo.transition(db, own.id, JobState.FAILED, actor="supervisor", failure_class="supervisor_lost")
     job = repo.create_job(db, columns())
     repo.transition(db, job.id, JobState.RUNNING, actor="supervisor", phase="training")  # no lock: nobody home
     metrics = scrape(api)

@@ -253,9 +253,11 @@ def finished_durations(db: Database) -> list[tuple[str, float]]:
 
 
 def reconcile_actions(db: Database) -> dict[tuple[str, str], int]:
-    """Jobs reconcile marked failed (a dead supervisor, a reboot), by (actor, failure class)."""
+    """Jobs reconcile marked failed (a dead supervisor, a reboot), by (actor, failure class). A supervisor that
+    failed its own job after an internal error also writes `supervisor_lost`; it is not a reconcile."""
     query = (select(JobEvent.actor, Job.failure_class, func.count()).join(Job, Job.id == JobEvent.job_id)
-             .where(JobEvent.to_status == JobState.FAILED.value, Job.failure_class.in_(RECONCILED))
+             .where(JobEvent.to_status == JobState.FAILED.value, Job.failure_class.in_(RECONCILED),
+                    JobEvent.actor != "supervisor")
              .group_by(JobEvent.actor, Job.failure_class))
     with db.read() as s:
         return {(actor, failure): int(n) for actor, failure, n in s.execute(query)}

@@ -11,7 +11,7 @@ from typing import Any
 
 import sqlalchemy.exc
 from sqlalchemy import delete, func, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from lora_worker.errors import JobActive, JobFinished, JobNotFound
 from lora_worker.ledger.db import Database
@@ -87,8 +87,10 @@ def active_jobs(db: Database) -> list[Job]:
 
 def list_jobs(db: Database, *, status: Sequence[str] = (), limit: int = 50,
               before_id: int | None = None) -> list[Job]:
-    """Newest first; `before_id` pages backwards (keyset pagination stays cheap on a long history)."""
-    query = select(Job).order_by(Job.id.desc()).limit(limit)
+    """Newest first; `before_id` pages backwards (keyset pagination stays cheap on a long history). The stored
+    argv and env are not loaded: no list shows them, and each is a JSON document to decode per row."""
+    query = (select(Job).options(defer(Job.argv, raiseload=True), defer(Job.env, raiseload=True))
+             .order_by(Job.id.desc()).limit(limit))
     if status:
         query = query.where(Job.status.in_(list(status)))
     if before_id is not None:

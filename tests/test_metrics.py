@@ -96,12 +96,12 @@ def test_job_duration_is_a_histogram_of_start_to_end_by_final_status(api, db):
 def test_the_active_job_shows_its_phase_step_and_step_rate(api, db, migrated):
     job = repo.create_job(db, columns())
     lock = hold_lock(job_lock_path(migrated, job.id))  # its supervisor is alive
+    assert lock is not None
     try:
         repo.transition(db, job.id, JobState.RUNNING, actor="supervisor", phase="training")
         repo.update_running(db, job.id, step=120, rate=2.5)
         metrics = scrape(api)
     finally:
-        assert lock is not None
         os.close(lock)
     phases = {dict(labels)["phase"]: v for (_, labels), v in metrics["lora_worker_active_job_phase"].items()}
     assert phases["training"] == 1 and sum(phases.values()) == 1

@@ -8,12 +8,13 @@ import sqlite3
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from lora_worker import create_app
-from lora_worker.config import REPO_ROOT, Settings, settings_to_json
+from lora_worker.config import DEFAULT_STALL_LIMITS_S, REPO_ROOT, Settings, settings_to_json
 from lora_worker.errors import LedgerCorrupt
 from lora_worker.progress.logfile import LogReader
 from lora_worker.supervisor.launch import SETTINGS_ENV
@@ -86,6 +87,27 @@ def test_a_full_disk_on_progress_writes_never_stops_the_trainer_and_the_outcome_
         # the loss points of the steps run while the disk was full were kept and written before the end
         curve = client.get(f"/train/{job_id}/progress?points=1000").get_json()["points"]
         assert curve[-1]["step"] == 400 and sum(p["step"] > before["step"] for p in curve) > 5
+    finally:
+        app.extensions["lora_worker"].db.dispose()
+
+
+def test_a_long_wait_to_record_the_start_is_not_taken_for_a_stalled_launch(host, migrated):
+    # The supervisor retries "running" while the disk is full; the watchdog must count from the trainer's
+    # start, or the first look at a 1 s launching limit would call the fresh trainer stalled.
+    flag = host.root / "disk-full"
+    flag.touch()
+    set_modes(host.sd_scripts, step_s=0.002)
+    limits = {**DEFAULT_STALL_LIMITS_S, "launching": 1.0}
+    app = create_app(replace(migrated, stall_limits_s=limits), launch=faulty_launcher(flag))
+    client = app.test_client()
+    try:
+        job_id = client.post("/train", json=host.payload()).get_json()["worker_job_id"]
+        time.sleep(2.5)
+        assert client.get(f"/train/{job_id}").get_json()["status"] == "queued"  # nothing could be written yet
+        flag.unlink()
+        done = wait_for(lambda: (j := client.get(f"/train/{job_id}").get_json())["status"] in
+                        ("succeeded", "failed", "cancelled") and j, timeout=30, what="the final state")
+        assert (done["status"], done["failure_class"]) == ("succeeded", None), done
     finally:
         app.extensions["lora_worker"].db.dispose()
 

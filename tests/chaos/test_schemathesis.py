@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from schemathesis import GenerationMode
 
 from lora_worker import create_app
@@ -49,6 +49,9 @@ def test_every_operation_answers_as_documented(api_schema, migrated, launches, m
     operations = [result.ok() for result in api_schema.get_all_operations()]
     operation = data.draw(st.sampled_from(operations), label="operation")
     case = data.draw(operation.as_strategy(generation_mode=mode), label="case")
+    # An extra query parameter with no name and an empty value ([] or {}) is serialised to nothing: the
+    # request that reaches the app is valid, and "negative data accepted" would be a false alarm of the harness.
+    assume((case.query or {}).get("") not in ([], {}))
     rows, started = job_rows(migrated), len(launches)
     response = case.call_and_validate(headers={"Authorization": f"Bearer {TOKEN}"}, excluded_checks=EXCLUDED)
     if response.status_code >= 400:

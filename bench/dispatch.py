@@ -24,7 +24,7 @@ from pathlib import Path
 from bench.common import Row, arg_parser, bench_host, emit, running_service
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
-from lora_worker.supervisor import process
+from lora_worker.host import processes
 from tests.helpers import Host, set_modes, wait_for
 from tests.service import Service
 
@@ -37,7 +37,7 @@ def recorded(path: Path) -> dict:
 
 
 def group_gone_after(pgid: int, start: float) -> float:
-    wait_for(lambda: not process.group_members(pgid), timeout=120, interval=0.002, what=f"group {pgid} gone")
+    wait_for(lambda: not processes.group_members(pgid), timeout=120, interval=0.002, what=f"group {pgid} gone")
     return time.monotonic() - start
 
 

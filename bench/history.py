@@ -24,7 +24,7 @@ from typing import Any
 from bench.common import Row, arg_parser, bench_host, emit
 from lora_worker import create_app
 from lora_worker.ledger.db import Database
-from lora_worker.ledger.reconcile import reconcile
+from lora_worker.reconcile import reconcile
 from tests.helpers import Host, set_modes, wait_for
 from tests.service import settings_env
 

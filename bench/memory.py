@@ -12,7 +12,7 @@ import subprocess
 
 from bench.common import Row, arg_parser, bench_host, emit, peak_rss_mib, python, running_service
 from bench.stream import Runs
-from lora_worker.supervisor import process
+from lora_worker.host import processes
 from tests.helpers import Host, set_modes, wait_for
 
 # Prints the interpreter's peak RSS (KiB) and the third-party packages loaded, after importing the supervisor.
@@ -25,8 +25,8 @@ hwm = next(line for line in open('/proc/self/status') if line.startswith('VmHWM:
 print(json.dumps({{"kib": int(hwm.split()[1]), "third_party": sorted(t for t in top if not t.startswith('_'))}}))
 """
 # main.py imports the ledger and the runner only once it holds the job lock; a run loads them all.
-SUPERVISOR_IMPORTS = ("import lora_worker.supervisor.__main__, lora_worker.supervisor.main, "
-                      "lora_worker.supervisor.runner, lora_worker.ledger.db")
+SUPERVISOR_IMPORTS = ("import lora_worker.run.__main__, lora_worker.run.main, "
+                      "lora_worker.run.runner, lora_worker.ledger.db")
 
 
 def probe(imports: str) -> dict:
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         args.requests, args.bytes = 20, 200_000
     bare = probe("")["kib"] / 1024
     imported = probe(SUPERVISOR_IMPORTS)
-    process.set_child_subreaper()  # as in bench/stream.py: supervisors are measured as our children
+    processes.set_child_subreaper()  # as in bench/stream.py: supervisors are measured as our children
     with bench_host() as host:
         runs = Runs(host)
         try:

@@ -4,7 +4,7 @@ Both readers run the same emitter (bench/emitter.py: the real capture's phase li
 redrawn as tqdm draws it) as their child, through the same kind of pipes, and are measured the same way:
 on-CPU time of the reader process (/proc/<pid>/schedstat) from the emitter's first byte to the reader's exit,
 read while the reader is a zombie so nothing after its last instruction is missed. The supervisor is the
-real one (`python -m lora_worker.supervisor`, started by `launch_supervisor` for a job whose argv is the
+real one (`python -m lora_worker.run`, started by `launch_supervisor` for a job whose argv is the
 emitter); it decodes, parses, writes the run log and the ledger. The bare reader (bench/bare_reader.py) only
 reads and discards.
 
@@ -26,8 +26,8 @@ from pathlib import Path
 from bench.common import (BENCH_DIR, CAPTURE, Row, arg_parser, bench_host, cpu_seconds, emit, insert_job,
                           peak_rss_mib, python, read_syscalls, state, supervisor_pid, threads)
 from lora_worker.ledger.db import Database
-from lora_worker.supervisor import process
-from lora_worker.supervisor.launch import launch_supervisor
+from lora_worker.host import processes
+from lora_worker.run.local import launch_supervisor
 from tests.helpers import Host, wait_for
 
 EMITTER = BENCH_DIR / "emitter.py"
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.bytes, args.repeats, args.real_s, args.compressed_s = 200_000, 1, 0.3, 0.5
-    process.set_child_subreaper()  # supervisors re-parent to us: we read their CPU time as zombies
+    processes.set_child_subreaper()  # supervisors re-parent to us: we read their CPU time as zombies
     with bench_host() as host:
         runs = Runs(host)
         try:

@@ -12,6 +12,6 @@ if TYPE_CHECKING:
 
 
 def create_app(config: Any = None, **overrides: Any) -> Flask:
-    from lora_worker.app import build_app
+    from lora_worker.web.app import build_app
 
     return build_app(config, **overrides)

@@ -23,7 +23,7 @@
           ├── LedgerUnwritable        503: the ledger's disk is full or failing
           └── LaunchFailed            503: the supervisor process could not be started
 
-HTTP statuses are assigned in `lora_worker.api.errors`; nothing here knows about HTTP.
+HTTP statuses are assigned in `lora_worker.web.errors`; nothing here knows about HTTP.
 """
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ def api(migrated: Settings, launches: Launches):
 
 @pytest.fixture
 def nvml(settings: Settings):
-    from lora_worker.gpu.nvml import FakeNvml
+    from lora_worker.host.nvml import FakeNvml
 
     assert settings.nvml_fake_file is not None
     return FakeNvml.from_file(settings.nvml_fake_file)

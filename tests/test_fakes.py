@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_worker.artifacts import inspect_lora, read_header
+from lora_worker.host.safetensors import inspect_lora, read_header
 from tests.helpers import DATA, install_fake_trainer, make_dataset, pid_alive, set_modes, wait_for, write_safetensors
 
 ENV = {"PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "250"}

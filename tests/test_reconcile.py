@@ -9,12 +9,12 @@ import time
 import pytest
 
 from lora_worker.ledger import repository as repo
-from lora_worker.ledger.reconcile import reconcile
-from lora_worker.ledger.states import JobState
-from lora_worker.supervisor import process
-from lora_worker.supervisor.locks import hold_lock, job_lock_path
+from lora_worker.reconcile import reconcile
+from lora_worker.states import JobState
+from lora_worker.host import processes
+from lora_worker.host.locks import hold_lock, job_lock_path
 from tests.helpers import pid_alive
-from tests.test_ledger import columns
+from tests.ledger.test_ledger import columns
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def running_job(db, **identity: object) -> int:
 
 
 def test_a_running_row_whose_supervisor_is_gone_becomes_failed(db, migrated):
-    job_id = running_job(db, boot_id=process.boot_id(), supervisor_pid=999_999)
+    job_id = running_job(db, boot_id=processes.boot_id(), supervisor_pid=999_999)
     actions = reconcile(db, migrated)
     assert [(a.job_id, a.failure_class.value) for a in actions] == [(job_id, "supervisor_lost")]
     row = repo.get_job(db, job_id)
@@ -42,8 +42,8 @@ def test_a_running_row_whose_supervisor_is_gone_becomes_failed(db, migrated):
 
 
 def test_a_forged_row_with_a_reused_pid_never_gets_the_stranger_killed(db, migrated, stranger):
-    ticks = process.start_ticks(stranger.pid)
-    job_id = running_job(db, boot_id=process.boot_id(), supervisor_pid=stranger.pid,
+    ticks = processes.start_ticks(stranger.pid)
+    job_id = running_job(db, boot_id=processes.boot_id(), supervisor_pid=stranger.pid,
                          trainer_pid=stranger.pid, trainer_start_ticks=ticks - 1)  # same pid, other process
     actions = reconcile(db, migrated)
     assert [a.killed for a in actions] == [()]
@@ -53,15 +53,15 @@ def test_a_forged_row_with_a_reused_pid_never_gets_the_stranger_killed(db, migra
 
 
 def test_a_leftover_trainer_that_is_provably_ours_is_killed(db, migrated, stranger):
-    ticks = process.start_ticks(stranger.pid)
-    running_job(db, boot_id=process.boot_id(), trainer_pid=stranger.pid, trainer_start_ticks=ticks)
+    ticks = processes.start_ticks(stranger.pid)
+    running_job(db, boot_id=processes.boot_id(), trainer_pid=stranger.pid, trainer_start_ticks=ticks)
     actions = reconcile(db, migrated)
     assert actions[0].killed == (stranger.pid,)
     assert stranger.wait(5) == -signal.SIGKILL
 
 
 def test_a_row_from_before_a_reboot_is_host_rebooted_and_nothing_is_signalled(db, migrated, stranger):
-    ticks = process.start_ticks(stranger.pid)
+    ticks = processes.start_ticks(stranger.pid)
     job_id = running_job(db, boot_id="00000000-dead-beef-0000-000000000000", trainer_pid=stranger.pid,
                          trainer_start_ticks=ticks)
     reconcile(db, migrated)
@@ -70,7 +70,7 @@ def test_a_row_from_before_a_reboot_is_host_rebooted_and_nothing_is_signalled(db
 
 
 def test_a_job_whose_supervisor_holds_its_lock_is_left_alone(db, migrated):
-    job_id = running_job(db, boot_id=process.boot_id())
+    job_id = running_job(db, boot_id=processes.boot_id())
     fd = hold_lock(job_lock_path(migrated, job_id))
     try:
         assert reconcile(db, migrated) == []
@@ -90,7 +90,7 @@ def test_a_queued_row_gets_a_launch_grace_then_fails(db, migrated):
 
 
 def test_reconcile_is_idempotent(db, migrated):
-    running_job(db, boot_id=process.boot_id())
+    running_job(db, boot_id=processes.boot_id())
     first = reconcile(db, migrated)
     snapshot = [(j.id, j.status, j.version) for j in repo.list_jobs(db)]
     assert len(first) == 1 and reconcile(db, migrated) == []
@@ -99,16 +99,16 @@ def test_reconcile_is_idempotent(db, migrated):
 
 def test_a_zombie_does_not_count_as_alive():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
-    ident = process.identity_of(child.pid)
+    ident = processes.identity_of(child.pid)
     assert ident is not None
     time.sleep(0.5)  # exited, not yet reaped: a zombie
-    assert process.state_of(child.pid) == "Z" and not process.matches(ident)
+    assert processes.state_of(child.pid) == "Z" and not processes.matches(ident)
     child.wait()
 
 
 def test_the_cli_reconciles_at_start_up(db, migrated, monkeypatch, capsys):
     from lora_worker import cli
-    running_job(db, boot_id=process.boot_id())
+    running_job(db, boot_id=processes.boot_id())
     monkeypatch.setattr(cli, "load_settings", lambda: migrated)
     assert cli.main(["reconcile"]) == 0
     assert "1 job(s) marked failed" in capsys.readouterr().out
@@ -119,7 +119,7 @@ def test_gpu_status_never_shows_a_dead_supervisors_job_as_active(db, migrated):
 
     app = create_app(migrated)  # its start-up reconcile has run: the row below is newer than that
     try:
-        job_id = running_job(db, boot_id=process.boot_id(), supervisor_pid=999_999)
+        job_id = running_job(db, boot_id=processes.boot_id(), supervisor_pid=999_999)
         body = app.test_client().get("/gpu-status").get_json()
         assert body["active_job_id"] is None
         assert repo.get_job(db, job_id).failure_class == "supervisor_lost"

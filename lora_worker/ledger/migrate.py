@@ -8,8 +8,8 @@ from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
 
-from lora_worker.config import REPO_ROOT
-from lora_worker.errors import LedgerCorrupt
+from lora_worker.config import REPO_ROOT, Settings
+from lora_worker.errors import ConfigError, LedgerCorrupt
 
 MIGRATIONS_DIR = REPO_ROOT / "migrations"
 
@@ -67,3 +67,21 @@ def verify_integrity(db_path: Path) -> None:
     if rows != [("ok",)]:
         detail = "; ".join(str(r[0]) for r in rows[:5])
         raise LedgerCorrupt(f"ledger {db_path} failed PRAGMA quick_check: {detail}")
+
+
+def prepare_state_dir(settings: Settings) -> None:
+    for directory in (settings.state_dir, settings.lock_dir, settings.log_dir, settings.gpu_locks,
+                      settings.hf_home_dir):
+        directory.mkdir(parents=True, exist_ok=True)
+
+
+def check_ledger(settings: Settings) -> None:
+    """Refuse to serve from a damaged ledger or one whose schema is not the code's."""
+    path = settings.database_path
+    if not path.exists():
+        raise ConfigError(f"No ledger at {path}; run `lora-worker migrate` first.")
+    verify_integrity(path)
+    current, head = current_revision(path), head_revision()
+    if current != head:
+        raise ConfigError(f"Ledger {path} is at schema {current}, the code needs {head}; "
+                          "run `lora-worker migrate`.")

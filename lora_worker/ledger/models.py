@@ -9,7 +9,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
-from lora_worker.ledger.states import ACTIVE_STATES, FailureClass, JobState, Phase
+from lora_worker.states import ACTIVE_STATES, FailureClass, JobState, Phase
 
 
 class UtcTimestamp(TypeDecorator[datetime]):

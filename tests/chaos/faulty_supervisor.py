@@ -43,7 +43,7 @@ def faulty_make_engine(*args, **kwargs):  # type: ignore[no-untyped-def]
 
 db_module.make_engine = faulty_make_engine
 
-from lora_worker.supervisor.__main__ import main  # noqa: E402 - after the patch, on purpose
+from lora_worker.run.__main__ import main  # noqa: E402 - after the patch, on purpose
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

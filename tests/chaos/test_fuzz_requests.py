@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from lora_worker import create_app
 from lora_worker.ledger import repository as repo
-from lora_worker.ledger.states import JobState
+from lora_worker.states import JobState
 from tests.helpers import Launches, job_rows
 
 FIELDS = ("dataset_dir", "base_model_path", "output_dir", "output_name", "trigger", "subject_class", "repeats",

@@ -1,0 +1,137 @@
+"""The one command the worker runs, built by pure functions from a TrainRequest and the audited constants.
+
+Shape: `<venv>/accelerate launch <pinned launcher flags> <abs sdxl_train_network.py> <script args>`, where
+every script arg is either a constant `--flag` or one `--key=value` token with a key from SCRIPT_KEYS.
+A value can never become a flag of its own (`--config_file=…` would replace the whole configuration), and
+no key ever comes from the request. `shlex.join` is for display only; nothing here goes through a shell.
+"""
+from __future__ import annotations
+
+from lora_worker.config import LORA_TARGET_PRESETS, SDXL_HPARAMS, TIERS, Settings
+from lora_worker.dispatch.request import TrainRequest
+
+# Constant switches of the lean SDXL recipe: U-Net only, latents and text-encoder outputs cached in memory
+# (the TE cache requires --network_train_unet_only), gradient checkpointing, SDPA attention, and logs as
+# plain lines on stdout (--console_log_simple) so the parser sees one record per line.
+SCRIPT_FLAGS: tuple[str, ...] = (
+    "--network_train_unet_only",
+    "--cache_latents",
+    "--cache_text_encoder_outputs",
+    "--gradient_checkpointing",
+    "--sdpa",
+    "--enable_bucket",
+    "--bucket_no_upscale",
+    "--console_log_simple",
+)
+
+# Every key a `--key=value` token may carry, in the order they are emitted.
+SCRIPT_KEYS: tuple[str, ...] = (
+    "pretrained_model_name_or_path",
+    "tokenizer_cache_dir",
+    "train_data_dir",
+    "output_dir",
+    "output_name",
+    "save_model_as",
+    "caption_extension",
+    "resolution",
+    "network_module",
+    "network_dim",
+    "network_alpha",
+    "network_args",
+    "mixed_precision",
+    "learning_rate",
+    "lr_scheduler",
+    "optimizer_type",
+    "min_snr_gamma",
+    "noise_offset",
+    "max_grad_norm",
+    "max_train_steps",
+    "train_batch_size",
+    "max_data_loader_n_workers",
+    "seed",
+)
+
+ENV_KEYS: tuple[str, ...] = (
+    "PATH", "HOME", "LANG", "CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED",
+    "PYTHONIOENCODING", "HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "HF_HOME", "COLUMNS",
+)
+
+
+def launcher_argv(settings: Settings) -> list[str]:
+    # Every launcher setting pinned on the command line: a stray accelerate config could otherwise turn on
+    # multi-GPU, DeepSpeed or gpu_ids (which overrides CUDA_VISIBLE_DEVICES).
+    return [
+        str(settings.accelerate), "launch",
+        "--num_processes=1",
+        "--num_machines=1",
+        "--mixed_precision=bf16",
+        "--dynamo_backend=no",
+        f"--num_cpu_threads_per_process={settings.cpu_threads}",
+        str(settings.train_script),
+    ]
+
+
+def script_args(req: TrainRequest, settings: Settings) -> list[tuple[str, str]]:
+    """The `--key=value` pairs, in SCRIPT_KEYS order."""
+    tier = TIERS[req.tier]
+    device = settings.devices[req.device_index]
+    max_grad_norm = repr(float(req.max_grad_norm)) if req.max_grad_norm is not None \
+        else SDXL_HPARAMS["max_grad_norm"]
+    values: dict[str, str | None] = {
+        "pretrained_model_name_or_path": str(req.base_model_path),
+        "tokenizer_cache_dir": str(settings.tokenizer_cache_dir),
+        "train_data_dir": str(req.dataset_dir),
+        "output_dir": str(req.output_dir),
+        "output_name": req.output_name,
+        "save_model_as": "safetensors",
+        "caption_extension": ".txt",  # sd-scripts' default is .caption
+        "resolution": str(tier.resolution),
+        "network_module": "networks.lora",
+        "network_dim": str(tier.network_dim),
+        "network_alpha": str(tier.network_dim),
+        "network_args": _network_arg(req, tier.network_dim),
+        "mixed_precision": "bf16",  # the script's own flag wins over the launcher's
+        "learning_rate": SDXL_HPARAMS["learning_rate"],
+        "lr_scheduler": SDXL_HPARAMS["lr_scheduler"],
+        "optimizer_type": SDXL_HPARAMS["optimizer_type"],
+        "min_snr_gamma": SDXL_HPARAMS["min_snr_gamma"],
+        "noise_offset": SDXL_HPARAMS["noise_offset"],
+        "max_grad_norm": max_grad_norm,
+        "max_train_steps": str(tier.max_train_steps),
+        "train_batch_size": str(device.train_batch_size),
+        "max_data_loader_n_workers": SDXL_HPARAMS["max_data_loader_n_workers"],
+        "seed": str(req.seed),
+    }
+    return [(key, value) for key in SCRIPT_KEYS if (value := values[key]) is not None]
+
+
+def build_argv(req: TrainRequest, settings: Settings) -> list[str]:
+    """The complete argv, stored in the job row and executed verbatim by the supervisor."""
+    pairs = [f"--{key}={value}" for key, value in script_args(req, settings)]
+    return [*launcher_argv(settings), *pairs, *SCRIPT_FLAGS]
+
+
+def build_env(req: TrainRequest, settings: Settings) -> dict[str, str]:
+    """The trainer's whole environment: an allow-list, so no token, LD_PRELOAD or PYTHONPATH leaks in."""
+    env = {
+        "PATH": settings.child_path,
+        "HOME": str(settings.state_dir),
+        "LANG": "C.UTF-8",
+        # CUDA numbers devices by speed unless told otherwise; PCI order matches NVML and nvidia-smi.
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": str(req.device_index),
+        # Without it the `epoch`/`saving checkpoint` prints arrive late, block-buffered.
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONIOENCODING": "utf-8",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        # A worker-owned HF_HOME also means no stray accelerate default_config.yaml is read.
+        "HF_HOME": str(settings.hf_home_dir),
+        "COLUMNS": "250",
+    }
+    return env
+
+
+def _network_arg(req: TrainRequest, dim: int) -> str | None:
+    preset = LORA_TARGET_PRESETS[req.lora_target_modules or "attn_mlp"]
+    return preset[0].format(dim=dim) if preset else None

@@ -1,0 +1,139 @@
+"""Dispatch: a raw request becomes a resolved one (paths contained, dataset, model, disk, admission), then an
+argv and an environment, then one INSERT, then a launch.
+
+Everything is checked before anything is written: a refused request leaves no row, no directory and no
+process behind. Only a launch that fails after the INSERT (the output directory or the supervisor could not
+be made) leaves a row, `failed` with `launch_error`, so the attempt is on record.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy.exc
+
+from lora_worker.config import TIERS, Settings
+from lora_worker.dispatch import paths
+from lora_worker.dispatch.admission import admit
+from lora_worker.dispatch.argv import build_argv, build_env
+from lora_worker.dispatch.dataset import DatasetManifest, inspect_dataset
+from lora_worker.dispatch.disk import require_free_space
+from lora_worker.dispatch.model import check_base_model
+from lora_worker.dispatch.request import TrainRequest, check_device
+from lora_worker.errors import IdempotencyKeyReused, JobActive, LaunchFailed, OutputExists
+from lora_worker.host.fingerprint import sd_scripts_commit, trainer_versions
+from lora_worker.host.nvml import Nvml
+from lora_worker.host.trainer import require_trainer
+from lora_worker.ledger import repository as repo
+from lora_worker.ledger.db import Database
+from lora_worker.ledger.models import Job, utcnow
+from lora_worker.run.eta import estimate_duration
+from lora_worker.states import FailureClass, JobState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Dispatcher:
+    """What dispatch needs: settings, the ledger, NVML, and how to start a job's run."""
+
+    settings: Settings
+    db: Database
+    nvml: Nvml
+    launch: Callable[[int, Settings], None]
+
+    def submit(self, request: TrainRequest, *, idempotency_key: str | None = None,
+               body_sha256: str | None = None) -> tuple[Job, bool]:
+        """Validate, admit, record and launch a job; every refusal happens before the INSERT.
+
+        Returns the job and whether it was created now. With an Idempotency-Key seen before, the original
+        job comes back (same body) or IdempotencyKeyReused is raised (another body), and nothing is started.
+        """
+        if idempotency_key and (replay := self._replay(idempotency_key, body_sha256)):
+            return replay, False
+        try:
+            return self._create(request, idempotency_key, body_sha256), True
+        except (JobActive, sqlalchemy.exc.IntegrityError):
+            # A retry racing its original: whichever lost the INSERT answers with the winner's job.
+            if idempotency_key and (replay := self._replay(idempotency_key, body_sha256)):
+                return replay, False
+            raise
+
+    def _replay(self, key: str, body_sha256: str | None) -> Job | None:
+        job = repo.find_by_idempotency_key(self.db, key)
+        if job is None:
+            return None
+        if utcnow() - job.created_at > timedelta(days=self.settings.retention_days):
+            repo.forget_idempotency_key(self.db, job.id)  # expired with retention: the key is free again
+            return None
+        if job.request_sha256 != body_sha256:
+            raise IdempotencyKeyReused({"Idempotency-Key": [
+                f"Already used for job {job.id} with a different request body."]}, job_id=job.id)
+        return job
+
+    def _create(self, request: TrainRequest, idempotency_key: str | None, body_sha256: str | None) -> Job:
+        request = self.resolve(request)
+        manifest = inspect_dataset(Path(request.dataset_dir), request.kohya_folder)
+        check_base_model(Path(request.base_model_path))
+        if Path(request.lora_file).exists():
+            raise OutputExists(f"{request.lora_file} already exists; choose another output_name.",
+                               path=request.lora_file)
+        active = repo.active_job(self.db)
+        if active is not None:
+            raise JobActive(f"Job {active.id} is already active; one training runs at a time.",
+                            active_job_id=active.id)
+        require_trainer(self.settings)
+        admit(request.tier, request.device_index, self.settings, self.nvml)
+        require_free_space(Path(request.output_dir), self.settings.disk_mib[request.tier])
+        columns = {**self._columns(request, manifest), "idempotency_key": idempotency_key,
+                   "request_sha256": body_sha256}
+        job = repo.create_job(self.db, columns)
+        try:
+            try:
+                paths.create_output_dir(Path(request.output_dir))
+            except OSError as exc:
+                raise LaunchFailed(f"Cannot create {request.output_dir}: {exc.strerror or exc}.") from exc
+            self.launch(job.id, self.settings)
+        except LaunchFailed as exc:
+            repo.transition(self.db, job.id, JobState.FAILED, actor="api", reason=exc.message,
+                            failure_class=FailureClass.LAUNCH_ERROR.value, error=exc.message)
+            raise
+        log.info("job %s accepted: tier %s on device %s", job.id, request.tier, request.device_index)
+        return job
+
+    def resolve(self, request: TrainRequest) -> TrainRequest:
+        """Resolve and contain every path: `<train root>/<train_id>/` for data and output, a models dir for
+        the base model. The resolved strings are what the trainer receives."""
+        check_device(request.tier, request.device_index, self.settings)
+        root = paths.real_train_root(self.settings.train_root)
+        dataset = paths.resolve_dir(request.dataset_dir, root, "dataset_dir")
+        output = paths.resolve_new_dir(request.output_dir, root, "output_dir")
+        model = paths.resolve_file(request.base_model_path, self.settings.model_dirs, "base_model_path",
+                                   suffix=".safetensors")
+        train_id = paths.train_id_of(dataset, root)
+        paths.require_same_train_dir(dataset, output, root)
+        return dataclasses.replace(request, dataset_dir=str(dataset), output_dir=str(output),
+                                   base_model_path=str(model), train_id=train_id)
+
+    def _columns(self, request: TrainRequest, manifest: DatasetManifest) -> dict[str, Any]:
+        return {
+            "train_id": request.train_id, "dataset_dir": request.dataset_dir,
+            "base_model_path": request.base_model_path, "output_dir": request.output_dir,
+            "output_name": request.output_name, "trigger": request.trigger, "subject_class": request.subject_class,
+            "repeats": request.repeats, "tier": request.tier, "device_index": request.device_index,
+            "seed": request.seed, "max_grad_norm": request.max_grad_norm,
+            "lora_target_modules": request.lora_target_modules, "image_count": manifest.image_count,
+            "argv": build_argv(request, self.settings), "env": build_env(request, self.settings),
+            "total_steps": TIERS[request.tier].max_train_steps,
+            # the reproducibility fingerprint, as far as it is known before the run
+            "dataset_sha256": manifest.sha256(),
+            "sd_scripts_commit": sd_scripts_commit(self.settings.sd_scripts_dir),
+            "trainer_versions": trainer_versions(self.settings.accelerate),
+            "estimated_duration_s": estimate_duration(repo.durations_of_similar_jobs(
+                self.db, tier=request.tier, device_index=request.device_index, image_count=manifest.image_count)),
+        }

@@ -1,0 +1,196 @@
+"""The OS seam: process identity, signals and reaping (the lock files are in `locks`). Everything that touches /proc or sends a signal
+is here, so the rest of the supervisor reads as policy.
+
+A pid alone never identifies a process: the kernel reuses pids. A process is ours only if (boot id, pid, start
+time in clock ticks since boot) all match what the ledger recorded, and before a signal the process is pinned
+with a pidfd so it cannot be replaced between the check and the kill.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a process is, in a form that survives pid reuse."""
+
+    boot_id: str
+    pid: int
+    start_ticks: int
+
+
+def boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat: start time in clock ticks since boot (immune to clock steps)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may contain spaces and parentheses; fields resume after the last ')'.
+    fields = stat[stat.rfind(")") + 2:].split()
+    return int(fields[19])
+
+
+def state_of(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2:].split()[0]
+
+
+def identity_of(pid: int) -> Identity | None:
+    ticks = start_ticks(pid)
+    return Identity(boot_id(), pid, ticks) if ticks is not None else None
+
+
+def matches(identity: Identity) -> bool:
+    """Whether that very process is alive now (a zombie counts as dead)."""
+    if identity.boot_id != boot_id():
+        return False
+    return start_ticks(identity.pid) == identity.start_ticks and state_of(identity.pid) not in (None, "Z", "X")
+
+
+def signal_identity(identity: Identity, sig: int) -> bool:
+    """Signal the process only if it is still the one recorded; True if the signal was sent."""
+    if identity.boot_id != boot_id():
+        return False
+    try:
+        fd = os.pidfd_open(identity.pid)
+    except ProcessLookupError:
+        return False
+    try:
+        # Pinned by the pidfd: from here the pid cannot be handed to another process.
+        if start_ticks(identity.pid) != identity.start_ticks:
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Signal a whole process group; False if it has no members left (ESRCH means already gone)."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) members of a process group."""
+    members = []
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) == pgid and state_of(pid) not in (None, "Z", "X"):
+                members.append(pid)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return members
+
+
+def live_descendants(pid: int) -> list[psutil.Process]:
+    """Children, grandchildren, … of `pid` that are not zombies (setsid'd ones included)."""
+    try:
+        procs = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    alive = []
+    for proc in procs:
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def kill_all(procs: list[psutil.Process], sig: int) -> None:
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            continue
+
+
+def set_child_subreaper() -> bool:
+    """Make orphaned descendants (a trainer whose launcher died) re-parent to us instead of init."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def reap_orphans(keep: set[int]) -> None:
+    """Reap exited children other than `keep` (Popen reaps its own; reaping it here would hide its status)."""
+    # The supervisor calls this on every pass of its loop. Listing children means reading every /proc/<pid>/stat
+    # on the host (~1.5 ms), so first ask the kernel, without reaping, whether any child has exited at all.
+    try:
+        if os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+            return
+    except ChildProcessError:
+        return  # no children at all
+    for proc in psutil.Process().children():
+        if proc.pid in keep:
+            continue
+        try:
+            os.waitpid(proc.pid, os.WNOHANG)
+        except ChildProcessError:
+            continue
+
+
+def cmdline_contains(pid: int, token: str) -> bool:
+    try:
+        return token in psutil.Process(pid).cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return False
+
+
+def processes_with_arg(token: str) -> list[int]:
+    """Pids of live processes whose argv holds exactly `token`."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and token in (proc.info["cmdline"] or ()):
+            found.append(proc.pid)
+    return found
+
+
+def decode_wait_status(returncode: int | None) -> str:
+    """`exit status 2`, `terminated by SIGKILL`, or `still running`."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"terminated by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"terminated by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+def describe_process(pid: int) -> tuple[str | None, str]:
+    """(process name, command line) for display and matching; unreadable processes give (None, "")."""
+    try:
+        proc = psutil.Process(pid)
+        return proc.name(), " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None, ""

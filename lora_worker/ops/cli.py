@@ -1,0 +1,110 @@
+"""`lora-worker`: the operator's commands (migrate, reconcile, serve, jobs …, doctor)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from lora_worker.ops import jobs as jobs_cli
+from lora_worker.config import Settings, load_settings
+from lora_worker.errors import LoraWorkerError
+from lora_worker.logs import configure_logging
+
+log = logging.getLogger("lora_worker.ops.cli")
+
+
+def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
+    from lora_worker.ledger.migrate import prepare_state_dir
+    from lora_worker.ledger.migrate import current_revision, upgrade
+
+    prepare_state_dir(settings)
+    upgrade(settings.database_path)
+    print(f"ledger {settings.database_path} at schema {current_revision(settings.database_path)}")
+    return 0
+
+
+def cmd_reconcile(settings: Settings, args: argparse.Namespace) -> int:
+    from lora_worker.ledger.migrate import check_ledger, prepare_state_dir
+    from lora_worker.ledger.db import Database
+    from lora_worker.reconcile import reconcile
+
+    prepare_state_dir(settings)
+    check_ledger(settings)
+    db = Database.open(settings.database_path, busy_timeout_s=settings.busy_timeout_s)
+    try:
+        actions = reconcile(db, settings, actor="cli")
+    finally:
+        db.dispose()
+    for action in actions:
+        print(f"job {action.job_id}: failed ({action.failure_class.value})"
+              + (f", killed {list(action.killed)}" if action.killed else ""))
+    print(f"reconciled: {len(actions)} job(s) marked failed")
+    return 0
+
+
+def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
+    """Migrate, reconcile, then exec gunicorn with the shipped configuration."""
+    cmd_migrate(settings, args)
+    cmd_reconcile(settings, args)
+    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "systemd",
+                        "gunicorn.conf.py")
+    gunicorn = os.path.join(os.path.dirname(sys.executable), "gunicorn")
+    # Without --bind, gunicorn.conf.py takes the `bind` setting (config file or LORA_WORKER_BIND).
+    bind = ["--bind", args.bind] if args.bind else []
+    os.execv(gunicorn, [gunicorn, "-c", conf, *bind, "lora_worker.wsgi:app"])
+    return 0  # not reached
+
+
+def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
+    """The checks behind dispatch, for this host; non-zero exit when something needed is missing."""
+    from lora_worker.ops.doctor import run_checks
+    from lora_worker.host.nvml import make_nvml
+
+    checks = run_checks(settings, make_nvml(settings.nvml_timeout_s, settings.nvml_fake_file))
+    for check in checks:
+        print(check.line())
+    failed = [c for c in checks if c.required and not c.ok]
+    print(f"{len(checks) - len(failed)}/{len(checks)} checks passed" + (f"; {len(failed)} failed" if failed else ""))
+    return 1 if failed else 0
+
+
+def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
+    return jobs_cli.run(settings, args)
+
+
+COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], int]] = {
+    "migrate": cmd_migrate,
+    "reconcile": cmd_reconcile,
+    "serve": cmd_serve,
+    "doctor": cmd_doctor,
+    "jobs": cmd_jobs,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lora-worker", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("migrate", help="create or upgrade the ledger schema")
+    sub.add_parser("reconcile", help="mark active jobs whose supervisor died as failed")
+    sub.add_parser("doctor", help="check NVML, devices, the trainer install, state dir and train root")
+    serve = sub.add_parser("serve", help="migrate, reconcile and run gunicorn")
+    serve.add_argument("--bind", default=None, help="override the `bind` setting (default 127.0.0.1:8203)")
+    jobs_cli.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    configure_logging()
+    args = build_parser().parse_args(argv)
+    try:
+        settings = load_settings()
+        return COMMANDS[args.command](settings, args)
+    except LoraWorkerError as exc:
+        print(f"lora-worker {args.command}: {exc.message}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

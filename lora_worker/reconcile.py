@@ -1,0 +1,92 @@
+"""Reconcile: active rows whose supervisor is gone become `failed`, so no phantom "running" job survives a
+crash. Cheap enough to run at start-up (`lora-worker reconcile`, ExecStartPre) and on every request that
+touches an active row.
+
+"Is the supervisor alive?" is answered by its flock, which the kernel drops when it dies (zombie or not).
+A leftover trainer is killed only if its identity matches the row: a pid now used by a stranger is never
+signalled.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+from dataclasses import dataclass
+from datetime import timedelta
+
+from lora_worker.config import Settings
+from lora_worker.ledger import repository as repo
+from lora_worker.ledger.db import Database
+from lora_worker.ledger.models import Job, utcnow
+from lora_worker.states import ACTIVE_STATES, FailureClass, JobState
+from lora_worker.host import processes
+from lora_worker.host.locks import is_locked, job_lock_path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Action:
+    job_id: int
+    failure_class: FailureClass
+    killed: tuple[int, ...]
+
+
+def reconcile(db: Database, settings: Settings, *, actor: str = "reconcile") -> list[Action]:
+    """Mark every unattended active job failed; returns what was done."""
+    actions = []
+    for job in repo.active_jobs(db):
+        action = reconcile_job(db, settings, job, actor=actor)
+        if action is not None:
+            actions.append(action)
+    return actions
+
+
+def current_job(db: Database, settings: Settings, job_id: int, *, actor: str) -> Job:
+    """A job as the ledger has it, reconciled first when it claims to be active: a reader never sees a dead
+    supervisor's job as running."""
+    job = repo.get_job(db, job_id)
+    if JobState(job.status) in ACTIVE_STATES and reconcile_job(db, settings, job, actor=actor):
+        job = repo.get_job(db, job_id)
+    return job
+
+
+def reconcile_job(db: Database, settings: Settings, job: Job, *, actor: str = "reconcile") -> Action | None:
+    if is_locked(job_lock_path(settings, job.id)):
+        return None  # its supervisor is alive
+    if job.status == JobState.QUEUED.value and utcnow() - job.created_at < timedelta(seconds=settings.launch_grace_s):
+        return None  # being launched right now
+    if job.boot_id and job.boot_id != processes.boot_id():
+        failure, killed = FailureClass.HOST_REBOOTED, ()
+        reason = "the host rebooted while the job was running"
+    else:
+        failure, killed = FailureClass.SUPERVISOR_LOST, tuple(kill_leftovers(job))
+        reason = "the supervisor died" + (f"; killed leftover processes {list(killed)}" if killed else "")
+        if job.status == JobState.QUEUED.value:
+            reason = "the supervisor never started"
+    if not repo.transition(db, job.id, JobState.FAILED, actor=actor, reason=reason,
+                           failure_class=failure.value, error=reason[0].upper() + reason[1:] + "."):
+        return None  # the supervisor's own final write won the race
+    log.warning("job %s: %s", job.id, reason, extra={"job": job.id})
+    return Action(job.id, failure, killed)
+
+
+def kill_leftovers(job: Job) -> list[int]:
+    """SIGKILL what is left of the job's trainer, if and only if it is provably ours."""
+    if not job.trainer_pid or job.boot_id != processes.boot_id():
+        return []
+    leader = processes.Identity(job.boot_id, job.trainer_pid, job.trainer_start_ticks or -1)
+    # Our output dir is in the trainer's and launcher's argv: a member that shows it is ours even when the
+    # group's leader (the launcher) is gone. A reused pid cannot lead a group while our group still exists.
+    token = next((a for a in job.argv if a.startswith("--output_dir=")), None)
+    members = processes.group_members(job.trainer_pid)
+    ours = processes.matches(leader) or any(token and processes.cmdline_contains(pid, token) for pid in members)
+    if not ours:
+        return []
+    processes.signal_group(job.trainer_pid, signal.SIGKILL)
+    # A grandchild that started its own session escaped the group; its argv still names our output dir.
+    escaped = [pid for pid in processes.processes_with_arg(token) if pid not in members] if token else []
+    for pid in escaped:
+        ident = processes.identity_of(pid)
+        if ident is not None and ident.start_ticks >= (job.trainer_start_ticks or 0):
+            processes.signal_identity(ident, signal.SIGKILL)
+    return members + escaped

@@ -1,0 +1,44 @@
+"""The supervisor process proper, after the detaching fork: settings, lock, ledger, run."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+from lora_worker.config import load_settings, settings_from_json
+from lora_worker.logs import configure_logging
+from lora_worker.run.local import SETTINGS_ENV
+from lora_worker.host.locks import job_lock_path, take_lock
+
+log = logging.getLogger(__name__)
+LOCK_WAIT_S = 10.0
+
+
+def serve(job_id: int, ready_fd: int) -> int:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the session it came from may close its terminal
+    configure_logging(job_id=job_id)
+    raw = os.environ.get(SETTINGS_ENV)
+    settings = settings_from_json(raw) if raw else load_settings()
+    lock_fd = take_lock(job_lock_path(settings, job_id), LOCK_WAIT_S)
+    if lock_fd is None:
+        log.error("job %s: another supervisor holds the job lock", job_id)
+        os.close(ready_fd)
+        return 1
+    os.write(ready_fd, b"1")
+    os.close(ready_fd)
+    # Imported only now: the web's POST /train waits for the lock above, not for SQLAlchemy to load.
+    from lora_worker.ledger.db import Database
+    from lora_worker.run.runner import Runner
+
+    # NORMAL: a power loss kills the run anyway, and the boot id reconciles it.
+    db = Database.open(settings.database_path, busy_timeout_s=settings.supervisor_busy_timeout_s,
+                       synchronous="NORMAL")
+    try:
+        Runner(job_id, settings, db).run()
+    except Exception:
+        log.exception("job %s: supervisor failed", job_id)
+        return 1
+    finally:
+        db.dispose()
+        os.close(lock_fd)  # last: from here, reconcile may treat the job as unattended
+    return 0

@@ -1,0 +1,48 @@
+"""The application factory: settings, the token rule, a checked ledger, the start-up reconcile, blueprints,
+auth, error handlers."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from flask import Flask
+
+from lora_worker.web import auth, gpu, health, metrics, openapi, train
+from lora_worker.web.errors import register_error_handlers
+from lora_worker.config import Settings, load_settings
+from lora_worker.host.nvml import Nvml, make_nvml
+from lora_worker.ledger.db import Database
+from lora_worker.ledger.migrate import check_ledger, prepare_state_dir
+from lora_worker.reconcile import reconcile
+from lora_worker.web.service import Worker
+from lora_worker.run.local import launch_supervisor
+
+log = logging.getLogger(__name__)
+
+
+def build_app(config: Settings | dict[str, Any] | None = None, *, nvml: Nvml | None = None,
+              launch: Callable[[int, Settings], None] | None = None) -> Flask:
+    """Build the app. Nothing here runs at import time, and no connection is opened before this call."""
+    settings = config if isinstance(config, Settings) else load_settings().with_overrides(**(config or {}))
+    token = auth.load_token(settings)
+    auth.require_token_off_loopback(settings, token)
+    prepare_state_dir(settings)
+    check_ledger(settings)
+    db = Database.open(settings.database_path, busy_timeout_s=settings.busy_timeout_s)
+    worker = Worker(settings=settings, db=db,
+                    nvml=nvml if nvml is not None else make_nvml(settings.nvml_timeout_s, settings.nvml_fake_file),
+                    launch=launch if launch is not None else launch_supervisor)
+    for action in reconcile(db, settings, actor="startup"):
+        log.warning("start-up reconcile: job %s → failed (%s)", action.job_id, action.failure_class.value,
+                    extra={"job": action.job_id})
+
+    app = Flask(__name__, static_folder=None)  # an API: no /static route
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.extensions["lora_worker"] = worker
+    app.extensions["lora_worker_metrics"] = metrics.registry_for(worker)
+    for blueprint in (train.bp, gpu.bp, health.bp, metrics.bp, openapi.bp):
+        app.register_blueprint(blueprint)
+    auth.protect(app, token)
+    register_error_handlers(app)
+    return app

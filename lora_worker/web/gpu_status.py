@@ -1,0 +1,67 @@
+"""`GET /gpu-status`: each device's memory and compute processes, whose they are, and whether TTS is live."""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import psutil
+
+from lora_worker.config import Settings
+from lora_worker.host.nvml import GpuProcess, GpuReading
+from lora_worker.host.processes import describe_process
+from lora_worker.ledger.models import Job
+
+
+def is_ours(pid: int, job: Job | None) -> bool:
+    """Whether a GPU process belongs to the active job: in its trainer's process group, or under its
+    supervisor (a grandchild that left the group)."""
+    if job is None or not job.trainer_pid:
+        return False
+    try:
+        if os.getpgid(pid) == job.trainer_pid:
+            return True
+        return any(parent.pid == job.supervisor_pid for parent in psutil.Process(pid).parents())
+    except (ProcessLookupError, PermissionError, psutil.Error):
+        return False
+
+
+def tts_processes(reading: GpuReading, settings: Settings, job: Job | None) -> list[GpuProcess]:
+    pattern = re.compile(settings.tts_process_pattern)
+    matched = []
+    for proc in reading.processes:
+        name, cmdline = describe_process(proc.pid)
+        if not is_ours(proc.pid, job) and pattern.search(f"{name or ''} {cmdline}"):
+            matched.append(proc)
+    return matched
+
+
+def gpu_status(readings: list[GpuReading], settings: Settings, job: Job | None) -> dict[str, Any]:
+    devices = []
+    tts_live = False
+    for reading in readings:
+        profile = settings.device(reading.index)
+        tts = tts_processes(reading, settings, job) if reading.index == settings.tts_device_index else []
+        tts_live = tts_live or bool(tts)
+        devices.append({
+            "index": reading.index,
+            "label": profile.label if profile else None,
+            "allowed_tiers": sorted(profile.tiers) if profile else [],
+            "name": reading.name,
+            "uuid": reading.uuid,
+            "pci_bus_id": reading.pci_bus_id,
+            "memory_total_mib": reading.memory_total_mib,
+            "memory_used_mib": reading.memory_used_mib,
+            "memory_free_mib": reading.memory_free_mib,
+            "utilization_pct": reading.utilization_pct,
+            "temperature_c": reading.temperature_c,
+            "processes": [_process(p, job, tts) for p in reading.processes],
+            "error": reading.error,
+        })
+    return {"devices": devices, "tts_on_3090": tts_live, "active_job_id": job.id if job else None}
+
+
+def _process(proc: GpuProcess, job: Job | None, tts: list[GpuProcess]) -> dict[str, Any]:
+    name, _ = describe_process(proc.pid)
+    return {"pid": proc.pid, "name": name, "used_mib": proc.used_mib, "ours": is_ours(proc.pid, job),
+            "tts": proc in tts}

@@ -1,0 +1,151 @@
+"""GET /openapi.json: the API described from the app's own URL map and its marshmallow schemas (apispec).
+
+Each route's endpoint has one entry in `DOCS`: what it takes, what it answers, and which error statuses it
+can give (every error in the one `Error` shape). Paths, path parameters and methods come from `app.url_map`,
+so the document follows the routes; a test fails when a route has no entry here.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from apispec import APISpec
+from apispec.ext.marshmallow import MarshmallowPlugin
+from apispec_webframeworks.flask import FlaskPlugin
+from flask import Blueprint, Flask, Response, current_app, jsonify
+from marshmallow import Schema
+from werkzeug.routing import Rule
+
+from lora_worker.web.auth import OPEN_ENDPOINTS
+from lora_worker.web.schemas import (AcceptedSchema, ErrorSchema, GpuStatusSchema, HealthSchema, JobListQuerySchema,
+                                     JobListSchema, JobSchema, LogQuerySchema, LogSchema, ProgressQuerySchema,
+                                     ProgressSeriesSchema, StatusQuerySchema, TrainRequestSchema)
+
+bp = Blueprint("openapi", __name__)
+
+OPENAPI_VERSION = "3.0.3"
+JSON = "application/json"
+METRICS_MEDIA_TYPE = "text/plain"
+ERRORS: dict[int, str] = {
+    400: "The body is not JSON.",
+    401: "No bearer token, or a wrong one.",
+    404: "No job has this id.",
+    409: "Refused in the worker's current state (a job is active, the GPU is busy or locked, the job ended, …).",
+    413: "The body is larger than the limit (`max_body_bytes`, 64 KiB by default).",
+    422: "A parameter is invalid; `fields` names each one.",
+    503: "The worker cannot serve this now (ledger locked, NVML or the trainer unavailable, launch failed).",
+}
+PATH_PARAMETER_TYPES = {"int": {"type": "integer", "minimum": 0}, "float": {"type": "number"}}
+RULE_ARGUMENT = re.compile(r"<(?:(?P<converter>[^:<>(]+)(?:\([^)]*\))?:)?(?P<name>[^<>]+)>")
+
+
+@dataclass(frozen=True)
+class Doc:
+    """One operation: its success status and body, what it reads, and the errors it may answer."""
+
+    summary: str
+    status: int
+    response: type[Schema] | dict[str, Any]  # a dump schema, or a raw OpenAPI schema for non-marshmallow bodies
+    errors: tuple[int, ...] = (503,)
+    body: type[Schema] | None = None
+    query: type[Schema] | None = None
+    parameters: tuple[dict[str, Any], ...] = ()  # other OpenAPI parameter objects, e.g. a request header
+    media_type: str = JSON
+    also: dict[int, str] | None = None  # other success statuses with the same body, and when they come
+
+
+IDEMPOTENCY_KEY = {
+    "in": "header", "name": "Idempotency-Key", "required": False,
+    "schema": {"type": "string", "minLength": 1, "maxLength": 128, "pattern": "^[\\x21-\\x7e]+$"},
+    "description": "Retry safely: the same key with the same body returns the original job (200); "
+                   "with another body it is a 422. Keys expire with the ledger's retention.",
+}
+
+
+DOCS: dict[str, Doc] = {
+    "train.submit": Doc("Start a training job: validated, admitted, recorded, launched.", 202, AcceptedSchema,
+                        errors=(400, 409, 413, 422, 503), body=TrainRequestSchema, parameters=(IDEMPOTENCY_KEY,),
+                        also={200: "An Idempotency-Key seen before, with the same body: the original job."}),
+    "train.list_jobs": Doc("Recent jobs, newest first; `next_before_id` pages back.", 200, JobListSchema,
+                           errors=(422, 503), query=JobListQuerySchema),
+    "train.status": Doc("One job: state, phase, progress, outcome; with `since`, a long poll.", 200, JobSchema,
+                        errors=(404, 422, 503), query=StatusQuerySchema),
+    "train.progress": Doc("The loss curve: (step, loss, t) thinned to at most `points`.", 200, ProgressSeriesSchema,
+                          errors=(404, 422, 503), query=ProgressQuerySchema),
+    "train.job_log": Doc("A job's run log: its last lines, or from a logical byte offset.", 200, LogSchema,
+                         errors=(404, 422, 503), query=LogQuerySchema),
+    "train.cancel": Doc("Ask a job to stop; harmless twice, 409 once it ended.", 202, JobSchema,
+                        errors=(404, 409, 503)),
+    "gpu.gpu_status": Doc("Each GPU's memory and compute processes, in PCI bus order.", 200, GpuStatusSchema),
+    "health.healthz": Doc("Liveness and the active job id; open without a token.", 200, HealthSchema),
+    "metrics.metrics": Doc("Prometheus metrics: jobs by state, durations, the active job, GPU memory.", 200,
+                           {"type": "string"}, media_type=METRICS_MEDIA_TYPE),
+    "openapi.openapi_document": Doc("This document.", 200, {"type": "object"}, errors=()),
+}
+
+
+@bp.get("/openapi.json")
+def openapi_document() -> Response:
+    # Built once per app: the routes and schemas do not change while it runs.
+    document = current_app.extensions.get("lora_worker_openapi")
+    if document is None:
+        document = current_app.extensions["lora_worker_openapi"] = build_document(current_app)
+    return jsonify(document)
+
+
+def build_document(app: Flask) -> dict[str, Any]:
+    spec = APISpec(title="lora-worker", version=_package_version(), openapi_version=OPENAPI_VERSION,
+                   plugins=[FlaskPlugin(), MarshmallowPlugin()],
+                   info={"description": "Runs SDXL LoRA training on demand; see the README."},
+                   security=[{"bearer": []}])
+    spec.components.security_scheme("bearer", {"type": "http", "scheme": "bearer"})
+    spec.components.schema("Error", schema=ErrorSchema)
+    for rule in sorted(app.url_map.iter_rules(), key=lambda r: (r.rule, r.endpoint)):
+        doc = DOCS.get(rule.endpoint)
+        if doc is None:
+            continue  # undocumented: the coverage test names it
+        operations = {method.lower(): _operation(rule, doc) for method in documented_methods(rule)}
+        spec.path(view=app.view_functions[rule.endpoint], app=app, operations=operations)
+    return spec.to_dict()
+
+
+def documented_methods(rule: Rule) -> list[str]:
+    """The methods a route really serves; Flask adds HEAD and OPTIONS to every rule by itself."""
+    return sorted((rule.methods or set()) - {"HEAD", "OPTIONS"})
+
+
+def _operation(rule: Rule, doc: Doc) -> dict[str, Any]:
+    responses: dict[int, Any] = {doc.status: {"description": doc.summary,
+                                              "content": {doc.media_type: {"schema": doc.response}}}}
+    for status, when in (doc.also or {}).items():
+        responses[status] = {"description": when, "content": {doc.media_type: {"schema": doc.response}}}
+    errors = doc.errors if rule.endpoint in OPEN_ENDPOINTS else (401, *doc.errors)
+    for status in sorted(errors):
+        responses[status] = {"description": ERRORS[status], "content": {JSON: {"schema": ErrorSchema}}}
+    if 401 in errors:
+        responses[401]["headers"] = {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}}
+    operation: dict[str, Any] = {"operationId": rule.endpoint, "summary": doc.summary, "responses": responses,
+                                 "parameters": _path_parameters(rule)}
+    if doc.query is not None:
+        operation["parameters"].append({"in": "query", "schema": doc.query})
+    operation["parameters"].extend(doc.parameters)
+    if doc.body is not None:
+        operation["requestBody"] = {"required": True, "content": {JSON: {"schema": doc.body}}}
+    if rule.endpoint in OPEN_ENDPOINTS:
+        operation["security"] = []
+    return operation
+
+
+def _path_parameters(rule: Rule) -> list[dict[str, Any]]:
+    return [{"in": "path", "name": m["name"], "required": True,
+             "schema": PATH_PARAMETER_TYPES.get(m["converter"] or "", {"type": "string"})}
+            for m in RULE_ARGUMENT.finditer(rule.rule)]
+
+
+def _package_version() -> str:
+    try:
+        return version("lora-worker")
+    except PackageNotFoundError:  # running from a bare checkout
+        return "0"

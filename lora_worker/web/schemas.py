@@ -1,0 +1,256 @@
+"""Request and response shapes. Load schemas refuse anything unknown; dump schemas say exactly what goes out."""
+from __future__ import annotations
+
+import math
+import re
+import unicodedata
+from typing import Any
+
+from marshmallow import RAISE, Schema, ValidationError, fields, post_load, validate, validates
+
+from lora_worker.config import LORA_TARGET_PRESETS, TIERS
+from lora_worker.dispatch.request import TrainRequest
+from lora_worker.states import JobState
+
+MAX_PATH = 4096
+# Names that become a file name, a folder name or a caption token: ASCII, no separators, no leading '-'
+# (a value must never look like a flag), no control characters, bounded.
+# Written so they mean the same in Python and in ECMA-262 (the OpenAPI document's dialect), and matched whole
+# (FullMatch): Python's `$` alone would let a trailing newline through.
+OUTPUT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+TRIGGER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,31}$")
+SUBJECT_CLASS = re.compile(r"^[A-Za-z0-9]+(?:[ _-][A-Za-z0-9]+){0,5}$")
+REPEATS = (1, 100)
+SEED = (0, 2**31 - 1)
+MAX_GRAD_NORM = (0.0, 10.0)
+
+
+class FullMatch(validate.Regexp):
+    """A Regexp validator that must match the whole value (re.fullmatch), documented by its pattern."""
+
+    def __call__(self, value: str) -> str:
+        if self.regex.fullmatch(value) is None:
+            raise ValidationError(self._format_error(value))
+        return value
+
+
+def _path_field() -> fields.String:
+    return fields.String(required=True, validate=validate.Length(min=1, max=MAX_PATH))
+
+
+class JsonNumber(fields.Float):
+    """A JSON number and nothing else: marshmallow's Float would take "0.5" or true, which the OpenAPI
+    document (type: number) and the strict integer fields refuse."""
+
+    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise self.make_error("invalid")
+        return super()._deserialize(value, attr, data, **kwargs)
+
+
+class TrainRequestSchema(Schema):
+    """POST /train body. Every field is bounded; anything out of bounds is a 422, never a downgrade."""
+
+    class Meta:
+        unknown = RAISE
+
+    dataset_dir = _path_field()
+    base_model_path = _path_field()
+    output_dir = _path_field()
+    output_name = fields.String(required=True, validate=FullMatch(
+        OUTPUT_NAME, error="1-64 of A-Z a-z 0-9 . _ -, starting with a letter or digit."))
+    trigger = fields.String(required=True, validate=FullMatch(
+        TRIGGER, error="1-32 of A-Z a-z 0-9 _ -, starting with a letter or digit."))
+    subject_class = fields.String(required=True, validate=[validate.Length(max=48), FullMatch(
+        SUBJECT_CLASS, error="Words of A-Z a-z 0-9 separated by single spaces, '_' or '-' (at most 48 chars).")])
+    repeats = fields.Integer(required=True, strict=True, validate=validate.Range(*REPEATS))
+    tier = fields.String(required=True, validate=validate.OneOf(list(TIERS)))
+    device_index = fields.Integer(required=True, strict=True, validate=validate.Range(0, 63))
+    seed = fields.Integer(required=True, strict=True, validate=validate.Range(*SEED))
+    max_grad_norm = JsonNumber(load_default=None, allow_nan=False, validate=validate.Range(*MAX_GRAD_NORM))
+    lora_target_modules = fields.String(load_default=None, validate=validate.OneOf(list(LORA_TARGET_PRESETS)))
+
+    @validates("dataset_dir", "base_model_path", "output_dir")
+    def _plain_absolute_path(self, value: str, data_key: str) -> None:
+        if any(unicodedata.category(ch) in ("Cc", "Cs") for ch in value):
+            raise ValidationError("Must not contain control characters (NUL, newline, …) or lone surrogates.")
+        if unicodedata.normalize("NFC", value) != value:
+            raise ValidationError("Must be in Unicode normal form NFC.")
+        if not value.startswith("/"):
+            raise ValidationError("Must be an absolute path.")
+        if any(part in (".", "..") for part in value.split("/")):
+            raise ValidationError("Must not contain '.' or '..' components.")
+
+    @validates("max_grad_norm")
+    def _finite(self, value: float | None, data_key: str) -> None:
+        if value is not None and not math.isfinite(value):
+            raise ValidationError("Must be a finite number.")
+
+    @post_load
+    def _make(self, data: dict[str, Any], **_: Any) -> TrainRequest:
+        return TrainRequest(**data)
+
+
+class FiniteFloat(fields.Float):
+    """A float that goes out as null when it is nan or infinite: JSON has no such numbers."""
+
+    def _serialize(self, value: Any, attr: str | None, obj: Any, **kwargs: Any) -> float | None:
+        if value is None or not math.isfinite(value):
+            return None
+        return super()._serialize(value, attr, obj, **kwargs)
+
+
+class JobSchema(Schema):
+    """A job as `GET /train/<id>` shows it."""
+
+    worker_job_id = fields.Integer(attribute="id")
+    status = fields.String(validate=validate.OneOf([s.value for s in JobState]))
+    phase = fields.String(allow_none=True)
+    step = fields.Integer()
+    total_steps = fields.Integer()
+    loss = FiniteFloat(allow_none=True, metadata={"description": "avr_loss; null when absent or not finite (nan)"})
+    rate = fields.Float(allow_none=True, metadata={"description": "optimizer steps per second"})
+    eta_s = fields.Float(allow_none=True)
+    lora_path = fields.String(allow_none=True)
+    error = fields.String(allow_none=True)
+    failure_class = fields.String(allow_none=True)
+    exit_code = fields.Integer(allow_none=True)
+    signal = fields.Integer(allow_none=True)
+    tier = fields.String()
+    device_index = fields.Integer()
+    train_id = fields.String()
+    output_name = fields.String()
+    seed = fields.Integer()
+    image_count = fields.Integer()
+    created_at = fields.DateTime(format="iso")
+    started_at = fields.DateTime(format="iso", allow_none=True)
+    finished_at = fields.DateTime(format="iso", allow_none=True)
+    updated_at = fields.DateTime(format="iso")
+    cancel_requested_at = fields.DateTime(format="iso", allow_none=True)
+    last_progress_at = fields.DateTime(format="iso", allow_none=True)
+    training_started_at = fields.DateTime(format="iso", allow_none=True)
+    version = fields.Integer(metadata={"description": "bumped by every change; pass it as ?since= to long-poll"})
+    estimated_duration_s = fields.Float(allow_none=True, metadata={
+        "description": "median wall time of similar finished jobs (tier, device, image count) at acceptance"})
+    eta_basis = fields.String(allow_none=True, validate=validate.OneOf(["measured", "history"]), metadata={
+        "description": "what eta_s rests on: the recent step rate, or the history estimate before training"})
+    lora_sha256 = fields.String(allow_none=True)
+    lora_size = fields.Integer(allow_none=True)
+    sd_scripts_commit = fields.String(allow_none=True)
+    trainer_versions = fields.Dict(keys=fields.String(), values=fields.String(), allow_none=True)
+    dataset_sha256 = fields.String(allow_none=True, metadata={"description": "hash of image names, sizes, captions"})
+    base_model_sha256 = fields.String(allow_none=True)
+
+
+class AcceptedSchema(Schema):
+    worker_job_id = fields.Integer(attribute="id")
+    status = fields.String()
+    estimated_duration_s = fields.Float(allow_none=True)
+
+
+IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,128}")  # matched whole (fullmatch)
+
+
+class StatusQuerySchema(Schema):
+    """GET /train/<id>: with `since`, wait up to `wait` seconds for the job's version to change."""
+
+    class Meta:
+        unknown = RAISE
+
+    wait = fields.Float(load_default=0.0, allow_nan=False, validate=validate.Range(0, 25))
+    since = fields.Integer(load_default=None, validate=validate.Range(0, 2**62))
+
+
+class ProgressQuerySchema(Schema):
+    class Meta:
+        unknown = RAISE
+
+    points = fields.Integer(load_default=200, validate=validate.Range(1, 5000))
+
+
+class ProgressPointSchema(Schema):
+    step = fields.Integer()
+    loss = FiniteFloat(allow_none=True)
+    t = fields.Float(metadata={"description": "seconds since the job started"})
+
+
+class ProgressSeriesSchema(Schema):
+    worker_job_id = fields.Integer()
+    total_steps = fields.Integer()
+    points = fields.List(fields.Nested(ProgressPointSchema))
+
+
+class JobListSchema(Schema):
+    jobs = fields.List(fields.Nested(JobSchema))
+    next_before_id = fields.Integer(allow_none=True)
+
+
+class JobListQuerySchema(Schema):
+    class Meta:
+        unknown = RAISE
+
+    status = fields.List(fields.String(validate=validate.OneOf([s.value for s in JobState])), load_default=list)
+    limit = fields.Integer(load_default=50, validate=validate.Range(1, 500))
+    before_id = fields.Integer(load_default=None, validate=validate.Range(1, 2**63 - 1))
+
+
+class LogQuerySchema(Schema):
+    class Meta:
+        unknown = RAISE
+
+    lines = fields.Integer(load_default=None, validate=validate.Range(0, 10_000))
+    offset = fields.Integer(load_default=None, validate=validate.Range(0, 2**62))
+    limit = fields.Integer(load_default=256 * 1024, validate=validate.Range(1, 1 << 20))
+
+
+class LogSchema(Schema):
+    worker_job_id = fields.Integer()
+    text = fields.String()
+    offset = fields.Integer(metadata={"description": "logical offset just past `text`; pass it back as ?offset="})
+    skipped = fields.Integer(metadata={"description": "bytes dropped from the middle of a huge log"})
+
+
+class GpuProcessSchema(Schema):
+    pid = fields.Integer()
+    name = fields.String(allow_none=True)
+    used_mib = fields.Integer(allow_none=True)
+    ours = fields.Boolean()
+    tts = fields.Boolean()
+
+
+class GpuDeviceSchema(Schema):
+    index = fields.Integer()
+    label = fields.String(allow_none=True)
+    allowed_tiers = fields.List(fields.String())
+    name = fields.String(allow_none=True)
+    uuid = fields.String(allow_none=True)
+    pci_bus_id = fields.String(allow_none=True)
+    memory_total_mib = fields.Integer(allow_none=True)
+    memory_used_mib = fields.Integer(allow_none=True)
+    memory_free_mib = fields.Integer(allow_none=True)
+    utilization_pct = fields.Integer(allow_none=True)
+    temperature_c = fields.Integer(allow_none=True)
+    processes = fields.List(fields.Nested(GpuProcessSchema))
+    error = fields.String(allow_none=True)
+
+
+class GpuStatusSchema(Schema):
+    devices = fields.List(fields.Nested(GpuDeviceSchema))
+    tts_on_3090 = fields.Boolean()
+    active_job_id = fields.Integer(allow_none=True)
+
+
+class HealthSchema(Schema):
+    status = fields.String()
+    active_job_id = fields.Integer(allow_none=True)
+    nvml = fields.String()
+
+
+class ErrorSchema(Schema):
+    """Every error, whatever its status: a machine reason, a sentence, and details where there are some."""
+
+    error = fields.String(required=True, metadata={"description": "machine-readable reason, e.g. job_active"})
+    message = fields.String(required=True)
+    status = fields.Integer(required=True)
+    fields_ = fields.Dict(data_key="fields", keys=fields.String(), values=fields.List(fields.String()))
+    details = fields.Dict()

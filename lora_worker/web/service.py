@@ -1,0 +1,118 @@
+"""The worker's operations, one function per thing a client can ask. Views call these and nothing else;
+dispatch itself lives in `lora_worker.dispatch`."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lora_worker.config import Settings
+from lora_worker.errors import JobNotFound, NvmlUnavailable
+from lora_worker.host.nvml import Nvml
+from lora_worker.web.gpu_status import gpu_status
+from lora_worker.dispatch.dispatcher import Dispatcher
+from lora_worker.dispatch.request import TrainRequest
+from lora_worker.ledger import repository as repo
+from lora_worker.ledger.db import Database
+from lora_worker.ledger.models import Job, ProgressPoint
+from lora_worker.reconcile import current_job, reconcile
+from lora_worker.run.logfile import LogChunk, LogReader
+
+log = logging.getLogger(__name__)
+
+MAX_JOB_ID = 2**63 - 1  # SQLite's INTEGER; anything larger cannot name a job
+LONG_POLL_INTERVAL_S = 0.2
+
+
+@dataclass
+class Worker:
+    """What every operation needs: settings, the ledger, NVML, and how to start a supervisor."""
+
+    settings: Settings
+    db: Database
+    nvml: Nvml
+    launch: Callable[[int, Settings], None]
+
+    def __post_init__(self) -> None:
+        self._long_polls = threading.BoundedSemaphore(self.settings.long_poll_slots)
+        self.dispatcher = Dispatcher(self.settings, self.db, self.nvml, self.launch)
+
+    def submit(self, request: TrainRequest, *, idempotency_key: str | None = None,
+               body_sha256: str | None = None) -> tuple[Job, bool]:
+        self.reconcile_active()  # a dead supervisor's job must not hold the slot
+        return self.dispatcher.submit(request, idempotency_key=idempotency_key, body_sha256=body_sha256)
+
+    # -- reading -----------------------------------------------------------------------------------------
+
+    def job(self, job_id: int, *, wait_s: float = 0.0, since: int | None = None) -> Job:
+        """A job as the ledger has it. With `since`, wait up to `wait_s` for its version to differ from it.
+
+        Waiting takes one of a few long-poll slots, fewer than gunicorn's threads, so waiting clients can
+        never leave a cancel without a thread; when the slots are taken, the answer comes at once.
+        """
+        job = self._job_now(job_id)
+        if since is None or wait_s <= 0 or job.version != since:
+            return job
+        if not self._long_polls.acquire(blocking=False):
+            return job
+        try:
+            deadline = time.monotonic() + wait_s
+            while (left := deadline - time.monotonic()) > 0:
+                time.sleep(min(LONG_POLL_INTERVAL_S, left))
+                job = self._job_now(job_id)
+                if job.version != since:
+                    break
+        finally:
+            self._long_polls.release()
+        return job
+
+    def progress(self, job_id: int, points: int) -> tuple[Job, list[ProgressPoint]]:
+        """The loss curve, thinned to at most `points` evenly spaced steps (the last one always kept)."""
+        job = self._job_now(job_id)
+        series = repo.progress_points(self.db, job_id)
+        if len(series) > points:
+            last = len(series) - 1
+            picks = sorted({round(i * last / (points - 1)) for i in range(points)}) if points > 1 else [last]
+            series = [series[i] for i in picks]
+        return job, series
+
+    def _job_now(self, job_id: int) -> Job:
+        """A job as the ledger has it, after reconciling it if it claims to be active."""
+        if not 0 < job_id <= MAX_JOB_ID:
+            raise JobNotFound(f"No job has id {job_id}.", job_id=job_id)
+        return current_job(self.db, self.settings, job_id, actor="api")
+
+    def jobs(self, *, status: list[str], limit: int, before_id: int | None) -> list[Job]:
+        self.reconcile_active()
+        return repo.list_jobs(self.db, status=status, limit=limit, before_id=before_id)
+
+    def log(self, job_id: int, *, lines: int | None, offset: int | None, limit: int) -> LogChunk:
+        self._job_now(job_id)
+        reader = LogReader(self.settings.log_dir, job_id)
+        if offset is not None:
+            return reader.read_from(offset, limit)
+        return reader.tail_lines(lines if lines is not None else 100)
+
+    def cancel(self, job_id: int) -> Job:
+        self._job_now(job_id)
+        return repo.request_cancel(self.db, job_id, actor="api")
+
+    def gpu_status(self) -> dict[str, Any]:
+        self.reconcile_active()  # a dead supervisor's job is neither active nor "ours"
+        return gpu_status(self.nvml.read(), self.settings, repo.active_job(self.db))
+
+    def health(self) -> dict[str, Any]:
+        self.reconcile_active()
+        active = repo.active_job(self.db)
+        try:
+            self.nvml.read()
+            nvml = "ok"
+        except NvmlUnavailable as exc:
+            nvml = f"unavailable: {exc.message}"
+        return {"status": "ok", "active_job_id": active.id if active else None, "nvml": nvml}
+
+    def reconcile_active(self) -> None:
+        reconcile(self.db, self.settings, actor="api")

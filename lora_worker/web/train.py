@@ -1,0 +1,83 @@
+"""The training routes of the client contract: dispatch, status, log, cancel, and the job list."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+from flask import Blueprint, Response, jsonify, request
+from werkzeug.exceptions import BadRequest
+
+from lora_worker.web import worker
+from lora_worker.web.schemas import (IDEMPOTENCY_KEY, AcceptedSchema, JobListQuerySchema, JobListSchema, JobSchema,
+                                     LogQuerySchema, LogSchema, ProgressQuerySchema, ProgressSeriesSchema,
+                                     StatusQuerySchema, TrainRequestSchema)
+from lora_worker.errors import InvalidRequest
+
+bp = Blueprint("train", __name__)
+
+
+@bp.post("/train")
+def submit() -> tuple[Response, int]:
+    """202 for a new job; 200 with the original job when an Idempotency-Key is replayed with the same body."""
+    body = _json_body()
+    train_request = TrainRequestSchema().load(body)  # type: ignore[arg-type]
+    job, created = worker().submit(train_request, idempotency_key=_idempotency_key(), body_sha256=_digest(body))
+    return jsonify(AcceptedSchema().dump(job)), 202 if created else 200
+
+
+@bp.get("/train")
+def list_jobs() -> Response:
+    query = JobListQuerySchema().load({**request.args, "status": request.args.getlist("status")})
+    jobs = worker().jobs(status=query["status"], limit=query["limit"], before_id=query["before_id"])
+    next_before = jobs[-1].id if len(jobs) == query["limit"] else None
+    return jsonify(JobListSchema().dump({"jobs": jobs, "next_before_id": next_before}))
+
+
+@bp.get("/train/<int:job_id>")
+def status(job_id: int) -> Response:
+    query = StatusQuerySchema().load(request.args)
+    return jsonify(JobSchema().dump(worker().job(job_id, wait_s=query["wait"], since=query["since"])))
+
+
+@bp.get("/train/<int:job_id>/progress")
+def progress(job_id: int) -> Response:
+    query = ProgressQuerySchema().load(request.args)
+    job, series = worker().progress(job_id, query["points"])
+    start = job.started_at or job.created_at
+    points = [{"step": p.step, "loss": p.loss, "t": round((p.at - start).total_seconds(), 3)} for p in series]
+    return jsonify(ProgressSeriesSchema().dump({"worker_job_id": job.id, "total_steps": job.total_steps,
+                                                "points": points}))
+
+
+@bp.get("/train/<int:job_id>/log")
+def job_log(job_id: int) -> Response:
+    query = LogQuerySchema().load(request.args)
+    chunk = worker().log(job_id, lines=query["lines"], offset=query["offset"], limit=query["limit"])
+    return jsonify(LogSchema().dump({"worker_job_id": job_id, "text": chunk.text, "offset": chunk.offset,
+                                     "skipped": chunk.skipped}))
+
+
+@bp.post("/train/<int:job_id>/cancel")
+def cancel(job_id: int) -> tuple[Response, int]:
+    return jsonify(JobSchema().dump(worker().cancel(job_id))), 202
+
+
+def _json_body() -> object:
+    # force=True: parse whatever the content type says; a body that is not JSON is a 400.
+    try:
+        return request.get_json(force=True)
+    except RecursionError as exc:  # thousands of nested brackets: the parser's recursion limit, not a bug of ours
+        raise BadRequest("The JSON body is nested too deeply.") from exc
+
+
+def _idempotency_key() -> str | None:
+    key = request.headers.get("Idempotency-Key")
+    if key is not None and not IDEMPOTENCY_KEY.fullmatch(key):
+        raise InvalidRequest({"Idempotency-Key": ["1-128 visible ASCII characters."]})
+    return key
+
+
+def _digest(body: object) -> str:
+    """The body's identity for idempotency: the same JSON in any key order or spacing hashes the same."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()

@@ -1,0 +1,112 @@
+"""The fixed command: golden argv for every tier x device, the env allow-list, and no argument injection."""
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings as hsettings, strategies as st
+
+from lora_worker.web.schemas import OUTPUT_NAME, SUBJECT_CLASS, TRIGGER
+from lora_worker.config import DEFAULT_DEVICES, LORA_TARGET_PRESETS, TIERS, Settings
+from lora_worker.dispatch.argv import ENV_KEYS, SCRIPT_FLAGS, SCRIPT_KEYS, build_argv, build_env
+from lora_worker.dispatch.request import TrainRequest
+
+SETTINGS = Settings(accelerate=Path("/opt/fluxgym/.venv/bin/accelerate"), sd_scripts_dir=Path("/opt/fluxgym/sd-scripts"),
+                    tokenizer_cache_dir=Path("/opt/fluxgym/tokenizers"), state_dir=Path("/var/lib/lora-worker"))
+
+
+def request(**overrides: object) -> TrainRequest:
+    values = dict(dataset_dir="/worktank/arbo/train/t1/dataset", base_model_path="/worktank/models/sdxl.safetensors",
+                  output_dir="/worktank/arbo/train/t1/output", output_name="ohwx_v1", trigger="ohwx",
+                  subject_class="woman", repeats=10, tier="fast", device_index=1, seed=42, train_id="t1")
+    values.update(overrides)
+    return TrainRequest(**values)  # type: ignore[arg-type]
+
+
+def golden(steps: int, dim: int, res: int, batch: int, extra: str = "") -> str:
+    return (
+        "/opt/fluxgym/.venv/bin/accelerate launch --num_processes=1 --num_machines=1 --mixed_precision=bf16 "
+        "--dynamo_backend=no --num_cpu_threads_per_process=4 /opt/fluxgym/sd-scripts/sdxl_train_network.py "
+        "--pretrained_model_name_or_path=/worktank/models/sdxl.safetensors "
+        "--tokenizer_cache_dir=/opt/fluxgym/tokenizers --train_data_dir=/worktank/arbo/train/t1/dataset "
+        "--output_dir=/worktank/arbo/train/t1/output --output_name=ohwx_v1 --save_model_as=safetensors "
+        f"--caption_extension=.txt --resolution={res} --network_module=networks.lora --network_dim={dim} "
+        f"--network_alpha={dim} {extra}--mixed_precision=bf16 --learning_rate=1e-4 --lr_scheduler=cosine "
+        "--optimizer_type=AdamW8bit --min_snr_gamma=5 --noise_offset=0.1 --max_grad_norm=1.0 "
+        f"--max_train_steps={steps} --train_batch_size={batch} --max_data_loader_n_workers=0 --seed=42 "
+        "--network_train_unet_only --cache_latents --cache_text_encoder_outputs --gradient_checkpointing --sdpa "
+        "--enable_bucket --bucket_no_upscale --console_log_simple"
+    )
+
+
+@pytest.mark.parametrize("tier, device, expected", [
+    ("fast", 0, golden(400, 16, 768, 1)),
+    ("balanced", 0, golden(1500, 32, 768, 1)),
+    ("fast", 1, golden(400, 16, 768, 2)),
+    ("balanced", 1, golden(1500, 32, 768, 2)),
+    ("quality", 1, golden(3000, 32, 1024, 2)),
+])
+def test_golden_argv_for_every_allowed_tier_and_device(tier, device, expected):
+    assert tier in DEFAULT_DEVICES[device].tiers
+    assert shlex.join(build_argv(request(tier=tier, device_index=device), SETTINGS)) == expected
+
+
+def test_optional_parameters_land_in_their_own_tokens():
+    argv = build_argv(request(max_grad_norm=0.5, lora_target_modules="attn_mlp_conv"), SETTINGS)
+    assert "--max_grad_norm=0.5" in argv and "--network_args=conv_dim=16" in argv
+    assert shlex.join(argv) == golden(400, 16, 768, 2, extra="--network_args=conv_dim=16 ").replace(
+        "--max_grad_norm=1.0", "--max_grad_norm=0.5")
+
+
+def test_env_is_exactly_the_allow_list():
+    env = build_env(request(device_index=1), SETTINGS)
+    assert tuple(env) == ENV_KEYS
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert env["PYTHONUNBUFFERED"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["HF_HOME"] == "/var/lib/lora-worker/hf"
+    assert not {"LD_PRELOAD", "PYTHONPATH"} & set(env)
+
+
+def argv_is_fixed_shape(argv: list[str], settings: Settings) -> None:
+    script = argv.index(str(settings.train_script))
+    assert argv[:script + 1] == build_argv(request(), settings)[:script + 1]
+    for token in argv[script + 1:]:
+        if token in SCRIPT_FLAGS:
+            continue
+        assert token.startswith("--") and "=" in token, token
+        key = token[2:].split("=", 1)[0]
+        assert key in SCRIPT_KEYS, token
+
+
+names = st.from_regex(OUTPUT_NAME, fullmatch=True)
+triggers = st.from_regex(TRIGGER, fullmatch=True)
+classes = st.from_regex(SUBJECT_CLASS, fullmatch=True).filter(lambda s: len(s) <= 48)
+path_parts = st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc"), blacklist_characters="/\x00"),
+                     min_size=1, max_size=20).filter(lambda p: p not in (".", ".."))
+paths = st.lists(path_parts, min_size=1, max_size=5).map(lambda parts: "/" + "/".join(parts))
+
+
+@hsettings(max_examples=300, deadline=None)
+@given(dataset=paths, output=paths, model=paths, name=names, trigger=triggers, subject=classes,
+       repeats=st.integers(1, 100), seed=st.integers(0, 2**31 - 1),
+       tier_device=st.sampled_from([("fast", 0), ("balanced", 0), ("fast", 1), ("balanced", 1), ("quality", 1)]),
+       grad=st.none() | st.floats(0, 10, allow_nan=False), preset=st.none() | st.sampled_from(list(LORA_TARGET_PRESETS)))
+def test_no_request_can_produce_a_token_outside_the_allowed_key_value_form(
+        dataset, output, model, name, trigger, subject, repeats, seed, tier_device, grad, preset):
+    tier, device = tier_device
+    req = request(dataset_dir=dataset, output_dir=output, base_model_path=model, output_name=name, trigger=trigger,
+                  subject_class=subject, repeats=repeats, seed=seed, tier=tier, device_index=device,
+                  max_grad_norm=grad, lora_target_modules=preset)
+    argv = build_argv(req, SETTINGS)
+    argv_is_fixed_shape(argv, SETTINGS)
+    # every user-derived value sits inside the token of its own key, whole
+    assert f"--train_data_dir={dataset}" in argv and f"--output_dir={output}" in argv
+    assert f"--pretrained_model_name_or_path={model}" in argv and f"--output_name={name}" in argv
+    assert len(argv) == len(build_argv(request(max_grad_norm=grad, lora_target_modules=preset), SETTINGS))
+
+
+def test_keys_and_flags_of_the_recipe_are_tiers_own():
+    # every tier's argv uses the same keys: nothing about a tier adds or removes a flag
+    keys = {tuple(t.split("=")[0] for t in build_argv(request(tier=t, device_index=1), SETTINGS)) for t in TIERS}
+    assert len(keys) == 1

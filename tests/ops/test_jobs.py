@@ -1,0 +1,252 @@
+"""`lora-worker jobs`: ls, show, log [-f], cancel [--all], prune, on the ledger directly."""
+from __future__ import annotations
+
+import io
+import os
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from lora_worker.ops.cli import build_parser
+from lora_worker.errors import JobFinished
+from lora_worker.ops.jobs import run
+from lora_worker.ledger import repository as repo
+from lora_worker.ledger.models import utcnow
+from lora_worker.states import JobState
+from lora_worker.run.logfile import JobLog, log_paths
+from lora_worker.host.locks import hold_lock, job_lock_path
+from tests.helpers import set_modes, wait_for
+from tests.service import settings_env
+from tests.ledger.test_ledger import columns
+
+
+def jobs(settings, *argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    code = run(settings, build_parser().parse_args(["jobs", *argv]), out)
+    return code, out.getvalue()
+
+
+def cli(settings, *argv: str) -> subprocess.CompletedProcess[str]:
+    """The installed entry point, as an operator runs it."""
+    lora_worker = str(Path(sys.executable).parent / "lora-worker")
+    return subprocess.run([lora_worker, *argv], env={**os.environ, **settings_env(settings)}, capture_output=True,
+                          text=True, timeout=120)
+
+
+def finished(db, state: JobState, days_ago: float, lora_path: str | None = None, **values: object) -> int:
+    job = repo.create_job(db, columns(**values))
+    end = utcnow() - timedelta(days=days_ago)
+    repo.transition(db, job.id, JobState.RUNNING, actor="supervisor", started_at=end - timedelta(minutes=10))
+    repo.update_running(db, job.id, step=3, points=[(1, 0.5, end), (2, 0.4, end)])
+    extra = ({"failure_class": "cuda_oom", "error": "CUDA ran out of memory.\ntorch.OutOfMemoryError"}
+             if state is JobState.FAILED else {"lora_path": lora_path or f"/out/{job.id}.safetensors"})
+    repo.transition(db, job.id, state, actor="supervisor", finished_at=end, **extra)
+    return job.id
+
+
+@pytest.fixture
+def supervised(db, migrated) -> Iterator[Callable[[], int]]:
+    """Makes the running job (one at a time) whose supervisor is alive: the test holds its lock."""
+    locks: list[int] = []
+
+    def start() -> int:
+        job = repo.create_job(db, columns())
+        fd = hold_lock(job_lock_path(migrated, job.id))
+        assert fd is not None
+        locks.append(fd)
+        repo.transition(db, job.id, JobState.RUNNING, actor="supervisor", phase="training")
+        return job.id
+
+    yield start
+    for fd in locks:
+        os.close(fd)
+
+
+def write_log(settings, job_id: int, lines: list[str]) -> JobLog:
+    joblog = JobLog(settings.log_dir, job_id, head_bytes=200, tail_bytes=10_000)  # small head: a tail file too
+    for line in lines:
+        joblog.feed("stdout", line + "\n")
+    return joblog
+
+
+def test_ls_prints_a_table_of_recent_jobs_newest_first(db, migrated, supervised):
+    ok = finished(db, JobState.SUCCEEDED, 1)
+    failed = finished(db, JobState.FAILED, 1)
+    running = supervised()
+    code, out = jobs(migrated, "ls")
+    header, *rows = out.splitlines()
+    assert code == 0 and header.split() == ["ID", "STATUS", "PHASE", "TIER", "GPU", "STEPS", "CREATED", "RUN",
+                                            "RESULT"]
+    assert [r.split()[:2] for r in rows] == [[str(running), "running"], [str(failed), "failed"],
+                                             [str(ok), "succeeded"]]
+    assert rows[0].split()[2] == "training"
+    assert rows[1].endswith("cuda_oom") and rows[2].endswith(f"/out/{ok}.safetensors") and "0:10:00" in rows[2]
+    assert [r.split()[0] for r in jobs(migrated, "ls", "--status", "succeeded")[1].splitlines()[1:]] == [str(ok)]
+    assert len(jobs(migrated, "ls", "--limit", "1")[1].splitlines()) == 2
+
+
+def test_ls_marks_a_job_whose_supervisor_is_gone_as_failed(db, migrated):
+    job = repo.create_job(db, columns())
+    repo.transition(db, job.id, JobState.RUNNING, actor="supervisor")  # nobody holds its lock
+    row = jobs(migrated, "ls")[1].splitlines()[1]
+    assert row.split()[1] == "failed" and row.endswith("supervisor_lost")
+    assert repo.job_events(db, job.id)[-1].actor == "cli"
+
+
+def test_show_prints_the_job_and_its_event_history(db, migrated):
+    job_id = finished(db, JobState.FAILED, 1)
+    code, out = jobs(migrated, "show", str(job_id))
+    assert code == 0 and out.startswith(f"job {job_id}\n")
+    assert "  status:           failed\n" in out and "  failure:          cuda_oom\n" in out
+    assert "  progress:         3/400 steps\n" in out and "  run time:         0:10:00\n" in out
+    assert "  error:            CUDA ran out of memory.\n" + " " * 20 + "torch.OutOfMemoryError\n" in out
+    events = out.split("events:\n", 1)[1].splitlines()
+    assert events[0].split() == ["AT", "FROM", "TO", "ACTOR", "REASON"]
+    assert [e.split()[2:5] for e in events[1:]] == [["-", "queued", "api"], ["queued", "running", "supervisor"],
+                                                    ["running", "failed", "supervisor"]]
+
+
+def test_show_of_an_unknown_job_fails_with_a_sentence(migrated):
+    result = cli(migrated, "jobs", "show", "4242")
+    assert result.returncode == 1 and "No job has id 4242." in result.stderr
+
+
+def test_log_prints_the_whole_log_across_head_and_tail(db, migrated):
+    job_id = finished(db, JobState.SUCCEEDED, 1)
+    lines = [f"line {i} of the trainer's output" for i in range(40)]
+    write_log(migrated, job_id, lines).close()
+    assert log_paths(migrated.log_dir, job_id)[1].exists()  # the log really spans two files
+    assert jobs(migrated, "log", str(job_id)) == (0, "\n".join(lines) + "\n")
+
+
+def test_log_follow_prints_until_the_job_has_ended(db, migrated, supervised):
+    running = supervised()
+    joblog = write_log(migrated, running, ["before"])
+
+    def trainer() -> None:
+        for i in range(5):
+            time.sleep(0.2)
+            joblog.feed("stdout", f"step {i}\n")
+        joblog.feed("stdout", "model saved.\n")
+        joblog.close()
+        repo.transition(db, running, JobState.SUCCEEDED, actor="supervisor")
+
+    writer = threading.Thread(target=trainer)
+    writer.start()
+    code, out = jobs(migrated, "log", "-f", str(running))
+    writer.join()
+    assert code == 0 and out == "before\n" + "".join(f"step {i}\n" for i in range(5)) + "model saved.\n"
+
+
+def test_cancel_flags_a_running_job_once_and_says_so(db, migrated, supervised):
+    running = supervised()
+    assert jobs(migrated, "cancel", str(running)) == (0, f"job {running}: cancel requested\n")
+    assert jobs(migrated, "cancel", str(running)) == (0, f"job {running}: cancel requested\n")
+    job = repo.get_job(db, running)
+    assert job.status == "running" and job.cancel_requested_at is not None
+    flags = [e for e in repo.job_events(db, running) if e.from_status == e.to_status == "running"]
+    assert [(e.actor, e.reason) for e in flags] == [("cli", "cancel requested by an operator")]
+
+
+def test_cancel_of_a_queued_job_cancels_it_at_once(db, migrated):
+    job = repo.create_job(db, columns())
+    # A queued job without a supervisor is left alone for launch_grace_s: long enough on a loaded machine.
+    assert jobs(migrated.with_overrides(launch_grace_s=60), "cancel", str(job.id)) == (0, f"job {job.id}: cancelled\n")
+    assert repo.get_job(db, job.id).status == "cancelled"
+
+
+def test_cancel_of_a_finished_job_is_refused(db, migrated):
+    job_id = finished(db, JobState.SUCCEEDED, 1)
+    with pytest.raises(JobFinished):
+        jobs(migrated, "cancel", str(job_id))
+    result = cli(migrated, "jobs", "cancel", str(job_id))
+    assert result.returncode == 1 and "already ended (succeeded)" in result.stderr
+
+
+def test_cancel_all_flags_every_active_job_and_leaves_finished_ones_alone(db, migrated, supervised):
+    done = finished(db, JobState.SUCCEEDED, 1)
+    running = supervised()
+    events_before = len(repo.job_events(db, done))
+    assert jobs(migrated, "cancel", "--all") == (0, f"job {running}: cancel requested\n")
+    assert repo.get_job(db, running).cancel_requested_at is not None
+    assert len(repo.job_events(db, done)) == events_before
+
+
+def test_cancel_all_with_nothing_active_says_so(db, migrated):
+    finished(db, JobState.SUCCEEDED, 1)
+    assert jobs(migrated, "cancel", "--all") == (0, "no active job\n")
+
+
+@pytest.mark.slow
+def test_cancel_all_wait_stops_real_training_while_the_web_service_is_down(client, host, migrated):
+    record = host.root / "record.json"
+    set_modes(host.sd_scripts, hang_in="training", record=str(record))
+    job_id = client.post("/train", json=host.payload()).get_json()["worker_job_id"]
+    wait_for(lambda: client.get(f"/train/{job_id}").get_json()["phase"] == "training", what="training")
+    result = cli(migrated, "jobs", "cancel", "--all", "--wait")  # no HTTP: the ledger and the supervisor
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"job {job_id}: cancel requested\njob {job_id}: cancelled\n"
+    assert client.get(f"/train/{job_id}").get_json()["status"] == "cancelled"
+
+
+def test_the_cli_logs_one_line_per_event_with_its_job_id_to_stderr(migrated, supervised):
+    running = supervised()
+    result = cli(migrated, "jobs", "cancel", str(running))
+    assert result.returncode == 0 and result.stdout == f"job {running}: cancel requested\n"
+    assert f"INFO lora_worker.jobs job={running}: job {running}: cancel requested\n" in result.stderr
+
+
+def rows_of(migrated, table: str, job_id: int) -> int:
+    conn = sqlite3.connect(migrated.database_path)
+    try:
+        column = "id" if table == "jobs" else "job_id"
+        return conn.execute(f"SELECT count(*) FROM {table} WHERE {column} = ?", (job_id,)).fetchone()[0]
+    finally:
+        conn.close()
+
+
+def test_prune_forgets_old_finished_jobs_with_events_progress_and_logs_but_never_a_lora(db, migrated, supervised):
+    lora = migrated.train_root / "t1" / "output" / "ohwx.safetensors"
+    lora.parent.mkdir(parents=True)
+    lora.write_bytes(b"a trained LoRA")
+    old = finished(db, JobState.SUCCEEDED, 100, lora_path=str(lora), output_dir=str(lora.parent))  # names the file
+    old_failed = finished(db, JobState.FAILED, 91)
+    recent = finished(db, JobState.SUCCEEDED, 89)
+    running = supervised()
+    for job_id in (old, old_failed, recent, running):
+        write_log(migrated, job_id, [f"output of {job_id}"] * 20).close()
+    assert rows_of(migrated, "job_progress", old) == 2
+
+    code, out = jobs(migrated, "prune", "--older-than", "90")
+    assert code == 0 and out.startswith("pruned 2 job(s) finished before ") and out.endswith(" and 4 log file(s)\n")
+    for gone in (old, old_failed):
+        assert [rows_of(migrated, t, gone) for t in ("jobs", "job_events", "job_progress")] == [0, 0, 0]
+        assert not any(p.exists() for p in log_paths(migrated.log_dir, gone))
+    for kept in (recent, running):
+        assert rows_of(migrated, "jobs", kept) == 1 and log_paths(migrated.log_dir, kept)[0].exists()
+    assert lora.read_bytes() == b"a trained LoRA"
+
+
+def test_prune_dry_run_removes_nothing_and_retention_is_the_default(db, migrated):
+    old = finished(db, JobState.CANCELLED, migrated.retention_days + 1)
+    write_log(migrated, old, ["x"]).close()
+    assert jobs(migrated, "prune", "--dry-run")[1].startswith("would prune 1 job(s)")
+    assert rows_of(migrated, "jobs", old) == 1 and log_paths(migrated.log_dir, old)[0].exists()
+    assert jobs(migrated, "prune")[1].startswith("pruned 1 job(s)")
+    assert rows_of(migrated, "jobs", old) == 0
+
+
+@pytest.mark.parametrize("argv", [["prune", "--older-than", "-1"], ["prune", "--older-than", "nan"],
+                                  ["prune", "--older-than", "inf"], ["prune", "--older-than", "1e10"],
+                                  ["show", "0"], ["cancel"], ["cancel", "3", "--all"], ["log", "x"]])
+def test_bad_arguments_are_refused_with_usage(argv, capsys):
+    with pytest.raises(SystemExit) as refused:
+        build_parser().parse_args(["jobs", *argv])
+    assert refused.value.code == 2 and "usage: lora-worker jobs" in capsys.readouterr().err

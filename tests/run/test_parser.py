@@ -1,0 +1,241 @@
+"""The progress parser against byte-exact captures of real sd-scripts runs (tests/data/*.jsonl)."""
+from __future__ import annotations
+
+import base64
+import json
+import math
+import random
+import re._constants as sre_constants
+import re._parser as sre_parse
+
+import pytest
+
+from lora_worker.states import Phase
+from lora_worker.run.logfile import JobLog
+from lora_worker.run.parser import MARKER_GUARD, MARKERS, Decoder, Parser, drop_superseded_redraws
+from tests.helpers import DATA
+
+
+def chunks(name: str) -> list[tuple[str, bytes]]:
+    lines = (DATA / f"{name}.jsonl").read_text().splitlines()[1:]
+    return [(c["stream"], base64.b64decode(c["b64"])) for c in map(json.loads, lines)]
+
+
+def replay(items: list[tuple[str, bytes]], parser: Parser | None = None) -> tuple[Parser, list[Phase]]:
+    parser = parser or Parser()
+    decoder = Decoder()
+    phases = [parser.progress.phase]
+    for stream, data in items:
+        parser.feed(stream, decoder.decode(stream, data))
+        if parser.progress.phase is not phases[-1]:
+            phases.append(parser.progress.phase)
+    parser.close()
+    return parser, phases
+
+
+def test_a_real_successful_run_gives_steps_loss_rate_eta_and_every_phase():
+    parser, phases = replay(chunks("run1_simple"))
+    p = parser.progress
+    assert (p.step, p.total_steps, p.loss) == (3, 3, 0.984)
+    assert p.rate == pytest.approx(1 / 11.35) and p.eta_s == 0.0
+    assert "model_saved" in p.flags and p.checkpoints == ["/worktank/arbo/train/t1/output/run1/ohwx.safetensors"]
+    assert phases == [Phase.LAUNCHING, Phase.LOADING_MODEL, Phase.CACHING_LATENTS,
+                      Phase.CACHING_TEXT_ENCODER_OUTPUTS, Phase.PREPARING_TRAINING, Phase.TRAINING, Phase.SAVING]
+
+
+def test_the_loss_curve_keeps_the_latest_loss_of_each_step():
+    parser, _ = replay(chunks("run1_simple"))
+    # the first redraw of step 2 repeats step 1's loss; the second carries the new one
+    assert parser.take_points() == [(1, 1.07), (2, 1.08), (3, 0.984)]
+
+
+def test_mid_run_saves_go_back_to_training_and_are_not_the_final_save():
+    parser, phases = replay(chunks("run5_epochs_saves"))
+    p = parser.progress
+    assert (p.step, p.total_steps) == (12, 12)
+    assert [c.rsplit("/", 1)[1] for c in p.checkpoints] == [
+        "ohwx-step00000005.safetensors", "ohwx-000001.safetensors", "ohwx-step00000010.safetensors",
+        "ohwx.safetensors"]
+    assert phases.count(Phase.SAVING) == 4 and phases[-1] is Phase.SAVING
+    assert phases[phases.index(Phase.SAVING) + 1] is Phase.TRAINING
+
+
+def test_mid_stream_progress_is_visible_before_the_run_ends():
+    items = chunks("run1_simple")
+    first_step = next(i for i, (s, d) in enumerate(items) if b"steps:" in d and b"1/3" in d)
+    parser, _ = replay(items[: first_step + 1])
+    assert parser.progress.step == 1 and parser.progress.phase is Phase.TRAINING
+
+
+@pytest.mark.parametrize("name, flag", [("fail_empty_dataset", "no_data"), ("fail_missing_model", "model_load_error"),
+                                        ("fail_empty_caption", "caption_invalid")])
+def test_failure_markers_of_real_failed_runs(name, flag):
+    parser, _ = replay(chunks(name))
+    assert flag in parser.progress.flags
+    assert "model_saved" not in parser.progress.flags
+
+
+def test_the_launchers_report_of_the_trainers_status_is_read():
+    parser, _ = replay(chunks("fail_missing_model"))
+    assert parser.progress.inner_exit == 1
+
+
+def test_a_run_killed_mid_bar_ends_on_an_unterminated_redraw_that_still_counts():
+    items = chunks("cancel_b_group")
+    assert items[-1][0] == "stdout" and not any(d.endswith(b"\n") for s, d in items[-3:] if s == "stderr")
+    parser, phases = replay(items)
+    assert (parser.progress.step, parser.progress.total_steps) == (0, 50)
+    assert phases[-1] is Phase.TRAINING
+
+
+def test_any_chunking_gives_the_same_result():
+    items = chunks("run5_epochs_saves")
+    whole = {s: b"".join(d for st, d in items if st == s) for s in ("stdout", "stderr")}
+    reference, _ = replay(items)
+    rng = random.Random(7)
+    for _ in range(5):
+        cut_items = []
+        for stream, data in whole.items():
+            pos = 0
+            while pos < len(data):
+                step = rng.randint(1, 40)
+                cut_items.append((stream, data[pos:pos + step]))
+                pos += step
+        # streams interleave in arrival order in reality; here stdout before stderr is enough for totals
+        parser, _ = replay(cut_items)
+        p, r = parser.progress, reference.progress
+        assert (p.step, p.total_steps, p.loss, p.flags, p.checkpoints) == (
+            r.step, r.total_steps, r.loss, r.flags, r.checkpoints)
+
+
+def test_a_redraw_glued_to_a_rich_log_line_is_read_as_both():
+    parser = Parser()
+    parser.feed("stderr", "\rsteps: 100%|██████████| 2/2 [00:19<00:00,  9.87s/it, avr_loss=1.08]"
+                          "2026-11-30 03:36:26 INFO     model saved.        train_network.py:1729\n")
+    p = parser.progress
+    assert (p.step, p.total_steps, p.loss) == (2, 2, 1.08) and "model_saved" in p.flags
+
+
+def test_a_redraw_and_its_close_split_across_reads():
+    parser = Parser()
+    parser.feed("stderr", "\rsteps:  50%|█████     | 1/2 [00:03<00:03,  3.63s/it, avr_loss=1.07]")
+    assert parser.progress.step == 1  # a complete redraw counts before its line ends
+    parser.feed("stderr", "\n")
+    assert parser.progress.step == 1
+
+
+def test_nan_loss_and_padding():
+    parser = Parser()
+    parser.feed("stderr", "\rsteps:  33%|███▎      | 4/12 [00:15<00:31,  3.88s/it, avr_loss=nan] ")
+    assert math.isnan(parser.progress.loss)
+    parser.feed("stderr", "\rsteps:  42%|████▏     | 5/12 [00:19<00:27,  3.90s/it, avr_loss=1.02] ")
+    assert parser.progress.loss == 1.02 and parser.progress.eta_s == 27.0
+
+
+def test_it_per_second_and_hour_long_etas():
+    parser = Parser()
+    parser.feed("stderr", "\rsteps:  45%|████▌     | 765/1700 [09:44<1:11:54,  1.31it/s, avr_loss=0.0871]")
+    p = parser.progress
+    assert (p.rate, p.eta_s) == (1.31, 4314.0)
+
+
+def test_ansi_escapes_are_ignored():
+    parser = Parser()
+    decoder = Decoder()
+    parser.feed("stderr", decoder.decode("stderr", b"\x1b[A\rsteps:  10%|\x1b[1m#   \x1b[0m| 1/10 [00:01<00:09,"
+                                                   b"  1.00s/it, avr_loss=0.5]"))
+    assert parser.progress.step == 1
+
+
+def test_other_bars_do_not_move_the_steps():
+    parser = Parser()
+    parser.feed("stderr", "\rread caption: 100%|██████████| 3/3 [00:00<00:00, 23087.91it/s]\n"
+                          "\rvalidation steps: 100%|██████████| 9/9 [00:01<00:00, 5.0it/s]\n")
+    assert parser.progress.step == 0 and parser.progress.total_steps is None
+
+
+def test_utf8_split_between_chunks_is_decoded_whole():
+    decoder = Decoder()
+    text = "no regularization images / 正則化画像が見つかりませんでした\n".encode()
+    out = "".join(decoder.decode("stdout", text[i:i + 1]) for i in range(len(text)))
+    assert out == text.decode()
+
+
+def _always_guarded(items: object, guard: str) -> bool:
+    """Whether every string the parsed pattern `items` matches holds a character of `guard`."""
+    for op, av in items:  # type: ignore[attr-defined]
+        if op is sre_constants.LITERAL and chr(av) in guard:
+            return True
+        if op is sre_constants.SUBPATTERN and _always_guarded(av[-1], guard):
+            return True
+        if op is sre_constants.BRANCH and all(_always_guarded(alt, guard) for alt in av[1]):
+            return True
+    return False
+
+
+def test_every_marker_holds_a_guard_character_and_no_steps_redraw_does():
+    # What lets the parser and the decoder skip redraws without ever missing a marker.
+    assert _always_guarded(sre_parse.parse(MARKERS.pattern), MARKER_GUARD)
+    redraws = [d for s, d in chunks("run5_epochs_saves") + chunks("run1_simple") if d.startswith(b"\rsteps:")]
+    assert redraws and not any(g.encode() in d for d in redraws for g in MARKER_GUARD)
+
+
+BAR_OF = "\rsteps:  {pct:2d}%|███▎      | {step}/300 [00:11<00:23, 11.74s/it, avr_loss=0.{loss:03d}]".format
+
+
+def test_redraws_that_a_later_one_overwrites_are_dropped_before_decoding():
+    bars = "".join(BAR_OF(pct=i // 3, step=i, loss=i) for i in range(1, 100)).encode()
+    chunk = b"loss=0.5]" + bars  # the end of a redraw the last chunk cut
+    kept = drop_superseded_redraws(chunk)
+    assert kept == b"loss=0.5]" + (BAR_OF(pct=32, step=98, loss=98) + BAR_OF(pct=33, step=99, loss=99)).encode()
+    for intruder in (b"\n", b"\rmodel saved.", "\rcaching latents…".encode()):
+        mixed = chunk[:500] + intruder + chunk[500:]
+        assert drop_superseded_redraws(mixed) == mixed  # a line end or a possible marker: nothing dropped
+
+
+def _read_all(items: list[tuple[str, bytes]], tmp_path) -> tuple[object, ...]:
+    parser, decoder = Parser(), Decoder()
+    log = JobLog(tmp_path, 1, head_bytes=1 << 20, tail_bytes=1 << 20)
+    points = []
+    for stream, data in items:
+        text = decoder.decode(stream, data)
+        parser.feed(stream, text)
+        log.feed(stream, text)
+        points += parser.take_points()
+    parser.close()
+    log.close()
+    p = parser.progress
+    return (p.phase, p.step, p.total_steps, p.loss, p.flags, p.checkpoints, points,
+            (tmp_path / "job-1.log").read_text())
+
+
+def test_a_flood_of_redraws_reads_the_same_as_without_dropping(tmp_path, monkeypatch):
+    body = "".join(BAR_OF(pct=i // 30, step=i // 10 + 1, loss=i % 997) for i in range(3000))
+    stderr = (body[:40_000] + "\nTraceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory. "
+              + body[40_000:] + "\n").encode()
+    stdout = b"".join(f"\nepoch {e}/9\n\nsaving checkpoint: /out/ohwx-{e:06d}.safetensors\n".encode()
+                      for e in range(1, 9)) + b"model saved.\n"
+    rng = random.Random(11)
+    items = []
+    for stream, data in (("stdout", stdout), ("stderr", stderr)):
+        pos = 0
+        while pos < len(data):
+            size = rng.choice((7, 300, 4096, 65536))
+            items.append((stream, data[pos:pos + size]))
+            pos += size
+    fast = _read_all(items, tmp_path / "fast")
+    monkeypatch.setattr("lora_worker.run.parser.drop_superseded_redraws", lambda data: data)
+    assert fast == _read_all(items, tmp_path / "plain")
+
+
+def test_redraws_are_dropped_line_by_line_in_a_merged_stream():
+    from lora_worker.run.parser import drop_superseded_redraws_by_line
+    redraws = b"".join(f"\rsteps:  {n:2d}%|#   | {n}/100 [00:0{n % 10}<00:09,  1.00s/it, avr_loss=0.5]".encode()
+                       for n in range(1, 40))
+    chunk = redraws + b"\nepoch is incremented. current_epoch: 0, epoch: 1\n" + redraws
+    kept = drop_superseded_redraws_by_line(chunk)
+    assert len(kept) < len(chunk) / 5 and kept.count(b"\n") == 2
+    whole, cut = Parser(), Parser()
+    whole.feed("output", chunk.decode())
+    cut.feed("output", kept.decode())
+    assert (cut.progress.step, cut.progress.loss) == (whole.progress.step, whole.progress.loss) == (39, 0.5)

@@ -1,0 +1,362 @@
+"""The detached supervisor, end to end with real processes: the fake `accelerate` → fake trainer tree."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from lora_worker.host.safetensors import inspect_lora
+from lora_worker.dispatch.argv import build_argv, build_env
+from lora_worker.dispatch.request import TrainRequest
+from lora_worker.ledger import repository as repo
+from lora_worker.states import TERMINAL_STATES
+from lora_worker.run.local import launch_supervisor
+from tests.helpers import fake_gpus, hold_exclusive, pid_alive, set_modes, wait_for
+
+pytestmark = pytest.mark.slow
+TERMINAL = {s.value for s in TERMINAL_STATES}
+
+
+def submit(client, host, **overrides) -> int:
+    response = client.post("/train", json=host.payload(**overrides))
+    assert response.status_code == 202, response.get_json()
+    return response.get_json()["worker_job_id"]
+
+
+def job(client, job_id: int) -> dict:
+    return client.get(f"/train/{job_id}").get_json()
+
+
+def wait_state(client, job_id: int, *states: str, timeout: float = 30) -> dict:
+    return wait_for(lambda: (j := job(client, job_id))["status"] in states and j, timeout=timeout,
+                    what=f"job {job_id} in {states}")
+
+
+def wait_phase(client, job_id: int, phase: str) -> dict:
+    return wait_for(lambda: (j := job(client, job_id))["phase"] == phase and j, what=f"phase {phase}")
+
+
+def recorded(host) -> dict:
+    path = host.root / "record.json"
+    return wait_for(lambda: path.exists() and json.loads(path.read_text()), what="trainer record")
+
+
+def modes(host, **values) -> None:
+    set_modes(host.sd_scripts, record=str(host.root / "record.json"), **values)
+
+
+def job_processes(rec: dict) -> list[int]:
+    pids = [rec["pgid"], rec["pid"]] + ([rec["grandchild"]] if rec.get("grandchild") else [])
+    return [p for p in pids if pid_alive(p)]
+
+
+# -- a run ------------------------------------------------------------------------------------------------------
+
+def test_a_full_run_succeeds_with_a_verified_lora(client, host, db):
+    modes(host)
+    job_id = submit(client, host)
+    done = wait_state(client, job_id, *TERMINAL)
+    assert done["status"] == "succeeded", done
+    assert (done["step"], done["total_steps"], done["failure_class"], done["exit_code"]) == (400, 400, None, 0)
+    lora = Path(done["lora_path"])
+    assert lora == host.dataset.parent / "output" / "ohwx_lora.safetensors"
+    assert inspect_lora(lora).ranks == {16}
+    events = [(e.from_status, e.to_status, e.actor) for e in repo.job_events(db, job_id)]
+    assert events == [(None, "queued", "api"), ("queued", "running", "supervisor"),
+                      ("running", "succeeded", "supervisor")]
+    points = repo.progress_points(db, job_id)
+    assert points and points[-1].step == 400 and all(p.loss is not None for p in points)
+    log = client.get(f"/train/{job_id}/log?lines=5").get_json()["text"]
+    assert "model saved." in log and "[lora-worker] trainer ended: exit status 0" in log
+
+
+def test_the_trainer_runs_the_stored_argv_with_the_allow_listed_env(client, host, db):
+    modes(host)
+    job_id = submit(client, host)
+    rec = recorded(host)
+    row = repo.get_job(db, job_id)
+    script = row.argv.index(str(host.settings.train_script))
+    assert rec["argv"] == row.argv[script:]  # the trainer sees the script and its args exactly as stored
+    # the launcher adds OMP_NUM_THREADS and ACCELERATE_MIXED_PRECISION, as the real one does; nothing else leaks
+    assert set(rec["env"]) - {"OMP_NUM_THREADS", "ACCELERATE_MIXED_PRECISION"} == set(row.env)
+    assert rec["env"]["CUDA_VISIBLE_DEVICES"] == "1"
+    assert rec["pgid"] == row.trainer_pid and rec["ppid"] == row.trainer_pid  # two levels, one group
+    # nothing of the web or the supervisor leaks in: stdin is /dev/null, stdout and stderr one pipe, and the
+    # only other descriptors are the trainer's own (its record file, /proc/self/fd being listed)
+    fds = rec["fds"]
+    assert fds["0"] == "/dev/null" and fds["1"] == fds["2"] and fds["1"].startswith("pipe:")
+    assert all(path.startswith(("/proc/", str(host.root / "record.json"))) for fd, path in fds.items()
+               if fd not in ("0", "1", "2")), fds
+    assert rec["umask"] == 0o002  # the LoRA and checkpoints are readable and writable by the shared group
+    wait_state(client, job_id, *TERMINAL)
+
+
+def test_a_running_job_is_followed_by_log_offset_and_shown_as_ours(client, host):
+    release = host.root / "release"
+    modes(host, hold_at_step=200, release_file=str(release))
+    job_id = submit(client, host)
+    rec = recorded(host)
+    # while it runs: /healthz names it, and /gpu-status marks the trainer's process as ours
+    assert client.get("/healthz").get_json()["active_job_id"] == job_id
+    fake_gpus(host.gpus, processes1=[{"pid": rec["pid"], "used_mib": 30_000}])
+    (proc,) = client.get("/gpu-status").get_json()["devices"][1]["processes"]
+    assert (proc["pid"], proc["ours"], proc["tts"]) == (rec["pid"], True, False)
+    # a follower passes back the offset it was given, and sees every byte once
+    followed, offset = "", 0
+
+    def follow() -> None:
+        nonlocal followed, offset
+        chunk = client.get(f"/train/{job_id}/log?offset={offset}&limit=4096").get_json()
+        assert chunk["skipped"] == 0 and chunk["offset"] == offset + len(chunk["text"].encode())
+        followed, offset = followed + chunk["text"], chunk["offset"]
+    for _ in range(5):
+        follow()
+    release.touch()
+    wait_state(client, job_id, *TERMINAL)
+    while True:  # to the end of the log
+        before = offset
+        follow()
+        if offset == before:
+            break
+    whole = client.get(f"/train/{job_id}/log?offset=0&limit=1048576").get_json()
+    assert followed == whole["text"] and "model saved." in followed
+    assert client.get("/healthz").get_json()["active_job_id"] is None
+    for bad in ("lines=10001", "lines=-1", "limit=0", "offset=-1", "lines=x"):
+        assert client.get(f"/train/{job_id}/log?{bad}").status_code == 422, bad
+
+
+def test_the_ledger_is_written_about_once_an_interval_not_once_a_step(migrated, host):
+    from dataclasses import replace
+
+    from lora_worker import create_app
+    from lora_worker.states import Phase
+
+    app = create_app(replace(migrated, progress_interval_s=2.0))
+    client = app.test_client()
+    try:
+        modes(host, step_s=0.02)  # 400 steps, 800 redraws, in about 8 s
+        started = time.monotonic()
+        done = wait_state(client, submit(client, host), *TERMINAL)
+        wall = time.monotonic() - started
+    finally:
+        app.extensions["lora_worker"].db.dispose()
+    assert done["status"] == "succeeded" and done["step"] == 400
+    # each write bumps `version`: the INSERT, two transitions, one write per phase change, the trainer's pid,
+    # the last flush, and one per interval
+    bound = 1 + 2 + len(Phase) + 2 + math.ceil(wall / 2.0)
+    assert 4 < done["version"] <= bound, (done["version"], bound, wall)
+
+
+def test_progress_is_visible_mid_run(client, host):
+    modes(host, step_s=0.02)
+    job_id = submit(client, host)
+    # eta_s stays null until two steps were seen (no history here), so wait for a moment that has one
+    mid = wait_for(lambda: (j := job(client, job_id))["status"] == "running" and 5 < j["step"] < 400
+                   and j["eta_s"] is not None and j, what="a measured step between 5 and 400")
+    assert mid["phase"] == "training" and mid["loss"] is not None and mid["rate"] > 0 and mid["eta_basis"] == "measured"
+    later = wait_for(lambda: (j := job(client, job_id))["step"] > mid["step"] and j, what="more steps")
+    assert later["version"] > mid["version"]
+    client.post(f"/train/{job_id}/cancel")
+    wait_state(client, job_id, *TERMINAL)
+
+
+def test_no_zombies_the_web_reaps_its_launch_and_the_supervisor_reaps_the_job(client, host, db):
+    release = host.root / "release"
+    modes(host, hold_at_step=399, release_file=str(release))
+    job_id = submit(client, host)
+    rec = recorded(host)
+    # the web's child was only the first of the supervisor's two forks, and it was reaped on return
+    assert [c for c in psutil.Process().children() if c.status() == psutil.STATUS_ZOMBIE] == []
+    supervisor = repo.get_job(db, job_id).supervisor_pid
+    # A locked ledger keeps the supervisor alive after the trainer ends (it retries the final write), so
+    # what it left behind can be seen: the launcher and the trainer must be reaped, not zombies.
+    holder = hold_exclusive(db.path, 4.0)
+    release.touch()
+    wait_for(lambda: not psutil.pid_exists(rec["pgid"]) and not psutil.pid_exists(rec["pid"]), timeout=3.5,
+             what="the launcher and the trainer reaped (gone from the process table)")
+    assert pid_alive(supervisor) and psutil.Process(supervisor).children(recursive=True) == []
+    holder.join()
+    assert wait_state(client, job_id, *TERMINAL)["status"] == "succeeded"
+
+
+# -- failures -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode, failure, text", [
+    ({"oom_at_step": 3}, "cuda_oom", "CUDA out of memory"),
+    ({"crash_at_step": 2}, "trainer_crashed", "illegal memory access"),
+    ({"skip_save": True}, "no_output", "no LoRA was saved"),
+    ({"rank_override": 8}, "artifact_mismatch", "rank [8] instead of 16"),
+    ({"metadata_overrides": {"ss_seed": "7"}}, "artifact_mismatch", "ss_seed '7' instead of 42"),
+])
+def test_failure_classes_of_real_runs(client, host, mode, failure, text):
+    modes(host, **mode)
+    done = wait_state(client, submit(client, host), *TERMINAL)
+    assert (done["status"], done["failure_class"]) == ("failed", failure), done
+    assert text in done["error"] and done["lora_path"] is None
+
+
+def test_a_trainer_killed_by_the_kernel_is_killed_by_signal(client, host):
+    modes(host, hang_in="training")
+    job_id = submit(client, host)
+    rec = recorded(host)
+    wait_phase(client, job_id, "training")
+    os.kill(rec["pid"], signal.SIGKILL)  # what the OOM killer does; the launcher survives and reports it
+    done = wait_state(client, job_id, *TERMINAL)
+    assert (done["failure_class"], done["signal"], done["exit_code"]) == ("killed_by_signal", 9, 1)
+
+
+def test_a_dataset_broken_after_acceptance_is_dataset_invalid(client, host):
+    modes(host, launcher_delay_s=1.0)
+    job_id = submit(client, host)
+    (host.dataset / "10_ohwx woman" / "img1.txt").write_bytes(b"")  # the trainer has not read it yet
+    done = wait_state(client, job_id, *TERMINAL)
+    assert (done["failure_class"], done["exit_code"]) == ("dataset_invalid", 1)
+    assert "caption file is empty" in done["error"]
+
+
+def test_tokenizers_removed_after_acceptance_is_tokenizer_missing(client, host):
+    modes(host, launcher_delay_s=1.0)
+    job_id = submit(client, host)
+    for d in host.settings.tokenizer_cache_dir.iterdir():
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+    assert wait_state(client, job_id, *TERMINAL)["failure_class"] == "tokenizer_missing"
+
+
+def start_stored_job(host, db, *, extra: tuple[str, ...] = (), **request: object) -> int:
+    """Record and launch a job whose argv the API would never build (a changed trainer, a vanished model)."""
+    values = dict(dataset_dir=str(host.dataset), base_model_path=str(host.model),
+                  output_dir=str(host.dataset.parent / "output"), output_name="ohwx_lora", trigger="ohwx",
+                  subject_class="woman", repeats=10, tier="fast", device_index=1, seed=42, train_id="t1")
+    values.update(request)
+    req = TrainRequest(**values)  # type: ignore[arg-type]
+    argv = build_argv(req, host.settings) + list(extra)
+    columns = {k: getattr(req, k) for k in ("train_id", "dataset_dir", "base_model_path", "output_dir", "output_name",
+                                            "trigger", "subject_class", "repeats", "tier", "device_index", "seed")}
+    job = repo.create_job(db, {**columns, "image_count": 3, "argv": argv, "env": build_env(req, host.settings),
+                               "total_steps": 400})
+    launch_supervisor(job.id, host.settings)
+    return job.id
+
+
+@pytest.mark.parametrize("change, failure", [
+    ({"extra": ("--text_encoder_lr1=1e-5",)}, "invalid_arguments"),
+    ({"base_model_path": "/nonexistent/model.safetensors"}, "model_load_error"),
+])
+def test_failures_only_a_changed_installation_can_cause(client, host, db, change, failure):
+    modes(host)
+    job_id = start_stored_job(host, db, **change)
+    done = wait_state(client, job_id, *TERMINAL)
+    assert (done["status"], done["failure_class"], done["exit_code"]) == ("failed", failure, 1)
+
+
+def test_no_images_with_exit_0_is_not_success(client, host, db):
+    modes(host)
+    empty = host.root / "train" / "t1" / "empty"
+    empty.mkdir()
+    done = wait_state(client, start_stored_job(host, db, dataset_dir=str(empty)), *TERMINAL)
+    assert (done["status"], done["failure_class"], done["exit_code"]) == ("failed", "dataset_invalid", 0)
+    assert "No data found" in done["error"]
+
+
+# -- cancel -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("phase", ["launching", "loading_model", "caching_latents",
+                                   "caching_text_encoder_outputs", "training"])
+def test_cancel_works_in_every_phase_and_leaves_nothing_alive(client, host, db, phase):
+    modes(host, hang_in=phase)
+    job_id = submit(client, host)
+    rec = recorded(host)
+    wait_phase(client, job_id, phase)
+    assert client.post(f"/train/{job_id}/cancel").status_code == 202
+    done = wait_state(client, job_id, *TERMINAL, timeout=15)
+    assert (done["status"], done["failure_class"], done["lora_path"]) == ("cancelled", None, None)
+    assert job_processes(rec) == []
+    assert [e.to_status for e in repo.job_events(db, job_id)][-1] == "cancelled"
+
+
+def test_cancel_escalates_to_sigkill_for_a_trainer_that_ignores_sigterm(client, host):
+    modes(host, hang_in="training", ignore_sigterm=True)
+    job_id = submit(client, host)
+    rec = recorded(host)
+    wait_phase(client, job_id, "training")
+    started = time.monotonic()
+    client.post(f"/train/{job_id}/cancel")
+    done = wait_state(client, job_id, *TERMINAL, timeout=15)
+    took = time.monotonic() - started
+    assert done["status"] == "cancelled" and job_processes(rec) == []
+    assert host.settings.cancel_grace_s <= took < host.settings.cancel_grace_s + 5
+    log = client.get(f"/train/{job_id}/log?lines=20").get_json()["text"]
+    assert "SIGTERM to process group" in log and "SIGKILL" in log
+
+
+@pytest.mark.parametrize("grandchild", ["group", "session"])
+def test_cancel_kills_grandchildren_that_ignore_sigterm(client, host, grandchild):
+    modes(host, hang_in="training", grandchild=grandchild, grandchild_ignores_sigterm=True)
+    job_id = submit(client, host)
+    rec = recorded(host)
+    assert rec["grandchild"] and pid_alive(rec["grandchild"])
+    wait_phase(client, job_id, "training")
+    client.post(f"/train/{job_id}/cancel")
+    assert wait_state(client, job_id, *TERMINAL, timeout=15)["status"] == "cancelled"
+    assert job_processes(rec) == []
+
+
+def test_cancelling_twice_is_harmless_and_a_finished_job_is_a_409(client, host):
+    modes(host, hang_in="training")
+    job_id = submit(client, host)
+    wait_phase(client, job_id, "training")
+    first, second = client.post(f"/train/{job_id}/cancel"), client.post(f"/train/{job_id}/cancel")
+    assert first.status_code == second.status_code == 202
+    assert first.get_json()["cancel_requested_at"] == second.get_json()["cancel_requested_at"]
+    wait_state(client, job_id, *TERMINAL)
+    late = client.post(f"/train/{job_id}/cancel")
+    assert late.status_code == 409 and late.get_json()["error"] == "job_finished"
+
+
+def test_a_partial_file_of_a_cancelled_save_is_never_reported(client, host):
+    modes(host, partial_save_then_hang=True)
+    job_id = submit(client, host)
+    wait_phase(client, job_id, "saving")
+    partial = host.dataset.parent / "output" / "ohwx_lora.safetensors"
+    wait_for(partial.exists, what="partial file")
+    client.post(f"/train/{job_id}/cancel")
+    done = wait_state(client, job_id, *TERMINAL)
+    assert (done["status"], done["lora_path"]) == ("cancelled", None)
+
+
+def test_cancel_racing_the_natural_end_gives_exactly_one_terminal_state(client, host, db):
+    rng = random.Random(1234)
+    for i in range(8):
+        modes(host)
+        job_id = submit(client, host, output_name=f"race{i}")
+        time.sleep(rng.uniform(0.5, 3.0))
+        client.post(f"/train/{job_id}/cancel")  # 202 while running, 409 once it ended: both fine
+        done = wait_state(client, job_id, *TERMINAL)
+        terminal_events = [e for e in repo.job_events(db, job_id) if e.to_status in TERMINAL]
+        assert len(terminal_events) == 1 and terminal_events[0].to_status == done["status"]
+        time.sleep(0.3)
+        assert job(client, job_id)["status"] == done["status"]  # never reverted
+
+
+# -- supervisor death ------------------------------------------------------------------------------------------
+
+def test_kill_9_of_the_supervisor_fails_the_job_and_leaves_no_trainer(client, host, db):
+    modes(host, hang_in="training", grandchild="group")
+    job_id = submit(client, host)
+    rec = recorded(host)
+    wait_phase(client, job_id, "training")
+    supervisor = repo.get_job(db, job_id).supervisor_pid
+    os.kill(supervisor, signal.SIGKILL)
+    wait_for(lambda: not pid_alive(supervisor), what="supervisor gone")
+    done = job(client, job_id)  # the next request reconciles
+    assert (done["status"], done["failure_class"]) == ("failed", "supervisor_lost")
+    wait_for(lambda: job_processes(rec) == [], timeout=5, what="trainer group gone")

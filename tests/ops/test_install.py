@@ -88,7 +88,7 @@ def test_the_install_lays_out_the_documented_host(staged):
     command = root / "usr/local/bin/lora-worker"
     assert stat.S_IMODE(command.stat().st_mode) == 0o755
     assert "LORA_WORKER_CONFIG=/etc/lora-worker/worker.toml" in command.read_text()
-    for rel in ("lora_worker/app.py", "migrations/versions/0003_operator_views.py", "systemd/gunicorn.conf.py"):
+    for rel in ("lora_worker/web/app.py", "migrations/versions/0003_operator_views.py", "systemd/gunicorn.conf.py"):
         assert (root / "opt/lora-worker" / rel).read_bytes() == (REPO_ROOT / rel).read_bytes()
     assert (root / "opt/lora-worker/venv/bin/lora-worker").exists()  # the editable install's entry point
 
@@ -122,10 +122,10 @@ def test_the_code_is_mirrored_stale_files_removed_and_edits_undone(staged, tmp_p
     root = copy_of(staged[0], tmp_path)
     code = root / "opt/lora-worker"
     (code / "lora_worker/removed_module.py").write_text("x = 1\n")
-    (code / "lora_worker/app.py").write_text("tampered\n")
+    (code / "lora_worker/web/app.py").write_text("tampered\n")
     out = install(root).stdout
     assert not (code / "lora_worker/removed_module.py").exists()
-    assert (code / "lora_worker/app.py").read_bytes() == (REPO_ROOT / "lora_worker/app.py").read_bytes()
+    assert (code / "lora_worker/web/app.py").read_bytes() == (REPO_ROOT / "lora_worker/web/app.py").read_bytes()
     assert "removed /opt/lora-worker/lora_worker/removed_module.py" in out and "2 change(s)" in out
     assert (code / "lora_worker.egg-info").is_dir()  # pip's metadata is not the script's to remove
 

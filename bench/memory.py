@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     notes = ["third-party packages the supervisor imports: " + ", ".join(imported["third_party"]),
              "no Flask, Werkzeug, marshmallow, apispec or prometheus_client: "
-             "tests/test_supervisor_imports.py asserts it"]
+             "tests/run/test_imports.py asserts it"]
     emit("Memory (peak RSS, VmHWM)", rows, notes)
     return 0
 

@@ -107,7 +107,7 @@ def test_a_zombie_does_not_count_as_alive():
 
 
 def test_the_cli_reconciles_at_start_up(db, migrated, monkeypatch, capsys):
-    from lora_worker import cli
+    from lora_worker.ops import cli
     running_job(db, boot_id=processes.boot_id())
     monkeypatch.setattr(cli, "load_settings", lambda: migrated)
     assert cli.main(["reconcile"]) == 0

@@ -10,18 +10,21 @@ from hypothesis import given, settings as hsettings, strategies as st
 from lora_worker.web.schemas import OUTPUT_NAME, SUBJECT_CLASS, TRIGGER
 from lora_worker.config import DEFAULT_DEVICES, LORA_TARGET_PRESETS, TIERS, Settings
 from lora_worker.dispatch.argv import ENV_KEYS, SCRIPT_FLAGS, SCRIPT_KEYS, build_argv, build_env
-from lora_worker.dispatch.request import TrainRequest
+from lora_worker.dispatch.request import ResolvedRequest, TrainRequest, resolve_request
 
 SETTINGS = Settings(accelerate=Path("/opt/fluxgym/.venv/bin/accelerate"), sd_scripts_dir=Path("/opt/fluxgym/sd-scripts"),
                     tokenizer_cache_dir=Path("/opt/fluxgym/tokenizers"), state_dir=Path("/var/lib/lora-worker"))
+PATHS = ("dataset_dir", "base_model_path", "output_dir")
 
 
-def request(**overrides: object) -> TrainRequest:
+def request(**overrides: object) -> ResolvedRequest:
+    """A request resolved as if its paths were the real paths dispatch found."""
     values = dict(dataset_dir="/worktank/arbo/train/t1/dataset", base_model_path="/worktank/models/sdxl.safetensors",
                   output_dir="/worktank/arbo/train/t1/output", output_name="ohwx_v1", trigger="ohwx",
-                  subject_class="woman", repeats=10, tier="fast", device_index=1, seed=42, train_id="t1")
+                  subject_class="woman", repeats=10, tier="fast", device_index=1, seed=42)
     values.update(overrides)
-    return TrainRequest(**values)  # type: ignore[arg-type]
+    raw = TrainRequest(**values)  # type: ignore[arg-type]
+    return resolve_request(raw, train_id="t1", **{k: Path(str(values[k])) for k in PATHS})
 
 
 def golden(steps: int, dim: int, res: int, batch: int, extra: str = "") -> str:

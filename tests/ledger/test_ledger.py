@@ -27,6 +27,7 @@ def columns(**overrides: object) -> dict:
         "output_dir": "/train/t1/output", "output_name": "ohwx", "trigger": "ohwx", "subject_class": "woman",
         "repeats": 10, "tier": "fast", "device_index": 1, "seed": 42, "image_count": 3,
         "argv": ["accelerate", "launch"], "env": {"PATH": "/usr/bin"}, "total_steps": 400,
+        "lora_file": "/train/t1/output/ohwx.safetensors", "lora_rank": 16, "lora_steps": 400, "lora_dtype": "F32",
     }
     cols.update(overrides)
     return cols

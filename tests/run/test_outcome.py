@@ -4,8 +4,9 @@ from __future__ import annotations
 import pytest
 
 from lora_worker.host.safetensors import ArtifactCheck
+from lora_worker.ledger.repository import FAILURE_MAX_CHARS, failure_text
 from lora_worker.states import FailureClass, JobState
-from lora_worker.run.outcome import ERROR_MAX_CHARS, decide
+from lora_worker.run.outcome import decide
 from lora_worker.run.parser import Progress
 
 OK = ArtifactCheck("/out/x.safetensors")
@@ -40,7 +41,8 @@ def test_success_needs_all_three():
 def test_failure_classes(rc, flags, signal, expected):
     outcome = decide(returncode=rc, progress=progress(*flags, signal=signal), log_tail=["a", "Traceback", "boom"])
     assert (outcome.state, outcome.failure_class) == (JobState.FAILED, expected)
-    assert outcome.error and outcome.error.endswith("boom")
+    assert outcome.sentence and "\n" not in outcome.sentence
+    assert outcome.log_lines == ("a", "Traceback", "boom")  # quoted by the failed row
 
 
 def test_exit_code_and_signal_are_kept_apart():
@@ -62,11 +64,18 @@ def test_a_mismatched_or_unreadable_artifact_is_not_success():
 def test_cancel_and_stall_win_over_whatever_the_exit_said():
     assert decide(returncode=-15, progress=progress(), log_tail=[], cancelled=True).state is JobState.CANCELLED
     stalled = decide(returncode=-15, progress=progress(), log_tail=["x"], stalled_in="loading_model")
-    assert stalled.failure_class is FailureClass.STALLED and "loading_model" in (stalled.error or "")
+    assert stalled.failure_class is FailureClass.STALLED and "loading_model" in (stalled.sentence or "")
 
 
 def test_the_error_keeps_the_end_of_a_long_log():
     lines = [f"line {i} " + "x" * 300 for i in range(100)]
-    error = decide(returncode=1, progress=progress(), log_tail=lines).error or ""
-    assert len(error) <= ERROR_MAX_CHARS and error.startswith("The trainer failed (exit status 1).")
+    outcome = decide(returncode=1, progress=progress(), log_tail=lines)
+    error = failure_text(outcome.sentence or "", outcome.log_lines)
+    assert len(error) <= FAILURE_MAX_CHARS and error.startswith("The trainer failed (exit status 1).\n\n")
     assert error.endswith(lines[-1])
+
+
+def test_success_and_cancel_carry_no_failure_sentence():
+    ok = decide(returncode=0, progress=progress("model_saved"), log_tail=["x"], artifact=OK)
+    cancelled = decide(returncode=-15, progress=progress(), log_tail=["x"], cancelled=True)
+    assert ok.sentence is None and cancelled.sentence is None and ok.failure_class is None

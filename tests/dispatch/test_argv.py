@@ -113,3 +113,18 @@ def test_keys_and_flags_of_the_recipe_are_tiers_own():
     # every tier's argv uses the same keys: nothing about a tier adds or removes a flag
     keys = {tuple(t.split("=")[0] for t in build_argv(request(tier=t, device_index=1), SETTINGS)) for t in TIERS}
     assert len(keys) == 1
+
+
+# What sd-scripts saves each --save_precision as (library/train_util.py: None keeps the training dtype, which
+# for a LoRA under --mixed_precision=bf16 is float32; the reference run's file is all F32).
+SAVED_DTYPE = {None: "F32", "float": "F32", "fp16": "F16", "bf16": "BF16"}
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_the_trainer_is_told_exactly_what_its_lora_is_held_to(tier):
+    req = request(tier=tier, device_index=1)
+    tokens = dict(t[2:].split("=", 1) for t in build_argv(req, SETTINGS) if t.startswith("--") and "=" in t)
+    assert int(tokens["network_dim"]) == req.expected.rank and int(tokens["max_train_steps"]) == req.expected.steps
+    assert (tokens["output_name"], int(tokens["seed"])) == (req.expected.output_name, req.expected.seed)
+    assert Path(tokens["output_dir"]) / f"{tokens['output_name']}.safetensors" == req.lora_file
+    assert SAVED_DTYPE[tokens.get("save_precision")] == req.expected.dtype

@@ -2,15 +2,21 @@
 
 Format: 8 bytes little-endian header length N, then N bytes of JSON (`{name: {dtype, shape, data_offsets}}`
 plus an optional `__metadata__` of strings), then the tensor bytes, fully indexed with no holes.
+
+The LoRA lies in the train root, which a hostile party shares: every file here is opened as a regular file at
+the path itself (a symbolic link there is refused, not followed, and a FIFO cannot block the open).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
+import stat as stats
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit the safetensors reference implementation enforces
 
@@ -44,9 +50,24 @@ class LoraInfo:
     file_size: int = 0
 
 
+def open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading if it is a regular file itself; OSError for a link, FIFO or device (as for
+    a missing file, so every caller that handles one handles the others)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "a symbolic link, not the file itself", str(path)) from exc
+        raise
+    if not stats.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return os.fdopen(fd, "rb")  # O_NONBLOCK changes nothing for a regular file
+
+
 def read_header(path: Path) -> Header:
     """Parse and check the header; a truncated file (killed mid-save) fails the size check."""
-    with path.open("rb") as fh:
+    with open_regular(path) as fh:
         fh.seek(0, 2)
         size = fh.tell()
         fh.seek(0)
@@ -143,7 +164,7 @@ def verify_lora(path: Path, expected: ExpectedLora, *, not_before: float = 0.0) 
     """Read the LoRA's header (never its tensors) and compare it with what was expected. A file older than
     `not_before` (epoch seconds: the run's start) is an earlier run's, as good as missing."""
     try:
-        stat = path.stat()
+        stat = path.lstat()
     except FileNotFoundError:
         return ArtifactCheck(str(path), problem="file not found", missing=True)
     if stat.st_mtime < not_before:
@@ -173,7 +194,7 @@ def verify_lora(path: Path, expected: ExpectedLora, *, not_before: float = 0.0) 
 
 def sha256_of(path: Path, chunk: int = 1 << 20) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as fh:
+    with open_regular(path) as fh:
         while block := fh.read(chunk):
             digest.update(block)
     return digest.hexdigest()

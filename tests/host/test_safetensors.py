@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
 import pytest
 
-from lora_worker.host.safetensors import ExpectedLora, HeaderError, inspect_lora, read_header, verify_lora
+from lora_worker.host.safetensors import (ExpectedLora, HeaderError, inspect_lora, read_header, sha256_of,
+                                          verify_lora)
 from tests.helpers import write_safetensors
 
 REAL = json.loads((Path(__file__).parent.parent / "data" / "lora-header-run1_simple.json").read_text())
@@ -100,3 +102,20 @@ def test_a_lora_down_weight_without_a_shape_is_a_header_error(tmp_path):
     with pytest.raises(HeaderError):
         inspect_lora(path)
     assert "has no shape" in verify_lora(path, ASKED).problem
+
+
+def test_a_link_where_the_lora_should_be_is_refused_not_followed(tmp_path):
+    target = real_lora(tmp_path / "elsewhere.safetensors")
+    (tmp_path / "ohwx.safetensors").symlink_to(target)
+    check = verify_lora(tmp_path / "ohwx.safetensors", ASKED)
+    assert check.problem is not None and "symbolic link" in check.problem and not check.missing
+    with pytest.raises(OSError):
+        sha256_of(tmp_path / "ohwx.safetensors")
+
+
+def test_a_fifo_where_the_lora_should_be_is_refused_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "ohwx.safetensors")  # a plain open() would wait for a writer forever
+    check = verify_lora(tmp_path / "ohwx.safetensors", ASKED)
+    assert check.problem is not None and "not a regular file" in check.problem
+    with pytest.raises(OSError):
+        read_header(tmp_path / "ohwx.safetensors")

@@ -131,7 +131,8 @@ def test_reconciles_failure_has_the_shape_and_quotes_the_run_log(db, migrated):
     joblog.close()
     reconcile(db, migrated)  # nobody holds the job's lock: its supervisor is gone
     tail = assert_one_shape(db, migrated, job.id, "supervisor_lost", "reconcile")
-    assert tail.split("\n") == ["loading model", "steps:  12%|#| 5/40", "[lora-worker] the last thing the supervisor said"]
+    assert tail.split("\n") == ["loading model", "steps:  12%|#| 5/40",
+                                 "[lora-worker] the last thing the supervisor said"]
 
 
 # -- nothing else moves a row to failed ---------------------------------------------------------------------------

@@ -57,7 +57,8 @@ def insert_job(db: Database, argv: list[str], **columns: Any) -> int:
         "output_dir": "/nonexistent/output", "output_name": "ohwx", "trigger": "ohwx", "subject_class": "woman",
         "repeats": 10, "tier": "quality", "device_index": 1, "seed": 42, "image_count": 30, "argv": argv,
         "env": {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONUNBUFFERED": "1", "LANG": "C.UTF-8"},
-        "total_steps": 3000, **columns,
+        "total_steps": 3000, "lora_file": "/nonexistent/output/ohwx.safetensors", "lora_rank": 32,
+        "lora_steps": 3000, "lora_dtype": "F32", **columns,
     }
     return repo.create_job(db, values).id
 

@@ -52,6 +52,12 @@ SDXL_HPARAMS: Mapping[str, str] = MappingProxyType(
     }
 )
 
+# The dtype of every lora_down/lora_up tensor in the saved LoRA (safetensors' name for it). No --save_precision
+# is passed, so sd-scripts saves in the network's training dtype: float32, even under --mixed_precision=bf16
+# (the reference run's LoRA is all F32). Dispatch records it in each job's row; the supervisor holds the
+# artifact to the recorded value, so changing this (with --save_precision) never re-judges an older job.
+LORA_SAVE_DTYPE = "F32"
+
 # Request-selectable LoRA targets. networks.lora has no include/exclude list, and each --network_args
 # token carries exactly one key=value, so each preset maps to at most one token. "{dim}" is the tier's dim.
 LORA_TARGET_PRESETS: Mapping[str, tuple[str, ...]] = MappingProxyType(
@@ -284,5 +290,5 @@ def _devices(table: Mapping[str, Any]) -> Mapping[int, DeviceProfile]:
     return MappingProxyType(profiles)
 
 
-__all__ = ["Settings", "Tier", "DeviceProfile", "TIERS", "SDXL_HPARAMS", "LORA_TARGET_PRESETS",
+__all__ = ["Settings", "Tier", "DeviceProfile", "TIERS", "SDXL_HPARAMS", "LORA_SAVE_DTYPE", "LORA_TARGET_PRESETS",
            "DEFAULT_DEVICES", "load_settings", "settings_to_json", "settings_from_json"]

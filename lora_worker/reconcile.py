@@ -4,7 +4,7 @@ touches an active row.
 
 "Is the supervisor alive?" is answered by its flock, which the kernel drops when it dies (zombie or not).
 A leftover trainer is killed only if its identity matches the row: a pid now used by a stranger is never
-signalled.
+signalled. The failed row quotes the end of the job's run log, as a failure the supervisor wrote would.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from lora_worker.config import Settings
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, utcnow
+from lora_worker.run.logfile import LogReader
 from lora_worker.states import ACTIVE_STATES, FailureClass, JobState
 from lora_worker.host import processes
 from lora_worker.host.locks import is_locked, job_lock_path
@@ -63,11 +64,20 @@ def reconcile_job(db: Database, settings: Settings, job: Job, *, actor: str = "r
         reason = "the supervisor died" + (f"; killed leftover processes {list(killed)}" if killed else "")
         if job.status == JobState.QUEUED.value:
             reason = "the supervisor never started"
-    if not repo.transition(db, job.id, JobState.FAILED, actor=actor, reason=reason,
-                           failure_class=failure.value, error=reason[0].upper() + reason[1:] + "."):
+    if not repo.fail_job(db, job.id, actor=actor, failure_class=failure, sentence=reason,
+                         log_lines=log_tail(settings, job.id)):
         return None  # the supervisor's own final write won the race
     log.warning("job %s: %s", job.id, reason, extra={"job": job.id})
     return Action(job.id, failure, killed)
+
+
+def log_tail(settings: Settings, job_id: int) -> list[str]:
+    """The last lines of the job's run log (none if the supervisor never opened it)."""
+    try:
+        return LogReader(settings.log_dir, job_id).tail_lines(repo.FAILURE_TAIL_LINES).text.splitlines()
+    except OSError as exc:  # the failure is recorded all the same, without its quote
+        log.warning("job %s: cannot read its run log (%s)", job_id, exc)
+        return []
 
 
 def kill_leftovers(job: Job) -> list[int]:

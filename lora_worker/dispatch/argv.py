@@ -1,4 +1,4 @@
-"""The one command the worker runs, built by pure functions from a TrainRequest and the audited constants.
+"""The one command the worker runs, built by pure functions from a ResolvedRequest and the audited constants.
 
 Shape: `<venv>/accelerate launch <pinned launcher flags> <abs sdxl_train_network.py> <script args>`, where
 every script arg is either a constant `--flag` or one `--key=value` token with a key from SCRIPT_KEYS.
@@ -7,8 +7,8 @@ no key ever comes from the request. `shlex.join` is for display only; nothing he
 """
 from __future__ import annotations
 
-from lora_worker.config import LORA_TARGET_PRESETS, SDXL_HPARAMS, TIERS, Settings
-from lora_worker.dispatch.request import TrainRequest
+from lora_worker.config import LORA_TARGET_PRESETS, SDXL_HPARAMS, Settings
+from lora_worker.dispatch.request import ResolvedRequest
 
 # Constant switches of the lean SDXL recipe: U-Net only, latents and text-encoder outputs cached in memory
 # (the TE cache requires --network_train_unet_only), gradient checkpointing, SDPA attention, and logs as
@@ -71,9 +71,10 @@ def launcher_argv(settings: Settings) -> list[str]:
     ]
 
 
-def script_args(req: TrainRequest, settings: Settings) -> list[tuple[str, str]]:
-    """The `--key=value` pairs, in SCRIPT_KEYS order."""
-    tier = TIERS[req.tier]
+def script_args(req: ResolvedRequest, settings: Settings) -> list[tuple[str, str]]:
+    """The `--key=value` pairs, in SCRIPT_KEYS order. Paths become text here, and only here."""
+    # Rank and steps come from the expected LoRA, so what the trainer is told is what its file is held to.
+    lora = req.expected
     device = settings.devices[req.device_index]
     max_grad_norm = repr(float(req.max_grad_norm)) if req.max_grad_norm is not None \
         else SDXL_HPARAMS["max_grad_norm"]
@@ -85,11 +86,11 @@ def script_args(req: TrainRequest, settings: Settings) -> list[tuple[str, str]]:
         "output_name": req.output_name,
         "save_model_as": "safetensors",
         "caption_extension": ".txt",  # sd-scripts' default is .caption
-        "resolution": str(tier.resolution),
+        "resolution": str(req.tier.resolution),
         "network_module": "networks.lora",
-        "network_dim": str(tier.network_dim),
-        "network_alpha": str(tier.network_dim),
-        "network_args": _network_arg(req, tier.network_dim),
+        "network_dim": str(lora.rank),
+        "network_alpha": str(lora.rank),
+        "network_args": _network_arg(req, lora.rank),
         "mixed_precision": "bf16",  # the script's own flag wins over the launcher's
         "learning_rate": SDXL_HPARAMS["learning_rate"],
         "lr_scheduler": SDXL_HPARAMS["lr_scheduler"],
@@ -97,7 +98,7 @@ def script_args(req: TrainRequest, settings: Settings) -> list[tuple[str, str]]:
         "min_snr_gamma": SDXL_HPARAMS["min_snr_gamma"],
         "noise_offset": SDXL_HPARAMS["noise_offset"],
         "max_grad_norm": max_grad_norm,
-        "max_train_steps": str(tier.max_train_steps),
+        "max_train_steps": str(lora.steps),
         "train_batch_size": str(device.train_batch_size),
         "max_data_loader_n_workers": SDXL_HPARAMS["max_data_loader_n_workers"],
         "seed": str(req.seed),
@@ -105,13 +106,13 @@ def script_args(req: TrainRequest, settings: Settings) -> list[tuple[str, str]]:
     return [(key, value) for key in SCRIPT_KEYS if (value := values[key]) is not None]
 
 
-def build_argv(req: TrainRequest, settings: Settings) -> list[str]:
+def build_argv(req: ResolvedRequest, settings: Settings) -> list[str]:
     """The complete argv, stored in the job row and executed verbatim by the supervisor."""
     pairs = [f"--{key}={value}" for key, value in script_args(req, settings)]
     return [*launcher_argv(settings), *pairs, *SCRIPT_FLAGS]
 
 
-def build_env(req: TrainRequest, settings: Settings) -> dict[str, str]:
+def build_env(req: ResolvedRequest, settings: Settings) -> dict[str, str]:
     """The trainer's whole environment: an allow-list, so no token, LD_PRELOAD or PYTHONPATH leaks in."""
     env = {
         "PATH": settings.child_path,
@@ -132,6 +133,6 @@ def build_env(req: TrainRequest, settings: Settings) -> dict[str, str]:
     return env
 
 
-def _network_arg(req: TrainRequest, dim: int) -> str | None:
+def _network_arg(req: ResolvedRequest, dim: int) -> str | None:
     preset = LORA_TARGET_PRESETS[req.lora_target_modules or "attn_mlp"]
     return preset[0].format(dim=dim) if preset else None

@@ -4,27 +4,29 @@ argv and an environment, then one INSERT, then a launch.
 Everything is checked before anything is written: a refused request leaves no row, no directory and no
 process behind. Only a launch that fails after the INSERT (the output directory or the supervisor could not
 be made) leaves a row, `failed` with `launch_error`, so the attempt is on record.
+
+The row records the resolved request once: real paths, train id, argv and env, and the LoRA the run must
+produce (file, rank, steps, dtype; name and seed). The supervisor reads all of it back from the row.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import sqlalchemy.exc
 
-from lora_worker.config import TIERS, Settings
+from lora_worker.config import Settings
 from lora_worker.dispatch import paths
 from lora_worker.dispatch.admission import admit
 from lora_worker.dispatch.argv import build_argv, build_env
 from lora_worker.dispatch.dataset import DatasetManifest, inspect_dataset
 from lora_worker.dispatch.disk import require_free_space
 from lora_worker.dispatch.model import check_base_model
-from lora_worker.dispatch.request import TrainRequest, check_device
+from lora_worker.dispatch.request import ResolvedRequest, TrainRequest, check_device, resolve_request
 from lora_worker.errors import IdempotencyKeyReused, JobActive, LaunchFailed, OutputExists
 from lora_worker.host.fingerprint import sd_scripts_commit, trainer_versions
 from lora_worker.host.nvml import Nvml
@@ -33,7 +35,7 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, utcnow
 from lora_worker.run.eta import estimate_duration
-from lora_worker.states import FailureClass, JobState
+from lora_worker.states import FailureClass
 
 log = logging.getLogger(__name__)
 
@@ -76,64 +78,58 @@ class Dispatcher:
                 f"Already used for job {job.id} with a different request body."]}, job_id=job.id)
         return job
 
-    def _create(self, request: TrainRequest, idempotency_key: str | None, body_sha256: str | None) -> Job:
-        request = self.resolve(request)
-        manifest = inspect_dataset(Path(request.dataset_dir), request.kohya_folder)
-        check_base_model(Path(request.base_model_path))
-        if Path(request.lora_file).exists():
+    def _create(self, raw: TrainRequest, idempotency_key: str | None, body_sha256: str | None) -> Job:
+        request = self.resolve(raw)
+        manifest = inspect_dataset(request.dataset_dir, request.kohya_folder)
+        check_base_model(request.base_model_path)
+        if os.path.lexists(request.lora_file):  # a dangling link counts: sd-scripts would save through it
             raise OutputExists(f"{request.lora_file} already exists; choose another output_name.",
-                               path=request.lora_file)
+                               path=str(request.lora_file))
         active = repo.active_job(self.db)
         if active is not None:
             raise JobActive(f"Job {active.id} is already active; one training runs at a time.",
                             active_job_id=active.id)
         require_trainer(self.settings)
-        admit(request.tier, request.device_index, self.settings, self.nvml)
-        require_free_space(Path(request.output_dir), self.settings.disk_mib[request.tier])
+        admit(request.tier.name, request.device_index, self.settings, self.nvml)
+        require_free_space(request.output_dir, self.settings.disk_mib[request.tier.name])
         columns = {**self._columns(request, manifest), "idempotency_key": idempotency_key,
                    "request_sha256": body_sha256}
         job = repo.create_job(self.db, columns)
         try:
             try:
-                paths.create_output_dir(Path(request.output_dir))
+                paths.create_output_dir(request.output_dir)
             except OSError as exc:
                 raise LaunchFailed(f"Cannot create {request.output_dir}: {exc.strerror or exc}.") from exc
             self.launch(job.id, self.settings)
         except LaunchFailed as exc:
-            repo.transition(self.db, job.id, JobState.FAILED, actor="api", reason=exc.message,
-                            failure_class=FailureClass.LAUNCH_ERROR.value, error=exc.message)
+            # No supervisor ran, so there is no run log to quote: the sentence is the whole story.
+            repo.fail_job(self.db, job.id, actor="api", failure_class=FailureClass.LAUNCH_ERROR, sentence=exc.message)
             raise
-        log.info("job %s accepted: tier %s on device %s", job.id, request.tier, request.device_index)
+        log.info("job %s accepted: tier %s on device %s", job.id, request.tier.name, request.device_index)
         return job
 
-    def resolve(self, request: TrainRequest) -> TrainRequest:
+    def resolve(self, request: TrainRequest) -> ResolvedRequest:
         """Resolve and contain every path: `<train root>/<train_id>/` for data and output, a models dir for
-        the base model. The resolved strings are what the trainer receives."""
+        the base model. The resolved paths are what the trainer receives."""
         check_device(request.tier, request.device_index, self.settings)
         root = paths.real_train_root(self.settings.train_root)
         dataset = paths.resolve_dir(request.dataset_dir, root, "dataset_dir")
         output = paths.resolve_new_dir(request.output_dir, root, "output_dir")
         model = paths.resolve_file(request.base_model_path, self.settings.model_dirs, "base_model_path",
                                    suffix=".safetensors")
-        train_id = paths.train_id_of(dataset, root)
         paths.require_same_train_dir(dataset, output, root)
-        return dataclasses.replace(request, dataset_dir=str(dataset), output_dir=str(output),
-                                   base_model_path=str(model), train_id=train_id)
+        return resolve_request(request, train_id=paths.train_id_of(dataset, root), dataset_dir=dataset,
+                               base_model_path=model, output_dir=output)
 
-    def _columns(self, request: TrainRequest, manifest: DatasetManifest) -> dict[str, Any]:
+    def _columns(self, request: ResolvedRequest, manifest: DatasetManifest) -> dict[str, Any]:
         return {
-            "train_id": request.train_id, "dataset_dir": request.dataset_dir,
-            "base_model_path": request.base_model_path, "output_dir": request.output_dir,
-            "output_name": request.output_name, "trigger": request.trigger, "subject_class": request.subject_class,
-            "repeats": request.repeats, "tier": request.tier, "device_index": request.device_index,
-            "seed": request.seed, "max_grad_norm": request.max_grad_norm,
-            "lora_target_modules": request.lora_target_modules, "image_count": manifest.image_count,
+            **request.row_columns(), "image_count": manifest.image_count,
             "argv": build_argv(request, self.settings), "env": build_env(request, self.settings),
-            "total_steps": TIERS[request.tier].max_train_steps,
             # the reproducibility fingerprint, as far as it is known before the run
             "dataset_sha256": manifest.sha256(),
             "sd_scripts_commit": sd_scripts_commit(self.settings.sd_scripts_dir),
             "trainer_versions": trainer_versions(self.settings.accelerate),
             "estimated_duration_s": estimate_duration(repo.durations_of_similar_jobs(
-                self.db, tier=request.tier, device_index=request.device_index, image_count=manifest.image_count)),
+                self.db, tier=request.tier.name, device_index=request.device_index,
+                image_count=manifest.image_count)),
         }

@@ -1,17 +1,23 @@
-"""TrainRequest: a validated, resolved training request. Nothing downstream re-reads the raw JSON."""
+"""A training request twice: as the client sent it (`TrainRequest`), and as dispatch accepted it
+(`ResolvedRequest`: real paths, the train id, the tier, and the LoRA the run must produce).
+
+`resolve_request` is the one place a tier is looked up by name and the one place the LoRA's path is built.
+Everything downstream (argv, the row, the artifact check) reads the resolved request or the row made from it.
+"""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from lora_worker.config import TIERS, Settings
+from lora_worker.config import LORA_SAVE_DTYPE, TIERS, Settings, Tier
 from lora_worker.errors import InvalidRequest
+from lora_worker.host.safetensors import ExpectedLora
 
 
 @dataclass(frozen=True)
 class TrainRequest:
-    """What arbo asked for. Built from the JSON with the paths as given; `Worker.resolve` replaces them by the
-    resolved, contained real paths and fills in `train_id` before anything else reads them."""
+    """What arbo asked for, as the schema loaded it: paths as given (not yet trusted), the tier by name."""
 
     dataset_dir: str
     base_model_path: str
@@ -23,18 +29,62 @@ class TrainRequest:
     tier: str
     device_index: int
     seed: int
-    train_id: str = ""
     max_grad_norm: float | None = None
     lora_target_modules: str | None = None
+
+
+@dataclass(frozen=True)
+class ResolvedRequest:
+    """A request whose paths are the contained real paths the trainer receives. Built by `resolve_request`."""
+
+    train_id: str
+    dataset_dir: Path
+    base_model_path: Path
+    output_dir: Path
+    output_name: str
+    trigger: str
+    subject_class: str
+    repeats: int
+    tier: Tier
+    device_index: int
+    seed: int
+    max_grad_norm: float | None
+    lora_target_modules: str | None
+    lora_file: Path  # <output_dir>/<output_name>.safetensors: where sd-scripts saves the final LoRA
+    expected: ExpectedLora  # what that file must be for the job to succeed
 
     @property
     def kohya_folder(self) -> str:
         """The dataset sub-folder sd-scripts reads repeats and class tokens from: `10_ohwx woman`."""
         return f"{self.repeats}_{self.trigger} {self.subject_class}"
 
-    @property
-    def lora_file(self) -> str:
-        return os.path.join(self.output_dir, f"{self.output_name}.safetensors")
+    def row_columns(self) -> dict[str, Any]:
+        """The request as the job row records it (models.Job says which column means what)."""
+        return {
+            "train_id": self.train_id, "dataset_dir": str(self.dataset_dir),
+            "base_model_path": str(self.base_model_path), "output_dir": str(self.output_dir),
+            "output_name": self.output_name, "trigger": self.trigger, "subject_class": self.subject_class,
+            "repeats": self.repeats, "tier": self.tier.name, "device_index": self.device_index, "seed": self.seed,
+            "max_grad_norm": self.max_grad_norm, "lora_target_modules": self.lora_target_modules,
+            "total_steps": self.expected.steps, "lora_file": str(self.lora_file), "lora_rank": self.expected.rank,
+            "lora_steps": self.expected.steps, "lora_dtype": self.expected.dtype,
+        }
+
+
+def resolve_request(request: TrainRequest, *, train_id: str, dataset_dir: Path, base_model_path: Path,
+                    output_dir: Path) -> ResolvedRequest:
+    """Bind a request to the paths dispatch resolved and contained, its tier, and the LoRA it must produce."""
+    tier = TIERS.get(request.tier)
+    if tier is None:
+        raise InvalidRequest({"tier": [f"Unknown tier {request.tier!r}; known: {', '.join(TIERS)}."]})
+    expected = ExpectedLora(rank=tier.network_dim, output_name=request.output_name, steps=tier.max_train_steps,
+                            seed=request.seed, dtype=LORA_SAVE_DTYPE)
+    return ResolvedRequest(
+        train_id=train_id, dataset_dir=dataset_dir, base_model_path=base_model_path, output_dir=output_dir,
+        output_name=request.output_name, trigger=request.trigger, subject_class=request.subject_class,
+        repeats=request.repeats, tier=tier, device_index=request.device_index, seed=request.seed,
+        max_grad_norm=request.max_grad_norm, lora_target_modules=request.lora_target_modules,
+        lora_file=output_dir / f"{request.output_name}.safetensors", expected=expected)
 
 
 def check_device(tier: str, device_index: int, settings: Settings) -> None:

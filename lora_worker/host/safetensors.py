@@ -2,15 +2,21 @@
 
 Format: 8 bytes little-endian header length N, then N bytes of JSON (`{name: {dtype, shape, data_offsets}}`
 plus an optional `__metadata__` of strings), then the tensor bytes, fully indexed with no holes.
+
+The LoRA lies in the train root, which a hostile party shares: every file here is opened as a regular file at
+the path itself (a symbolic link there is refused, not followed, and a FIFO cannot block the open).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
+import stat as stats
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit the safetensors reference implementation enforces
 
@@ -39,13 +45,29 @@ class LoraInfo:
 
     ranks: frozenset[int]
     families: frozenset[str]  # e.g. {"lora_unet"}
+    dtypes: frozenset[str]  # of the lora_down and lora_up weights, e.g. {"F32"}
     metadata: dict[str, str] = field(default_factory=dict)
     file_size: int = 0
 
 
+def open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading if it is a regular file itself; OSError for a link, FIFO or device (as for
+    a missing file, so every caller that handles one handles the others)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, "a symbolic link, not the file itself", str(path)) from exc
+        raise
+    if not stats.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return os.fdopen(fd, "rb")  # O_NONBLOCK changes nothing for a regular file
+
+
 def read_header(path: Path) -> Header:
     """Parse and check the header; a truncated file (killed mid-save) fails the size check."""
-    with path.open("rb") as fh:
+    with open_regular(path) as fh:
         fh.seek(0, 2)
         size = fh.tell()
         fh.seek(0)
@@ -97,8 +119,11 @@ def inspect_lora(path: Path) -> LoraInfo:
     header = read_header(path)
     ranks: set[int] = set()
     families: set[str] = set()
+    dtypes: set[str] = set()
     modules = 0
     for name, info in header.tensors.items():
+        if name.endswith((".lora_down.weight", ".lora_up.weight")):
+            dtypes.add(str(info["dtype"]))
         if name.endswith(".lora_down.weight"):
             if not info["shape"]:
                 raise HeaderError(f"{path.name}: tensor {name!r} has no shape; a lora_down weight has a rank")
@@ -107,19 +132,20 @@ def inspect_lora(path: Path) -> LoraInfo:
             families.add(name.split("_", 2)[0] + "_" + name.split("_", 2)[1])
     if modules == 0:
         raise HeaderError(f"{path.name}: no lora_down weights; not a LoRA")
-    return LoraInfo(ranks=frozenset(ranks), families=frozenset(families),
+    return LoraInfo(ranks=frozenset(ranks), families=frozenset(families), dtypes=frozenset(dtypes),
                     metadata=header.metadata, file_size=header.file_size)
 
 
 @dataclass(frozen=True)
 class ExpectedLora:
-    """What the request and the tier say the final LoRA must be."""
+    """What the final LoRA must be: worked out once at dispatch from the request and its tier, recorded in the
+    job's row, and read back from the row by the supervisor that checks the file."""
 
-    rank: int
-    output_name: str
-    max_train_steps: int
-    seed: int
-    not_before: float = 0.0  # the file must be newer than the run (epoch seconds)
+    rank: int  # the shape[0] of every lora_down weight, and ss_network_dim
+    output_name: str  # ss_output_name
+    steps: int  # ss_max_train_steps
+    seed: int  # ss_seed
+    dtype: str  # of every lora_down and lora_up weight, as safetensors names it ("F32", "F16", "BF16")
 
 
 @dataclass(frozen=True)
@@ -134,13 +160,14 @@ class ArtifactCheck:
     metadata: dict[str, str] = field(default_factory=dict)
 
 
-def verify_lora(path: Path, expected: ExpectedLora) -> ArtifactCheck:
-    """Read the LoRA's header (never its tensors) and compare it with the request."""
+def verify_lora(path: Path, expected: ExpectedLora, *, not_before: float = 0.0) -> ArtifactCheck:
+    """Read the LoRA's header (never its tensors) and compare it with what was expected. A file older than
+    `not_before` (epoch seconds: the run's start) is an earlier run's, as good as missing."""
     try:
-        stat = path.stat()
+        stat = path.lstat()
     except FileNotFoundError:
         return ArtifactCheck(str(path), problem="file not found", missing=True)
-    if stat.st_mtime < expected.not_before:
+    if stat.st_mtime < not_before:
         return ArtifactCheck(str(path), problem="the file predates this run", missing=True)
     try:
         info = inspect_lora(path)
@@ -150,12 +177,13 @@ def verify_lora(path: Path, expected: ExpectedLora) -> ArtifactCheck:
     checks = [
         ("lora_unet" in info.families, f"no U-Net LoRA modules (families: {sorted(info.families)})"),
         (info.ranks == {expected.rank}, f"rank {sorted(info.ranks)} instead of {expected.rank}"),
+        (info.dtypes == {expected.dtype}, f"dtype {sorted(info.dtypes)} instead of {expected.dtype!r}"),
         (md.get("ss_network_dim") == str(expected.rank),
          f"ss_network_dim {md.get('ss_network_dim')!r} instead of {expected.rank}"),
         (md.get("ss_output_name") == expected.output_name,
          f"ss_output_name {md.get('ss_output_name')!r} instead of {expected.output_name!r}"),
-        (md.get("ss_max_train_steps", md.get("ss_steps")) == str(expected.max_train_steps),
-         f"ss_max_train_steps {md.get('ss_max_train_steps')!r} instead of {expected.max_train_steps}"),
+        (md.get("ss_max_train_steps", md.get("ss_steps")) == str(expected.steps),
+         f"ss_max_train_steps {md.get('ss_max_train_steps')!r} instead of {expected.steps}"),
         (md.get("ss_seed") == str(expected.seed), f"ss_seed {md.get('ss_seed')!r} instead of {expected.seed}"),
     ]
     problems = [message for ok, message in checks if not ok]
@@ -166,7 +194,7 @@ def verify_lora(path: Path, expected: ExpectedLora) -> ArtifactCheck:
 
 def sha256_of(path: Path, chunk: int = 1 << 20) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as fh:
+    with open_regular(path) as fh:
         while block := fh.read(chunk):
             digest.update(block)
     return digest.hexdigest()

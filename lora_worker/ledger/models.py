@@ -76,6 +76,14 @@ class Job(Base):
     # The exact command and environment, built once at dispatch and executed verbatim.
     argv: Mapped[list[str]] = mapped_column(JSON)
     env: Mapped[dict[str, str]] = mapped_column(JSON)
+    # The LoRA the run must produce, recorded once at dispatch; the supervisor holds the file to these and to
+    # nothing read at the end of the run. Its name is `output_name` and its seed is `seed` (neither is ever
+    # written again). Its steps get their own column: `total_steps` is the progress bar's total, which the
+    # supervisor overwrites with whatever the trainer reports.
+    lora_file: Mapped[str] = mapped_column(Text)  # <output_dir>/<output_name>.safetensors
+    lora_rank: Mapped[int] = mapped_column(Integer)  # every lora_down weight's shape[0]; ss_network_dim
+    lora_steps: Mapped[int] = mapped_column(Integer)  # ss_max_train_steps
+    lora_dtype: Mapped[str] = mapped_column(String(8))  # of every lora_down/lora_up tensor ("F32")
     # Progress, as parsed from the trainer's output.
     step: Mapped[int] = mapped_column(Integer, server_default="0")
     total_steps: Mapped[int] = mapped_column(Integer)

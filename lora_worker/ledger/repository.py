@@ -2,6 +2,7 @@
 
 Each state change is a compare-and-set inside one BEGIN IMMEDIATE transaction and leaves a `job_events`
 row, so a late writer (a supervisor whose job was reconciled meanwhile) loses instead of overwriting.
+A row becomes `failed` through `fail_job` only, so every failure reads the same way whoever wrote it.
 """
 from __future__ import annotations
 
@@ -128,6 +129,49 @@ def transition_in(s: Session, job_id: int, to: JobState, *, actor: str, reason: 
         return False
     _event(s, job_id, JobState(current), to, actor, reason)
     return True
+
+
+FAILURE_TAIL_LINES = 25  # the log lines a failure quotes: enough for a Python traceback's end
+FAILURE_MAX_CHARS = 4000  # the whole `error` text, sentence included
+SENTENCE_MAX_CHARS = 1000  # a sentence quoting a long path or message is cut, so the log lines keep their room
+
+
+def fail_job(db: Database, job_id: int, *, actor: str, failure_class: FailureClass, sentence: str,
+             log_lines: Sequence[str] = (), **values: Any) -> bool:
+    """Move a job to `failed`, the one way any code does: False (and no write) if its state does not allow it.
+
+    The row gets `failure_class`, and `error = failure_text(sentence, log_lines)`; the job's event gets the
+    sentence as its reason. `values` are other columns to write in the same transaction (exit status…).
+    """
+    text = failure_text(sentence, log_lines)
+    with db.write() as s:
+        return transition_in(s, job_id, JobState.FAILED, actor=actor, reason=text.split("\n", 1)[0],
+                             failure_class=failure_class.value, error=text, **values)
+
+
+def failure_text(sentence: str, log_lines: Sequence[str] = ()) -> str:
+    """The `error` of every failed row, in one shape:
+
+        <one sentence: whitespace collapsed, a capital first, `.` last (unless it ends in . ! ?)>
+        <an empty line>
+        <the log's last non-blank lines, right-stripped, at most FAILURE_TAIL_LINES>
+
+    With no log lines it is the sentence alone. The sentence is at most SENTENCE_MAX_CHARS, the whole at most
+    FAILURE_MAX_CHARS: when the lines are too long their beginning is cut, marked `…`, because the end of a
+    log is what explains a failure. The first line is always the sentence (`v_failures` shows it as the
+    summary), and `sentence, _, lines = error.partition("\n\n")` takes the two apart.
+    """
+    text = " ".join(sentence.split()) or "The job failed"
+    text = text[0].upper() + text[1:]
+    if len(text) > SENTENCE_MAX_CHARS:
+        text = text[:SENTENCE_MAX_CHARS - 2] + "…"
+    if text[-1] not in ".!?":
+        text += "."
+    tail = "\n".join([line.rstrip() for line in log_lines if line.strip()][-FAILURE_TAIL_LINES:])
+    if not tail:
+        return text
+    room = FAILURE_MAX_CHARS - len(text) - 2
+    return text + "\n\n" + (tail if len(tail) <= room else "…" + tail[len(tail) - room + 1:])
 
 
 def request_cancel(db: Database, job_id: int, *, actor: str, reason: str = "cancel requested") -> Job:

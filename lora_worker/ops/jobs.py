@@ -82,7 +82,7 @@ def cmd_show(db: Database, settings: Settings, args: argparse.Namespace, out: Te
         "status": job.status + (f" ({job.phase})" if job.phase else ""),
         "tier": f"{job.tier} on device {job.device_index}, seed {job.seed}",
         "dataset": f"{job.dataset_dir} ({job.image_count} images x {job.repeats} repeats)",
-        "output": f"{job.output_dir}/{job.output_name}.safetensors",
+        "output": job.lora_file,
         "progress": _progress(job),
         "created": _time(job.created_at), "started": _time(job.started_at), "finished": _time(job.finished_at),
         "run time": _run_time(job), "cancel requested": _time(job.cancel_requested_at),

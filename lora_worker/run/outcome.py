@@ -1,29 +1,36 @@
 """Deciding how a run ended, from the exit status, what the output said, and the artifact check. Pure.
 
-"succeeded" needs all three: exit status 0, the `model saved.` line, and a LoRA file that verifies. sd-scripts
-exits 0 without writing anything when it finds no images, so exit 0 alone proves nothing.
+"succeeded" needs all three: exit status 0, the `model saved.` line, and a LoRA file that verifies against
+what dispatch recorded in the row (`recorded_lora`). sd-scripts exits 0 without writing anything when it
+finds no images, so exit 0 alone proves nothing. A failure is a sentence and the log's last lines; the
+ledger's `fail_job` puts them into the one shape every failed row has.
 """
 from __future__ import annotations
 
 import signal as signals
 from dataclasses import dataclass
 
-from lora_worker.host.safetensors import ArtifactCheck
-from lora_worker.states import FailureClass, JobState
+from lora_worker.host.safetensors import ArtifactCheck, ExpectedLora
+from lora_worker.ledger.models import Job
 from lora_worker.run.parser import Progress
-
-ERROR_TAIL_LINES = 25
-ERROR_MAX_CHARS = 4000
+from lora_worker.states import FailureClass, JobState
 
 
 @dataclass(frozen=True)
 class Outcome:
     state: JobState
     failure_class: FailureClass | None = None
-    error: str | None = None
+    sentence: str | None = None  # why it failed, for `repo.fail_job`; None unless failed
     exit_code: int | None = None
     signal: int | None = None
     lora_path: str | None = None
+    log_lines: tuple[str, ...] = ()  # the output's last lines, quoted by a failure
+
+
+def recorded_lora(job: Job) -> ExpectedLora:
+    """The LoRA this job must produce, as dispatch recorded it in the row (never re-derived from the tier)."""
+    return ExpectedLora(rank=job.lora_rank, output_name=job.output_name, steps=job.lora_steps, seed=job.seed,
+                        dtype=job.lora_dtype)
 
 
 # Output markers, strongest evidence first: an OOM explains a crash better than the crash does.
@@ -43,33 +50,31 @@ def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], c
     if signal is None and progress.signal is not None:
         signal = progress.signal  # the launcher survived and reported how the trainer died
     base = {"exit_code": exit_code, "signal": signal}
-    tail = _tail(log_tail)
     if cancelled:
-        return Outcome(JobState.CANCELLED, error=None, **base)
-    if stalled_in is not None:
-        return Outcome(JobState.FAILED, FailureClass.STALLED,
-                       _message(f"no progress in phase {stalled_in} within its limit; the job was killed", tail),
-                       **base)
+        return Outcome(JobState.CANCELLED, **base)
     saved = "model_saved" in progress.flags
-    if returncode == 0 and saved and artifact is not None and artifact.problem is None:
+    if stalled_in is None and returncode == 0 and saved and artifact is not None and artifact.problem is None:
         return Outcome(JobState.SUCCEEDED, lora_path=artifact.path, **base)
+    failure, sentence = _failure(returncode, signal, progress, stalled_in, artifact)
+    return Outcome(JobState.FAILED, failure, sentence, log_lines=tuple(log_tail), **base)
+
+
+def _failure(returncode: int | None, signal: int | None, progress: Progress, stalled_in: str | None,
+             artifact: ArtifactCheck | None) -> tuple[FailureClass, str]:
+    if stalled_in is not None:
+        return FailureClass.STALLED, f"no progress in phase {stalled_in} within its limit; the job was killed"
     for flag, failure, summary in _MARKER_CLASSES:
         if flag in progress.flags:
-            return Outcome(JobState.FAILED, failure, _message(f"{summary} ({_status(returncode)})", tail), **base)
+            return failure, f"{summary} ({_status(returncode)})"
     if signal is not None:
-        name = _signal_name(signal)
-        return Outcome(JobState.FAILED, FailureClass.KILLED_BY_SIGNAL,
-                       _message(f"the trainer was killed by {name}", tail), **base)
+        return FailureClass.KILLED_BY_SIGNAL, f"the trainer was killed by {_signal_name(signal)}"
     if returncode != 0:
-        return Outcome(JobState.FAILED, FailureClass.TRAINER_CRASHED,
-                       _message(f"the trainer failed ({_status(returncode)})", tail), **base)
-    if not saved or artifact is None or artifact.missing:
+        return FailureClass.TRAINER_CRASHED, f"the trainer failed ({_status(returncode)})"
+    if "model_saved" not in progress.flags or artifact is None or artifact.missing:
         where = artifact.path if artifact else "the output directory"
-        return Outcome(JobState.FAILED, FailureClass.NO_OUTPUT,
-                       _message(f"exit status 0 but no LoRA was saved to {where}", tail), **base)
+        return FailureClass.NO_OUTPUT, f"exit status 0 but no LoRA was saved to {where}"
     failure = FailureClass.ARTIFACT_MISMATCH if artifact.mismatch else FailureClass.ARTIFACT_INVALID
-    return Outcome(JobState.FAILED, failure, _message(f"the LoRA file failed verification: {artifact.problem}",
-                                                      tail), **base)
+    return failure, f"the LoRA file failed verification: {artifact.problem}"
 
 
 def _split(returncode: int | None) -> tuple[int | None, int | None]:
@@ -93,18 +98,3 @@ def _signal_name(signum: int) -> str:
         return signals.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-def _tail(lines: list[str]) -> str:
-    kept = [line for line in lines if line.strip()][-ERROR_TAIL_LINES:]
-    return "\n".join(kept)
-
-
-def _message(summary: str, tail: str) -> str:
-    text = summary[0].upper() + summary[1:] + "."
-    if not tail:
-        return text
-    text += "\n--- last lines of the log ---\n"
-    room = max(0, ERROR_MAX_CHARS - len(text))
-    # The end of the log explains the failure; keep the end when the lines are too long.
-    return text + (tail if len(tail) <= room else "…" + tail[len(tail) - room + 1:])

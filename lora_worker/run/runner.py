@@ -19,8 +19,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import TypeVar
 
-from lora_worker.host.safetensors import ArtifactCheck, ExpectedLora, sha256_of, verify_lora
-from lora_worker.config import TIERS, Settings
+from lora_worker.host.safetensors import ArtifactCheck, sha256_of, verify_lora
+from lora_worker.config import Settings
 from lora_worker.errors import LedgerBusy, LedgerUnwritable
 from lora_worker.host.fingerprint import SHA
 from lora_worker.ledger import repository as repo
@@ -29,7 +29,7 @@ from lora_worker.ledger.models import Job, utcnow
 from lora_worker.states import FailureClass, JobState, Phase
 from lora_worker.run.eta import EtaClock
 from lora_worker.run.logfile import JobLog
-from lora_worker.run.outcome import Outcome, decide
+from lora_worker.run.outcome import Outcome, decide, recorded_lora
 from lora_worker.host import processes
 from lora_worker.host.locks import gpu_lock_path, take_lock
 from lora_worker.run.output import STREAM, TrainerOutput
@@ -116,7 +116,7 @@ class Runner:
                 self._ensure_gone(self.proc.pid)
             return Outcome(JobState.FAILED, FailureClass.SUPERVISOR_LOST,
                            f"The supervisor hit an internal error ({type(exc).__name__}: {exc}); "
-                           "every process of the job was stopped.")
+                           "every process of the job was stopped.", log_lines=tuple(self.output.tail))
 
     # -- the trainer -------------------------------------------------------------------------------------
 
@@ -135,7 +135,8 @@ class Runner:
             )
         except OSError as exc:
             self.output.note(f"cannot start the trainer: {exc}")
-            return Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR, f"Cannot start the trainer: {exc}")
+            return Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR, f"Cannot start the trainer: {exc}",
+                           log_lines=tuple(self.output.tail))
         self.proc = proc
         ident = processes.identity_of(proc.pid)
         # Reconcile needs these to kill a trainer whose supervisor died: kept until a write lands.
@@ -338,10 +339,7 @@ class Runner:
         cancelled = self.stop_reason in ("cancel", "signal")
         artifact: ArtifactCheck | None = None
         if rc == 0 and not self.stop_reason and "model_saved" in self.output.progress.flags:
-            tier = TIERS[job.tier]
-            artifact = verify_lora(Path(job.output_dir) / f"{job.output_name}.safetensors", ExpectedLora(
-                rank=tier.network_dim, output_name=job.output_name, max_train_steps=tier.max_train_steps,
-                seed=job.seed, not_before=started - 1))
+            artifact = verify_lora(Path(job.lora_file), recorded_lora(job), not_before=started - 1)
             if artifact.problem is None:
                 try:
                     self.artifact_values = self._artifact_values(artifact)
@@ -353,20 +351,25 @@ class Runner:
     def _finish(self, outcome: Outcome) -> None:
         p = self.output.progress
         values: dict[str, object] = {
-            "failure_class": outcome.failure_class.value if outcome.failure_class else None,
-            "error": outcome.error, "exit_code": outcome.exit_code, "signal": outcome.signal,
-            "lora_path": outcome.lora_path, "step": p.step, "loss": _finite(p.loss),
-            "eta_s": 0.0 if outcome.state is JobState.SUCCEEDED else None,
+            "exit_code": outcome.exit_code, "signal": outcome.signal, "lora_path": outcome.lora_path,
+            "step": p.step, "loss": _finite(p.loss), "eta_s": 0.0 if outcome.state is JobState.SUCCEEDED else None,
         }
-        if outcome.state is JobState.SUCCEEDED:
-            values.update(self.artifact_values)
-        reason = {JobState.SUCCEEDED: "trainer finished and the LoRA verified",
-                  JobState.CANCELLED: "cancelled; every process of the job is gone"}.get(
-            outcome.state, outcome.failure_class.value if outcome.failure_class else "failed")
+
+        def write() -> bool:
+            if outcome.state is JobState.SUCCEEDED:
+                return repo.transition(self.db, self.job_id, JobState.SUCCEEDED, actor="supervisor",
+                                       reason="trainer finished and the LoRA verified",
+                                       **values, **self.artifact_values)
+            if outcome.state is JobState.CANCELLED:
+                return repo.transition(self.db, self.job_id, JobState.CANCELLED, actor="supervisor",
+                                       reason="cancelled; every process of the job is gone", **values)
+            return repo.fail_job(self.db, self.job_id, actor="supervisor",
+                                 failure_class=outcome.failure_class or FailureClass.SUPERVISOR_LOST,
+                                 sentence=outcome.sentence or "the run failed", log_lines=outcome.log_lines,
+                                 **values)
+
         # The outcome is known and must not be lost: keep trying, holding the job lock meanwhile.
-        if not _persist(lambda: repo.transition(self.db, self.job_id, outcome.state, actor="supervisor",
-                                                reason=reason, **values),
-                        f"job {self.job_id}: write the final state"):
+        if not _persist(write, f"job {self.job_id}: write the final state"):
             log.warning("job %s: already ended elsewhere; %s not recorded", self.job_id, outcome.state.value)
         log.info("job %s: %s%s", self.job_id, outcome.state.value,
                  f" ({outcome.failure_class.value})" if outcome.failure_class else "")

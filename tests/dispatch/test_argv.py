@@ -10,18 +10,21 @@ from hypothesis import given, settings as hsettings, strategies as st
 from lora_worker.web.schemas import OUTPUT_NAME, SUBJECT_CLASS, TRIGGER
 from lora_worker.config import DEFAULT_DEVICES, LORA_TARGET_PRESETS, TIERS, Settings
 from lora_worker.dispatch.argv import ENV_KEYS, SCRIPT_FLAGS, SCRIPT_KEYS, build_argv, build_env
-from lora_worker.dispatch.request import TrainRequest
+from lora_worker.dispatch.request import ResolvedRequest, TrainRequest, resolve_request
 
 SETTINGS = Settings(accelerate=Path("/opt/fluxgym/.venv/bin/accelerate"), sd_scripts_dir=Path("/opt/fluxgym/sd-scripts"),
                     tokenizer_cache_dir=Path("/opt/fluxgym/tokenizers"), state_dir=Path("/var/lib/lora-worker"))
+PATHS = ("dataset_dir", "base_model_path", "output_dir")
 
 
-def request(**overrides: object) -> TrainRequest:
+def request(**overrides: object) -> ResolvedRequest:
+    """A request resolved as if its paths were the real paths dispatch found."""
     values = dict(dataset_dir="/worktank/arbo/train/t1/dataset", base_model_path="/worktank/models/sdxl.safetensors",
                   output_dir="/worktank/arbo/train/t1/output", output_name="ohwx_v1", trigger="ohwx",
-                  subject_class="woman", repeats=10, tier="fast", device_index=1, seed=42, train_id="t1")
+                  subject_class="woman", repeats=10, tier="fast", device_index=1, seed=42)
     values.update(overrides)
-    return TrainRequest(**values)  # type: ignore[arg-type]
+    raw = TrainRequest(**values)  # type: ignore[arg-type]
+    return resolve_request(raw, train_id="t1", **{k: Path(str(values[k])) for k in PATHS})
 
 
 def golden(steps: int, dim: int, res: int, batch: int, extra: str = "") -> str:
@@ -110,3 +113,18 @@ def test_keys_and_flags_of_the_recipe_are_tiers_own():
     # every tier's argv uses the same keys: nothing about a tier adds or removes a flag
     keys = {tuple(t.split("=")[0] for t in build_argv(request(tier=t, device_index=1), SETTINGS)) for t in TIERS}
     assert len(keys) == 1
+
+
+# What sd-scripts saves each --save_precision as (library/train_util.py: None keeps the training dtype, which
+# for a LoRA under --mixed_precision=bf16 is float32; the reference run's file is all F32).
+SAVED_DTYPE = {None: "F32", "float": "F32", "fp16": "F16", "bf16": "BF16"}
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_the_trainer_is_told_exactly_what_its_lora_is_held_to(tier):
+    req = request(tier=tier, device_index=1)
+    tokens = dict(t[2:].split("=", 1) for t in build_argv(req, SETTINGS) if t.startswith("--") and "=" in t)
+    assert int(tokens["network_dim"]) == req.expected.rank and int(tokens["max_train_steps"]) == req.expected.steps
+    assert (tokens["output_name"], int(tokens["seed"])) == (req.expected.output_name, req.expected.seed)
+    assert Path(tokens["output_dir"]) / f"{tokens['output_name']}.safetensors" == req.lora_file
+    assert SAVED_DTYPE[tokens.get("save_precision")] == req.expected.dtype

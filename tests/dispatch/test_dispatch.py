@@ -43,6 +43,34 @@ def test_the_resolved_real_paths_are_what_the_trainer_receives(api, host):
     assert f'"--train_data_dir={host.dataset}"' in argv
 
 
+def test_the_row_records_the_resolved_request_and_the_lora_it_must_produce(api, host):
+    data_link, out_link = host.root / "train" / "t1" / "data-link", host.root / "train" / "t1" / "out-link"
+    data_link.symlink_to(host.dataset)
+    (host.dataset.parent / "output").mkdir()
+    out_link.symlink_to(host.dataset.parent / "output")
+    body = host.payload(dataset_dir=str(data_link), output_dir=str(out_link / "run1"), tier="balanced", seed=7)
+    job_id = api.post("/train", json=body).get_json()["worker_job_id"]
+    conn = sqlite3.connect(host.settings.database_path)
+    conn.row_factory = sqlite3.Row
+    row = conn.execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
+    conn.close()
+    real_out = host.dataset.parent / "output" / "run1"
+    assert (row["dataset_dir"], row["output_dir"], row["train_id"]) == (str(host.dataset), str(real_out), "t1")
+    assert (row["lora_file"], row["lora_rank"], row["lora_steps"], row["lora_dtype"]) == (
+        str(real_out / "ohwx_lora.safetensors"), 32, 1500, "F32")
+    assert (row["output_name"], row["seed"], row["total_steps"]) == ("ohwx_lora", 7, 1500)
+    argv = json.loads(row["argv"])
+    assert f"--output_dir={real_out}" in argv and "--network_dim=32" in argv and "--max_train_steps=1500" in argv
+
+
+def test_a_dangling_link_where_the_lora_goes_is_output_exists(api, host, launches):
+    out = host.dataset.parent / "output"
+    out.mkdir()
+    (out / "ohwx_lora.safetensors").symlink_to(host.root / "elsewhere.safetensors")  # sd-scripts would follow it
+    assert_refused(api.post("/train", json=host.payload()), 409, "output_exists", host.settings, launches)
+    assert not (host.root / "elsewhere.safetensors").exists()
+
+
 @pytest.mark.parametrize("field, value", [
     ("tier", "ultra"), ("tier", 3), ("tier", None),
     ("repeats", 0), ("repeats", 101), ("repeats", 2.5), ("repeats", "10"), ("repeats", True),

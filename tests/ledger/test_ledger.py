@@ -27,6 +27,7 @@ def columns(**overrides: object) -> dict:
         "output_dir": "/train/t1/output", "output_name": "ohwx", "trigger": "ohwx", "subject_class": "woman",
         "repeats": 10, "tier": "fast", "device_index": 1, "seed": 42, "image_count": 3,
         "argv": ["accelerate", "launch"], "env": {"PATH": "/usr/bin"}, "total_steps": 400,
+        "lora_file": "/train/t1/output/ohwx.safetensors", "lora_rank": 16, "lora_steps": 400, "lora_dtype": "F32",
     }
     cols.update(overrides)
     return cols
@@ -231,3 +232,48 @@ def test_upgrading_from_the_first_revision_keeps_rows_and_the_index(tmp_path):
         db.dispose()
     command.downgrade(alembic_config(path), "0001")
     assert current_revision(path) == "0001" and index_sql(path)
+
+
+OLD_ROW = ("INSERT INTO jobs (status, train_id, dataset_dir, base_model_path, output_dir, output_name, trigger, "
+           "subject_class, repeats, tier, device_index, seed, image_count, argv, env, total_steps, created_at, "
+           "updated_at) VALUES (?, 't1', '/d', '/m', ?, ?, 't', 'c', 1, ?, 1, 1, 1, ?, '{}', 400, "
+           "'2026-11-30T00:00:00.000Z', '2026-11-30T00:00:00.000Z')")
+
+
+def _rows(path: Path, sql: str) -> list[tuple]:
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute(sql).fetchall()
+    finally:
+        conn.close()
+
+
+def test_0004_records_the_expected_lora_of_old_rows_from_their_argv_or_their_tier(tmp_path):
+    path = tmp_path / "old.sqlite3"
+    upgrade(path, "0003")
+    conn = sqlite3.connect(path)
+    # run with a rank and steps the tier never had: the argv is what the trainer was told, so it wins
+    conn.execute(OLD_ROW, ("succeeded", "/train/t1/out", "first", "fast",
+                           '["accelerate", "--network_dim=4", "--max_train_steps=3"]'))
+    conn.execute(OLD_ROW, ("running", "/train/t1/out2", "second", "balanced", "[]"))
+    conn.commit()
+    conn.close()
+    upgrade(path)
+    assert _rows(path, "SELECT id, lora_file, lora_rank, lora_steps, lora_dtype FROM jobs ORDER BY id") == [
+        (1, "/train/t1/out/first.safetensors", 4, 3, "F32"), (2, "/train/t1/out2/second.safetensors", 32, 1500, "F32")]
+    command.check(alembic_config(path))
+    conn = sqlite3.connect(path)
+    try:
+        # the rebuilt table still refuses what 0001 refused, and now a row without its expected LoRA
+        with pytest.raises(sqlite3.IntegrityError, match="NOT NULL"):
+            conn.execute(OLD_ROW, ("failed", "/o", "third", "fast", "[]"))
+        with pytest.raises(sqlite3.IntegrityError, match="CHECK"):
+            conn.execute("UPDATE jobs SET status='RUNNING' WHERE id=2")
+        with pytest.raises(sqlite3.IntegrityError, match="UNIQUE"):
+            conn.execute("UPDATE jobs SET status='queued' WHERE id=1")  # the one-active-job index survived
+        assert conn.execute("SELECT count(*) FROM v_failures").fetchone() == (0,)  # and so did the views
+    finally:
+        conn.close()
+    command.downgrade(alembic_config(path), "0003")
+    assert _rows(path, "SELECT id, status, output_name FROM jobs ORDER BY id") == [
+        (1, "succeeded", "first"), (2, "running", "second")]

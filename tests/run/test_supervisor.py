@@ -14,7 +14,7 @@ import pytest
 
 from lora_worker.host.safetensors import inspect_lora
 from lora_worker.dispatch.argv import build_argv, build_env
-from lora_worker.dispatch.request import TrainRequest
+from lora_worker.dispatch.request import TrainRequest, resolve_request
 from lora_worker.ledger import repository as repo
 from lora_worker.states import TERMINAL_STATES
 from lora_worker.run.local import launch_supervisor
@@ -235,14 +235,13 @@ def start_stored_job(host, db, *, extra: tuple[str, ...] = (), **request: object
     """Record and launch a job whose argv the API would never build (a changed trainer, a vanished model)."""
     values = dict(dataset_dir=str(host.dataset), base_model_path=str(host.model),
                   output_dir=str(host.dataset.parent / "output"), output_name="ohwx_lora", trigger="ohwx",
-                  subject_class="woman", repeats=10, tier="fast", device_index=1, seed=42, train_id="t1")
+                  subject_class="woman", repeats=10, tier="fast", device_index=1, seed=42)
     values.update(request)
-    req = TrainRequest(**values)  # type: ignore[arg-type]
+    req = resolve_request(TrainRequest(**values), train_id="t1",  # type: ignore[arg-type]
+                          **{k: Path(str(values[k])) for k in ("dataset_dir", "base_model_path", "output_dir")})
     argv = build_argv(req, host.settings) + list(extra)
-    columns = {k: getattr(req, k) for k in ("train_id", "dataset_dir", "base_model_path", "output_dir", "output_name",
-                                            "trigger", "subject_class", "repeats", "tier", "device_index", "seed")}
-    job = repo.create_job(db, {**columns, "image_count": 3, "argv": argv, "env": build_env(req, host.settings),
-                               "total_steps": 400})
+    job = repo.create_job(db, {**req.row_columns(), "image_count": 3, "argv": argv,
+                               "env": build_env(req, host.settings)})
     launch_supervisor(job.id, host.settings)
     return job.id
 

@@ -1,0 +1,200 @@
+"""One failure path: `repository.fail_job` is the only way a row becomes `failed`, and every failed row reads
+the same way, whoever wrote it: a sentence, an empty line, the log's last lines (`failure_text`)."""
+from __future__ import annotations
+
+import ast
+import os
+import re
+
+import pytest
+
+from lora_worker.config import REPO_ROOT, Settings
+from lora_worker.errors import LaunchFailed
+from lora_worker.host import processes
+from lora_worker.host.locks import gpu_lock_path, hold_lock
+from lora_worker.ledger import repository as repo
+from lora_worker.ledger.db import Database
+from lora_worker.ledger.repository import (FAILURE_MAX_CHARS, FAILURE_TAIL_LINES, SENTENCE_MAX_CHARS, fail_job,
+                                           failure_text)
+from lora_worker.reconcile import reconcile
+from lora_worker.run.local import launch_supervisor
+from lora_worker.run.logfile import JobLog, LogReader
+from lora_worker.states import FailureClass, JobState
+from tests.helpers import set_modes, wait_for
+from tests.ledger.test_ledger import columns
+
+PACKAGE = REPO_ROOT / "lora_worker"
+SENTENCE = re.compile(r"[A-Z][^\n]*[.!?]")
+
+
+# -- the shape ----------------------------------------------------------------------------------------------------
+
+def test_a_failure_without_a_log_is_one_sentence():
+    assert failure_text("the supervisor never started") == "The supervisor never started."
+    assert failure_text("  GPU 1 is locked\nby another trainer.  ") == "GPU 1 is locked by another trainer."
+
+
+def test_a_failure_with_a_log_is_the_sentence_an_empty_line_and_the_last_non_blank_lines():
+    lines = [f"line {i}" for i in range(40)] + ["", "   ", "Traceback (most recent call last):", "boom   "]
+    text = failure_text("the trainer failed (exit status 1)", lines)
+    sentence, blank, tail = text.partition("\n\n")
+    assert (sentence, blank) == ("The trainer failed (exit status 1).", "\n\n")
+    kept = tail.split("\n")
+    assert len(kept) == FAILURE_TAIL_LINES and kept[-2:] == ["Traceback (most recent call last):", "boom"]
+    assert kept[0] == f"line {40 - FAILURE_TAIL_LINES + 2}"
+
+
+def test_a_long_failure_keeps_the_sentence_and_the_end_of_the_log_within_the_cap():
+    lines = [f"line {i} " + "x" * 400 for i in range(30)]
+    text = failure_text("x" * 5000, lines)
+    sentence, _, tail = text.partition("\n\n")
+    assert len(text) <= FAILURE_MAX_CHARS and len(sentence) <= SENTENCE_MAX_CHARS
+    assert SENTENCE.fullmatch(sentence) and "…" in sentence
+    assert tail.startswith("…") and tail.endswith(lines[-1])
+
+
+def test_fail_job_records_class_text_and_event_and_never_moves_a_finished_row(db):
+    job = repo.create_job(db, columns())
+    assert fail_job(db, job.id, actor="test", failure_class=FailureClass.CUDA_OOM, sentence="CUDA ran out of memory",
+                    log_lines=["torch.OutOfMemoryError"], exit_code=1)
+    row = repo.get_job(db, job.id)
+    assert (row.status, row.failure_class, row.exit_code) == ("failed", "cuda_oom", 1)
+    assert row.error == "CUDA ran out of memory.\n\ntorch.OutOfMemoryError" and row.finished_at is not None
+    assert repo.job_events(db, job.id)[-1].reason == "CUDA ran out of memory."
+    assert not fail_job(db, job.id, actor="late", failure_class=FailureClass.STALLED, sentence="too late")
+    assert repo.get_job(db, job.id).failure_class == "cuda_oom"
+
+
+# -- every writer, the same shape ---------------------------------------------------------------------------------
+
+def assert_one_shape(db: Database, settings: Settings, job_id: int, failure: str, actor: str) -> str:
+    """The row's failure as fail_job writes it; its quoted lines, if any, are the end of the run log."""
+    row = repo.get_job(db, job_id)
+    assert (row.status, row.failure_class) == ("failed", failure), row.error
+    sentence, _, tail = (row.error or "").partition("\n\n")
+    assert SENTENCE.fullmatch(sentence), row.error
+    assert row.error == failure_text(sentence, tail.split("\n") if tail else ())
+    event = repo.job_events(db, job_id)[-1]
+    assert (event.to_status, event.actor, event.reason) == ("failed", actor, sentence)
+    if tail:
+        logged = [line for line in LogReader(settings.log_dir, job_id).tail_lines(100).text.splitlines()
+                  if line.strip()]
+        assert tail.split("\n")[-1] == logged[-1]
+    return tail
+
+
+def test_dispatchs_launch_failure_has_the_shape(migrated, host, db):
+    from lora_worker import create_app
+
+    def cannot_launch(job_id: int, settings: object) -> None:
+        raise LaunchFailed(f"The supervisor for job {job_id} exited with status 1 before taking the job.")
+
+    app = create_app(migrated, launch=cannot_launch)
+    try:
+        response = app.test_client().post("/train", json=host.payload())
+    finally:
+        app.extensions["lora_worker"].db.dispose()
+    assert response.status_code == 503
+    (job,) = repo.list_jobs(db)
+    assert assert_one_shape(db, migrated, job.id, "launch_error", "api") == ""  # no supervisor, no log
+
+
+@pytest.mark.slow
+def test_the_supervisors_start_failure_has_the_shape(api, host, db):
+    job_id = api.post("/train", json=host.payload()).get_json()["worker_job_id"]
+    fd = hold_lock(gpu_lock_path(host.settings, 1))  # another trainer took the GPU after admission
+    try:
+        launch_supervisor(job_id, host.settings)
+        wait_for(lambda: repo.get_job(db, job_id).status == "failed", timeout=30, what="the start failure")
+    finally:
+        assert fd is not None
+        os.close(fd)
+    assert_one_shape(db, host.settings, job_id, "launch_error", "supervisor")
+
+
+@pytest.mark.slow
+def test_the_supervisors_end_failure_has_the_shape(api, host, db):
+    set_modes(host.sd_scripts, crash_at_step=2)
+    job_id = api.post("/train", json=host.payload()).get_json()["worker_job_id"]
+    launch_supervisor(job_id, host.settings)
+    wait_for(lambda: repo.get_job(db, job_id).status == "failed", timeout=60, what="the trainer's crash")
+    tail = assert_one_shape(db, host.settings, job_id, "trainer_crashed", "supervisor")
+    assert "illegal memory access" in tail
+
+
+def test_reconciles_failure_has_the_shape_and_quotes_the_run_log(db, migrated):
+    job = repo.create_job(db, columns())
+    repo.transition(db, job.id, JobState.RUNNING, actor="supervisor", boot_id=processes.boot_id())
+    joblog = JobLog(migrated.log_dir, job.id, head_bytes=1 << 20, tail_bytes=1 << 20)
+    joblog.feed("output", "loading model\n\nsteps:  10%|#| 4/40\rsteps:  12%|#| 5/40\n")
+    joblog.note("the last thing the supervisor said")
+    joblog.close()
+    reconcile(db, migrated)  # nobody holds the job's lock: its supervisor is gone
+    tail = assert_one_shape(db, migrated, job.id, "supervisor_lost", "reconcile")
+    assert tail.split("\n") == ["loading model", "steps:  12%|#| 5/40",
+                                 "[lora-worker] the last thing the supervisor said"]
+
+
+# -- nothing else moves a row to failed ---------------------------------------------------------------------------
+
+STATE_CHANGERS = {"transition": 2, "transition_in": 2}  # name -> index of the target state among the arguments
+NOT_FAILED = {"QUEUED", "RUNNING", "SUCCEEDED", "CANCELLED"}
+
+
+def failed_writes(source: str, module: str) -> list[str]:
+    """Places that may move a row to failed other than `fail_job`: a state change whose target is not a
+    literal JobState other than FAILED, a `status=` write outside `transition_in`, or SQL writing 'failed'."""
+    found: list[str] = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            where = node.name
+        if isinstance(node, ast.Call):
+            check_call(node, where)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.search(
+                r"(?is)\b(update|insert)\b.*'failed'", node.value):
+            found.append(f"{module}:{node.lineno}: SQL writing 'failed'")
+        for child in ast.iter_child_nodes(node):
+            visit(child, where)
+
+    def check_call(node: ast.Call, where: str) -> None:
+        name = getattr(node.func, "attr", getattr(node.func, "id", None))
+        in_repository = module == "ledger/repository.py"
+        if name in STATE_CHANGERS and not (in_repository and where == "transition"):  # it passes `to` through
+            index = STATE_CHANGERS[name]
+            targets = node.args[index:index + 1] + [k.value for k in node.keywords if k.arg == "to"]
+            target = targets[0] if targets else None
+            state = (target.attr if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                     and target.value.id == "JobState" else None)
+            if not (state in NOT_FAILED or (state == "FAILED" and in_repository and where == "fail_job")):
+                found.append(f"{module}:{node.lineno} {where}: {name}(… {ast.unparse(target) if target else '?'})")
+        if name == "values" and any(k.arg == "status" for k in node.keywords) and where != "transition_in":
+            found.append(f"{module}:{node.lineno} {where}: .values(status=…)")
+
+    visit(ast.parse(source), "<module>")
+    return found
+
+
+def test_the_detector_finds_every_other_way_to_fail_a_row():
+    snippets = {
+        "repo.transition(db, 1, JobState.FAILED, actor='x')": 1,
+        "repo.transition(db, 1, outcome.state, actor='x')": 1,  # may be FAILED at run time
+        "transition_in(s, 1, to=JobState.FAILED, actor='x')": 1,
+        "s.execute(update(Job).values(status='failed'))": 1,
+        "conn.exec_driver_sql(\"UPDATE jobs SET status = 'failed' WHERE id = ?\", (1,))": 1,
+        "repo.transition(db, 1, JobState.CANCELLED, actor='x')": 0,
+        "repo.fail_job(db, 1, actor='x', failure_class=FailureClass.STALLED, sentence='s')": 0,
+    }
+    assert {code: len(failed_writes(code, "web/x.py")) for code in snippets} == snippets
+
+
+def test_no_code_but_fail_job_moves_a_row_to_failed():
+    found = [hit for path in sorted(PACKAGE.rglob("*.py"))
+             for hit in failed_writes(path.read_text(), str(path.relative_to(PACKAGE)))]
+    assert found == []
+
+
+def test_every_writer_of_a_failed_row_calls_fail_job():
+    callers = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+                     if re.search(r"\bfail_job\(", path.read_text()) and path.name != "repository.py")
+    assert callers == ["dispatch/dispatcher.py", "reconcile.py", "run/runner.py"]

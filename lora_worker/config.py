@@ -52,6 +52,8 @@ SDXL_HPARAMS: Mapping[str, str] = MappingProxyType(
     }
 )
 
+DEFAULT_LORA_TARGETS = "attn_mlp"  # the preset a request that names none gets
+
 # Request-selectable LoRA targets. networks.lora has no include/exclude list, and each --network_args
 # token carries exactly one key=value, so each preset maps to at most one token. "{dim}" is the tier's dim.
 LORA_TARGET_PRESETS: Mapping[str, tuple[str, ...]] = MappingProxyType(
@@ -285,4 +287,4 @@ def _devices(table: Mapping[str, Any]) -> Mapping[int, DeviceProfile]:
 
 
 __all__ = ["Settings", "Tier", "DeviceProfile", "TIERS", "SDXL_HPARAMS", "LORA_TARGET_PRESETS",
-           "DEFAULT_DEVICES", "load_settings", "settings_to_json", "settings_from_json"]
+           "DEFAULT_LORA_TARGETS", "DEFAULT_DEVICES", "load_settings", "settings_to_json", "settings_from_json"]

@@ -41,6 +41,7 @@ class LoraInfo:
     families: frozenset[str]  # e.g. {"lora_unet"}
     metadata: dict[str, str] = field(default_factory=dict)
     file_size: int = 0
+    dtypes: dict[str, int] = field(default_factory=dict)  # dtype -> how many LoRA tensors have it
 
 
 def read_header(path: Path) -> Header:
@@ -108,7 +109,29 @@ def inspect_lora(path: Path) -> LoraInfo:
     if modules == 0:
         raise HeaderError(f"{path.name}: no lora_down weights; not a LoRA")
     return LoraInfo(ranks=frozenset(ranks), families=frozenset(families),
-                    metadata=header.metadata, file_size=header.file_size)
+                    metadata=header.metadata, file_size=header.file_size, dtypes=lora_dtypes(header))
+
+
+LORA_TENSOR_SUFFIXES = (".lora_down.weight", ".lora_up.weight", ".alpha")
+
+
+def lora_dtypes(header: Header) -> dict[str, int]:
+    """How many of the LoRA's tensors (down, up, alpha) each dtype holds: sd-scripts casts all of them to
+    --save_precision, so a file it wrote has exactly one."""
+    counts: dict[str, int] = {}
+    for name, info in header.tensors.items():
+        if name.endswith(LORA_TENSOR_SUFFIXES):
+            counts[str(info["dtype"])] = counts.get(str(info["dtype"]), 0) + 1
+    return counts
+
+
+def dtype_problem(dtypes: dict[str, int], expected: str) -> str | None:
+    """Why a LoRA's tensors are not all of the `expected` dtype, or None when they are."""
+    wrong = {dtype: n for dtype, n in sorted(dtypes.items()) if dtype != expected}
+    if not wrong:
+        return None
+    found = ", ".join(f"{n} {dtype}" for dtype, n in wrong.items())
+    return f"tensors of another dtype than {expected} ({found})"
 
 
 @dataclass(frozen=True)
@@ -120,6 +143,7 @@ class ExpectedLora:
     max_train_steps: int
     seed: int
     not_before: float = 0.0  # the file must be newer than the run (epoch seconds)
+    dtype: str | None = None  # every LoRA tensor's safetensors dtype (F16 for --save_precision=fp16)
 
 
 @dataclass(frozen=True)
@@ -159,6 +183,8 @@ def verify_lora(path: Path, expected: ExpectedLora) -> ArtifactCheck:
         (md.get("ss_seed") == str(expected.seed), f"ss_seed {md.get('ss_seed')!r} instead of {expected.seed}"),
     ]
     problems = [message for ok, message in checks if not ok]
+    if expected.dtype is not None and (wrong := dtype_problem(info.dtypes, expected.dtype)):
+        problems.append(wrong)
     if problems:
         return ArtifactCheck(str(path), problem="; ".join(problems), mismatch=True, size=info.file_size)
     return ArtifactCheck(str(path), size=info.file_size, metadata=md)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from lora_worker.host.safetensors import ArtifactCheck, ExpectedLora, sha256_of, verify_lora
-from lora_worker.config import TIERS, Settings
+from lora_worker.config import LORA_DTYPE, TIERS, Settings
 from lora_worker.errors import LedgerBusy, LedgerUnwritable
 from lora_worker.host.fingerprint import SHA
 from lora_worker.ledger import repository as repo
@@ -343,7 +343,7 @@ class Runner:
             tier = TIERS[job.tier]
             artifact = verify_lora(Path(job.output_dir) / f"{job.output_name}.safetensors", ExpectedLora(
                 rank=tier.network_dim, output_name=job.output_name, max_train_steps=tier.max_train_steps,
-                seed=job.seed, not_before=started - 1))
+                seed=job.seed, not_before=started - 1, dtype=LORA_DTYPE))
             if artifact.problem is None:
                 try:
                     self.artifact_values = self._artifact_values(artifact)

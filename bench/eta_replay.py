@@ -153,11 +153,39 @@ def table(runs: tuple[str, ...], out: Callable[[str], object] = print) -> None:
                     f"| {_fmt(s.tqdm, s.left)} |")
 
 
+def spans(runs: tuple[str, ...], out: Callable[[str], object] = print) -> None:
+    """Mean and worst |error| over every half second of each run: from the first step, and after the last."""
+    out("### ETA error over the whole run, sampled every 0.5 s: mean |error| / worst |error|, seconds")
+    out("")
+    out("| run | history | from step 1 to the end: eta_s | previous worker | after the last step: eta_s "
+        "| previous worker |")
+    out("|---|---|---|---|---|---|")
+    for name in runs:
+        capture = Capture.load(name)
+        for history in ("cold", "warm"):
+            estimate, tail = histories(capture)[history]
+            samples = replay(capture, estimate=estimate, tail_s=tail,
+                             at=[i * 0.5 for i in range(1, int(capture.end_s / 0.5) + 1)])
+            final = max(s.step for s in samples)
+            stepped = [s for s in samples if s.step >= 1]
+            after = [s for s in stepped if s.step == final]
+            out(f"| {name} | {history} | {_errors(stepped, 'eta')} | {_errors(stepped, 'previous')} "
+                f"| {_errors(after, 'eta')} | {_errors(after, 'previous')} |")
+
+
+def _errors(samples: list[Sample], which: str) -> str:
+    errors = [abs(v - s.left) for s in samples if (v := getattr(s, which)) is not None]
+    return f"{sum(errors) / len(errors):.1f} / {max(errors):.1f}" if errors else "-"
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="one capture only (the smoke test)")
     args = parser.parse_args(argv)
-    table(RUNS[:1] if args.quick else RUNS)
+    runs = RUNS[:1] if args.quick else RUNS
+    table(runs)
+    print()
+    spans(runs)
     return 0
 
 

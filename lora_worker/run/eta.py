@@ -23,9 +23,10 @@ from lora_worker.states import Phase
 
 WINDOW_STEPS = 50  # long enough to smooth step jitter, short enough to follow a change of pace
 WINDOW_S = 120.0
-# Save + teardown until a finished job of the same tier and device has measured it. On the CPU captures it was
-# 4-5 s (a 43 MB fp32 LoRA, a 20 GB process to tear down); a GPU run adds freeing the card and a larger file.
-DEFAULT_TAIL_S = 15.0
+# Save + teardown until a finished job of the same tier and device has measured it: a guess, about twice the
+# 4.3 s of the CPU captures (a 43 MB LoRA, a 20 GB process to tear down), since a GPU run also frees the card and
+# saves a larger file. The first finished job replaces it with a measurement.
+DEFAULT_TAIL_S = 10.0
 MEASURED_PHASES = (Phase.TRAINING, Phase.SAVING)
 
 

@@ -233,3 +233,15 @@ def test_a_step_written_again_keeps_its_first_time_and_takes_the_new_loss(db):
     repo.update_running(db, job_id, points=[(400, 0.8, utcnow())])
     (point,) = repo.progress_points(db, job_id)
     assert point.loss == 0.8 and abs((point.at - first).total_seconds()) < 0.002
+
+
+def test_the_eta_replay_benchmark_runs_and_prints_its_tables():
+    import subprocess
+    import sys
+
+    from lora_worker.config import REPO_ROOT
+
+    out = subprocess.run([sys.executable, "-m", "bench.eta_replay", "--quick"], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "### ETA on the real captures" in out.stdout and "| run1_simple (80 s) | warm | 90% |" in out.stdout

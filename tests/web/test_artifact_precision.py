@@ -2,7 +2,6 @@
 be so; the fake trainer honours --save_precision as sd-scripts' save_weights does."""
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -10,12 +9,22 @@ import pytest
 from lora_worker.config import LORA_DTYPE, SDXL_HPARAMS
 from lora_worker.host.safetensors import ExpectedLora, inspect_lora, read_header, verify_lora
 from lora_worker.ledger import repository as repo
-from tests.helpers import write_safetensors
-from tests.test_fakes import rig, run  # noqa: F401 - rig is a fixture
+from tests.helpers import install_fake_trainer, make_dataset, write_safetensors
 from tests.run.test_supervisor import TERMINAL, modes, submit, wait_state
+from tests.test_fakes import run
 
 EXPECTED = ExpectedLora(rank=4, output_name="ohwx", max_train_steps=3, seed=42, dtype="F16")
 METADATA = {"ss_network_dim": "4", "ss_output_name": "ohwx", "ss_max_train_steps": "3", "ss_seed": "42"}
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> dict:
+    """The fake trainer installed, a model, the real run's dataset ("2_ohwx dog", 3 images), as test_fakes has."""
+    install = install_fake_trainer(tmp_path / "opt")
+    model = tmp_path / "models" / "sdxl_random.safetensors"
+    write_safetensors(model, {"model.diffusion_model.x": ("F16", [1])})
+    dataset = make_dataset(tmp_path / "train", "t1", "2_ohwx dog", images=3)
+    return {**install, "model": model, "dataset": dataset, "out": tmp_path / "train" / "t1" / "output" / "run1"}
 
 
 def lora(path: Path, dtype: str, alpha_dtype: str | None = None) -> Path:
@@ -44,7 +53,7 @@ def test_a_lora_of_another_dtype_is_a_mismatch_that_names_it(tmp_path, dtype, al
 @pytest.mark.parametrize("flag, dtype, bytes_per_value", [
     ((), "F32", 4), (("--save_precision=float",), "F32", 4), (("--save_precision=fp16",), "F16", 2),
     (("--save_precision=bf16",), "BF16", 2)])
-def test_the_fake_trainer_saves_in_the_precision_it_is_told(rig, flag, dtype, bytes_per_value):  # noqa: F811
+def test_the_fake_trainer_saves_in_the_precision_it_is_told(rig, flag, dtype, bytes_per_value):
     from safetensors.numpy import load_file  # the reference reader, not ours
 
     assert run(rig, "--network_dim=8", "--network_alpha=8", *flag).returncode == 0
@@ -64,7 +73,7 @@ def test_the_fake_trainer_saves_in_the_precision_it_is_told(rig, flag, dtype, by
         assert raw[data + start:data + start + 2] == b"\x00\x41"  # 8.0 in bfloat16
 
 
-def test_an_unknown_precision_is_refused_by_the_fake_as_by_argparse(rig):  # noqa: F811
+def test_an_unknown_precision_is_refused_by_the_fake_as_by_argparse(rig):
     result = run(rig, "--save_precision=fp8")
     assert result.returncode == 1 and b"argument --save_precision: invalid choice" in result.stderr
 

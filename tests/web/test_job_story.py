@@ -190,3 +190,35 @@ def test_a_real_run_cancelled_with_wait_answers_cancelled_with_every_process_gon
     body = response.get_json()
     assert response.status_code == 200, body
     assert (body["status"], body["ended_in_phase"], body["eta_s"]) == ("cancelled", "training", None)
+
+
+# -- documented -----------------------------------------------------------------------------------------------
+
+def test_the_document_describes_the_echo_the_ending_and_the_waiting_cancel(migrated, db, running):
+    from openapi_schema_validator import OAS30Validator
+
+    from lora_worker.web.schemas import AcceptedRequestSchema
+
+    app = create_app(migrated, launch=Launches())
+    client = app.test_client()
+    try:
+        document = client.get("/openapi.json").get_json()
+        components = document["components"]
+        job = components["schemas"]["Job"]["properties"]
+        assert job["request"]["allOf"] == [{"$ref": "#/components/schemas/AcceptedRequest"}]
+        assert set(components["schemas"]["AcceptedRequest"]["properties"]) == set(AcceptedRequestSchema().fields)
+        assert job["ended_in_phase"]["nullable"] and "ended in" in job["ended_in_phase"]["description"]
+        assert "teardown" in job["eta_s"]["description"]
+        cancel = document["paths"]["/train/{job_id}/cancel"]["post"]
+        (wait,) = [p for p in cancel["parameters"] if p["in"] == "query"]
+        assert wait["name"] == "wait" and (wait["schema"]["maximum"], wait["schema"]["exclusiveMinimum"]) == (60, True)
+        assert {"200", "202", "422"} <= set(cancel["responses"])
+        end_later(db, running, 0.3)
+        tour = [client.post(f"/train/{running}/cancel?wait=61"), client.post(f"/train/{running}/cancel?wait=5"),
+                client.get(f"/train/{running}")]
+        assert [r.status_code for r in tour] == [422, 200, 200]
+        for response, op in zip(tour, (cancel, cancel, document["paths"]["/train/{job_id}"]["get"])):
+            schema = op["responses"][str(response.status_code)]["content"]["application/json"]["schema"]
+            OAS30Validator({**schema, "components": components}).validate(response.get_json())
+    finally:
+        app.extensions["lora_worker"].db.dispose()

@@ -294,4 +294,5 @@ def _devices(table: Mapping[str, Any]) -> Mapping[int, DeviceProfile]:
 
 
 __all__ = ["Settings", "Tier", "DeviceProfile", "TIERS", "SDXL_HPARAMS", "LORA_TARGET_PRESETS",
-           "DEFAULT_LORA_TARGETS", "SAVE_PRECISION_DTYPES", "LORA_DTYPE", "DEFAULT_DEVICES", "load_settings", "settings_to_json", "settings_from_json"]
+           "DEFAULT_LORA_TARGETS", "SAVE_PRECISION_DTYPES", "LORA_DTYPE", "DEFAULT_DEVICES", "load_settings",
+           "settings_to_json", "settings_from_json"]

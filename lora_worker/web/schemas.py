@@ -100,32 +100,34 @@ class FiniteFloat(fields.Float):
         return super()._serialize(value, attr, obj, **kwargs)
 
 
-class WhileActive(fields.Float):
-    """A number only a queued or running job has (the time left): null on a finished job, whatever the row
-    kept from before terminal writes cleared it."""
+class _InStates:
+    """A field shown only while the job is in one of `states`; null otherwise, whatever the row holds."""
 
-    def _serialize(self, value: Any, attr: str | None, obj: Any, **kwargs: Any) -> float | None:
-        if JobState(obj.status) not in ACTIVE_STATES:
+    states: frozenset[JobState]
+
+    def _serialize(self, value: Any, attr: str | None, obj: Any, **kwargs: Any) -> Any:
+        if JobState(obj.status) not in self.states:
             return None
-        return super()._serialize(value, attr, obj, **kwargs)
+        return super()._serialize(value, attr, obj, **kwargs)  # type: ignore[misc]
 
 
-class WhileActiveString(fields.String):
+class WhileActive(_InStates, fields.Float):
+    """The time left: a queued or running job's only. Null on a finished job, even in a row written before
+    terminal writes cleared it."""
+
+    states = ACTIVE_STATES
+
+
+class WhileActiveString(_InStates, fields.String):
     """What a `WhileActive` number rests on: null on a finished job, like the number."""
 
-    def _serialize(self, value: Any, attr: str | None, obj: Any, **kwargs: Any) -> str | None:
-        if JobState(obj.status) not in ACTIVE_STATES:
-            return None
-        return super()._serialize(value, attr, obj, **kwargs)
+    states = ACTIVE_STATES
 
 
-class EndedInPhase(fields.String):
+class EndedInPhase(_InStates, fields.String):
     """The phase a finished job was in when it ended; null while it is active."""
 
-    def _serialize(self, value: Any, attr: str | None, obj: Any, **kwargs: Any) -> str | None:
-        if JobState(obj.status) not in TERMINAL_STATES:
-            return None
-        return super()._serialize(value, attr, obj, **kwargs)
+    states = TERMINAL_STATES
 
 
 class InEffect(fields.Field):
@@ -160,7 +162,8 @@ class AcceptedRequestSchema(Schema):
     device_index = fields.Integer()
     seed = fields.Integer()
     max_grad_norm = InEffect(fields.Float(), float(SDXL_HPARAMS["max_grad_norm"]), metadata={
-        "type": "number", "description": f"as in effect: {SDXL_HPARAMS['max_grad_norm']} when the request left it out"})
+        "type": "number",
+        "description": f"as in effect: {SDXL_HPARAMS['max_grad_norm']} when the request left it out"})
     lora_target_modules = InEffect(fields.String(), DEFAULT_LORA_TARGETS, metadata={
         "type": "string", "enum": list(LORA_TARGET_PRESETS),
         "description": f"as in effect: {DEFAULT_LORA_TARGETS} when the request left it out"})

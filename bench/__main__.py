@@ -8,7 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-BENCHES = ("stream", "status", "dispatch", "history", "memory")
+BENCHES = ("stream", "status", "dispatch", "history", "memory", "eta_replay")
 
 
 def main(argv: list[str]) -> int:

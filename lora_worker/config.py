@@ -49,14 +49,19 @@ SDXL_HPARAMS: Mapping[str, str] = MappingProxyType(
         "noise_offset": "0.1",
         "max_grad_norm": "1.0",
         "max_data_loader_n_workers": "0",
+        # Without it sd-scripts saves the LoRA in float32 (170 MB at dim 16, 341 MB at dim 32); SDXL LoRAs are
+        # shared in fp16, half the size, and inference runs in half precision anyway.
+        "save_precision": "fp16",
     }
 )
+# The safetensors dtype each --save_precision writes (sd-scripts casts every saved tensor to it; none, or
+# "float", leaves the float32 the LoRA trains in), and so the dtype the artifact verification expects.
+SAVE_PRECISION_DTYPES: Mapping[str, str] = MappingProxyType({"float": "F32", "fp16": "F16", "bf16": "BF16"})
+# Dispatch records it in each job's row and the supervisor holds the artifact to the recorded value, so a
+# change here (with --save_precision) never re-judges an older job.
+LORA_DTYPE = SAVE_PRECISION_DTYPES[SDXL_HPARAMS["save_precision"]]
 
-# The dtype of every lora_down/lora_up tensor in the saved LoRA (safetensors' name for it). No --save_precision
-# is passed, so sd-scripts saves in the network's training dtype: float32, even under --mixed_precision=bf16
-# (the reference run's LoRA is all F32). Dispatch records it in each job's row; the supervisor holds the
-# artifact to the recorded value, so changing this (with --save_precision) never re-judges an older job.
-LORA_SAVE_DTYPE = "F32"
+DEFAULT_LORA_TARGETS = "attn_mlp"  # the preset a request that names none gets
 
 # Request-selectable LoRA targets. networks.lora has no include/exclude list, and each --network_args
 # token carries exactly one key=value, so each preset maps to at most one token. "{dim}" is the tier's dim.
@@ -290,5 +295,6 @@ def _devices(table: Mapping[str, Any]) -> Mapping[int, DeviceProfile]:
     return MappingProxyType(profiles)
 
 
-__all__ = ["Settings", "Tier", "DeviceProfile", "TIERS", "SDXL_HPARAMS", "LORA_SAVE_DTYPE", "LORA_TARGET_PRESETS",
-           "DEFAULT_DEVICES", "load_settings", "settings_to_json", "settings_from_json"]
+__all__ = ["Settings", "Tier", "DeviceProfile", "TIERS", "SDXL_HPARAMS", "LORA_TARGET_PRESETS",
+           "DEFAULT_LORA_TARGETS", "SAVE_PRECISION_DTYPES", "LORA_DTYPE", "DEFAULT_DEVICES", "load_settings",
+           "settings_to_json", "settings_from_json"]

@@ -32,6 +32,7 @@ SCRIPT_KEYS: tuple[str, ...] = (
     "output_dir",
     "output_name",
     "save_model_as",
+    "save_precision",
     "caption_extension",
     "resolution",
     "network_module",
@@ -85,6 +86,7 @@ def script_args(req: ResolvedRequest, settings: Settings) -> list[tuple[str, str
         "output_dir": str(req.output_dir),
         "output_name": req.output_name,
         "save_model_as": "safetensors",
+        "save_precision": SDXL_HPARAMS["save_precision"],
         "caption_extension": ".txt",  # sd-scripts' default is .caption
         "resolution": str(req.tier.resolution),
         "network_module": "networks.lora",

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_worker.config import LORA_SAVE_DTYPE, TIERS, Settings, Tier
+from lora_worker.config import LORA_DTYPE, TIERS, Settings, Tier
 from lora_worker.errors import InvalidRequest
 from lora_worker.host.safetensors import ExpectedLora
 
@@ -78,7 +78,7 @@ def resolve_request(request: TrainRequest, *, train_id: str, dataset_dir: Path, 
     if tier is None:
         raise InvalidRequest({"tier": [f"Unknown tier {request.tier!r}; known: {', '.join(TIERS)}."]})
     expected = ExpectedLora(rank=tier.network_dim, output_name=request.output_name, steps=tier.max_train_steps,
-                            seed=request.seed, dtype=LORA_SAVE_DTYPE)
+                            seed=request.seed, dtype=LORA_DTYPE)
     return ResolvedRequest(
         train_id=train_id, dataset_dir=dataset_dir, base_model_path=base_model_path, output_dir=output_dir,
         output_name=request.output_name, trigger=request.trigger, subject_class=request.subject_class,

@@ -45,9 +45,9 @@ class LoraInfo:
 
     ranks: frozenset[int]
     families: frozenset[str]  # e.g. {"lora_unet"}
-    dtypes: frozenset[str]  # of the lora_down and lora_up weights, e.g. {"F32"}
     metadata: dict[str, str] = field(default_factory=dict)
     file_size: int = 0
+    dtypes: dict[str, int] = field(default_factory=dict)  # dtype -> how many LoRA tensors have it
 
 
 def open_regular(path: Path) -> BinaryIO:
@@ -119,11 +119,8 @@ def inspect_lora(path: Path) -> LoraInfo:
     header = read_header(path)
     ranks: set[int] = set()
     families: set[str] = set()
-    dtypes: set[str] = set()
     modules = 0
     for name, info in header.tensors.items():
-        if name.endswith((".lora_down.weight", ".lora_up.weight")):
-            dtypes.add(str(info["dtype"]))
         if name.endswith(".lora_down.weight"):
             if not info["shape"]:
                 raise HeaderError(f"{path.name}: tensor {name!r} has no shape; a lora_down weight has a rank")
@@ -132,8 +129,30 @@ def inspect_lora(path: Path) -> LoraInfo:
             families.add(name.split("_", 2)[0] + "_" + name.split("_", 2)[1])
     if modules == 0:
         raise HeaderError(f"{path.name}: no lora_down weights; not a LoRA")
-    return LoraInfo(ranks=frozenset(ranks), families=frozenset(families), dtypes=frozenset(dtypes),
-                    metadata=header.metadata, file_size=header.file_size)
+    return LoraInfo(ranks=frozenset(ranks), families=frozenset(families),
+                    metadata=header.metadata, file_size=header.file_size, dtypes=lora_dtypes(header))
+
+
+LORA_TENSOR_SUFFIXES = (".lora_down.weight", ".lora_up.weight", ".alpha")
+
+
+def lora_dtypes(header: Header) -> dict[str, int]:
+    """How many of the LoRA's tensors (down, up, alpha) each dtype holds: sd-scripts casts all of them to
+    --save_precision, so a file it wrote has exactly one."""
+    counts: dict[str, int] = {}
+    for name, info in header.tensors.items():
+        if name.endswith(LORA_TENSOR_SUFFIXES):
+            counts[str(info["dtype"])] = counts.get(str(info["dtype"]), 0) + 1
+    return counts
+
+
+def dtype_problem(dtypes: dict[str, int], expected: str) -> str | None:
+    """Why a LoRA's tensors are not all of the `expected` dtype, or None when they are."""
+    wrong = {dtype: n for dtype, n in sorted(dtypes.items()) if dtype != expected}
+    if not wrong:
+        return None
+    found = ", ".join(f"{n} {dtype}" for dtype, n in wrong.items())
+    return f"tensors of another dtype than {expected} ({found})"
 
 
 @dataclass(frozen=True)
@@ -177,7 +196,6 @@ def verify_lora(path: Path, expected: ExpectedLora, *, not_before: float = 0.0) 
     checks = [
         ("lora_unet" in info.families, f"no U-Net LoRA modules (families: {sorted(info.families)})"),
         (info.ranks == {expected.rank}, f"rank {sorted(info.ranks)} instead of {expected.rank}"),
-        (info.dtypes == {expected.dtype}, f"dtype {sorted(info.dtypes)} instead of {expected.dtype!r}"),
         (md.get("ss_network_dim") == str(expected.rank),
          f"ss_network_dim {md.get('ss_network_dim')!r} instead of {expected.rank}"),
         (md.get("ss_output_name") == expected.output_name,
@@ -187,6 +205,8 @@ def verify_lora(path: Path, expected: ExpectedLora, *, not_before: float = 0.0) 
         (md.get("ss_seed") == str(expected.seed), f"ss_seed {md.get('ss_seed')!r} instead of {expected.seed}"),
     ]
     problems = [message for ok, message in checks if not ok]
+    if wrong := dtype_problem(info.dtypes, expected.dtype):
+        problems.append(wrong)
     if problems:
         return ArtifactCheck(str(path), problem="; ".join(problems), mismatch=True, size=info.file_size)
     return ArtifactCheck(str(path), size=info.file_size, metadata=md)

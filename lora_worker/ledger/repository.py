@@ -76,6 +76,19 @@ def durations_of_similar_jobs(db: Database, *, tier: str, device_index: int, ima
         return [float(v) for v in s.scalars(query) if v is not None]
 
 
+def save_and_teardown_durations(db: Database, *, tier: str, device_index: int, limit: int = 25) -> list[float]:
+    """Seconds from the last step to the end (the LoRA saved, the trainer torn down, the file verified) of the
+    latest succeeded jobs of this tier and device: the part of a run no step rate predicts. The last step's
+    time is its loss-curve point's, which keeps the time the step was first written."""
+    last_step_at = select(func.max(ProgressPoint.at)).where(ProgressPoint.job_id == Job.id).scalar_subquery()
+    seconds = (func.julianday(Job.finished_at) - func.julianday(last_step_at)) * 86400.0
+    query = (select(seconds).where(Job.status == JobState.SUCCEEDED.value, Job.tier == tier,
+                                   Job.device_index == device_index, Job.finished_at.is_not(None))
+             .order_by(Job.id.desc()).limit(limit))
+    with db.read() as s:
+        return [max(0.0, float(v)) for v in s.scalars(query) if v is not None]
+
+
 def active_job(db: Database) -> Job | None:
     with db.read() as s:
         return s.scalars(select(Job).where(Job.status.in_(_values(ACTIVE_STATES)))).first()
@@ -120,6 +133,9 @@ def transition_in(s: Session, job_id: int, to: JobState, *, actor: str, reason: 
     now = utcnow()
     if to in TERMINAL_STATES:
         values.setdefault("finished_at", now)
+        # Nothing is left to wait for: no writer of a terminal state (reconcile's included) leaves an ETA behind.
+        values.setdefault("eta_s", None)
+        values.setdefault("eta_basis", None)
     result = s.execute(
         update(Job)
         .where(Job.id == job_id, Job.status == current)
@@ -232,7 +248,10 @@ def cancel_state(db: Database, job_id: int) -> tuple[str | None, bool]:
     return (row[0], bool(row[1])) if row else (None, False)
 
 
-PROGRESS_POINT_SQL = "INSERT OR REPLACE INTO job_progress (job_id, step, loss, at) VALUES (?, ?, ?, ?)"
+# A step seen again (its second redraw carries the new loss, the bar's close repeats it) updates the loss and
+# keeps the time the step was first written: that time is when the step happened.
+PROGRESS_POINT_SQL = ("INSERT INTO job_progress (job_id, step, loss, at) VALUES (?, ?, ?, ?) "
+                      "ON CONFLICT (job_id, step) DO UPDATE SET loss = excluded.loss")
 _RUNNING_UPDATE_SQL: dict[tuple[str, ...], str] = {}
 _TIMESTAMP = UtcTimestamp()
 

@@ -198,8 +198,8 @@ def _progress(job: Job) -> str:
         parts.append(f"loss {job.loss:.4f}")
     if job.rate:
         parts.append(f"{job.rate:.2f} steps/s")
-    if job.eta_s is not None:
-        parts.append(f"eta {job.eta_s:.0f} s")
+    if job.eta_s is not None and job.status in (s.value for s in ACTIVE_STATES):
+        parts.append(f"eta {job.eta_s:.0f} s")  # a finished job has none left, whatever an old row kept
     return ", ".join(parts)
 
 

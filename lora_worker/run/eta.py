@@ -1,6 +1,19 @@
-"""Honest time left. tqdm's ETA divides by the average rate since the bar opened, warm-up included; here the
-rate is measured over the recent steps only, and before training starts the estimate comes from the ledger's
-history of similar jobs and says so."""
+"""Honest time left: the seconds a user will still wait, counted down as they watch.
+
+tqdm's ETA divides by the average rate since the bar opened, warm-up included, and stops at the last step;
+the user waits on past it, while the LoRA is saved, the trainer tears down and the worker verifies the file.
+So `eta_s` here is
+
+- before the first step: the history estimate (median wall time of similar finished jobs) minus the time
+  spent, basis "history";
+- from the first step on: the steps left at the newest step times the measured time per step (the first
+  step's own duration at step 1, then the recent window, which leaves that warm-up step out), plus the tail
+  (save + teardown, learned from finished jobs of the same tier and device), minus the time since that step,
+  basis "measured". It counts down between steps and never promises less than the tail while steps remain.
+
+Pure: every method takes the time it is asked at (`time.monotonic()` in the supervisor, a capture's
+timestamps in a replay), so a test drives it with a fake clock.
+"""
 from __future__ import annotations
 
 import statistics
@@ -10,6 +23,11 @@ from lora_worker.states import Phase
 
 WINDOW_STEPS = 50  # long enough to smooth step jitter, short enough to follow a change of pace
 WINDOW_S = 120.0
+# Save + teardown until a finished job of the same tier and device has measured it: a guess, about twice the
+# 4.3 s of the CPU captures (a 43 MB LoRA, a 20 GB process to tear down), since a GPU run also frees the card and
+# saves a larger file. The first finished job replaces it with a measurement.
+DEFAULT_TAIL_S = 10.0
+MEASURED_PHASES = (Phase.TRAINING, Phase.SAVING)
 
 
 def estimate_duration(history: list[float]) -> float | None:
@@ -17,17 +35,30 @@ def estimate_duration(history: list[float]) -> float | None:
     return statistics.median(history) if history else None
 
 
-class EtaClock:
-    """Turns (step, time) observations into a rate and time remaining, with the basis it rests on."""
+def estimate_tail(history: list[float]) -> float:
+    """The expected save + teardown after the last step: the median of finished jobs, or DEFAULT_TAIL_S."""
+    return statistics.median(history) if history else DEFAULT_TAIL_S
 
-    def __init__(self, total_steps: int, estimated_duration_s: float | None) -> None:
+
+class EtaClock:
+    """Turns (step, time) observations into a rate and the time left, with the basis it rests on."""
+
+    def __init__(self, total_steps: int, estimated_duration_s: float | None,
+                 tail_s: float = DEFAULT_TAIL_S) -> None:
         self.total_steps = total_steps
         self.estimate = estimated_duration_s
+        self.tail_s = tail_s
+        self._opened_at: float | None = None  # when the steps bar showed 0/N: the first step starts there
         self._seen: deque[tuple[float, int]] = deque()
 
+    def follow(self, phase: Phase, step: int, now: float) -> None:
+        """Take in the progress after each piece of output: when training started, and each new step."""
+        if phase is Phase.TRAINING and step == 0 and self._opened_at is None and not self._seen:
+            self._opened_at = now
+        self.observe(step, now)
+
     def observe(self, step: int, now: float) -> None:
-        """Record that `step` was reached at `now`. The window starts when the first step is seen, so the
-        warm-up before it (the slowest step by far) never enters the rate."""
+        """Record that `step` was reached at `now` (a step seen again, or an older one, changes nothing)."""
         if step <= 0 or (self._seen and self._seen[-1][1] >= step):
             return
         self._seen.append((now, step))
@@ -35,17 +66,30 @@ class EtaClock:
             self._seen.popleft()
 
     def rate(self) -> float | None:
-        """Optimizer steps per second over the recent window, or None until two steps past the first."""
-        if len(self._seen) < 2:
-            return None
-        (t0, s0), (t1, s1) = self._seen[0], self._seen[-1]
-        return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 > s0 else None
+        """Optimizer steps per second: over the recent window once two steps are seen (the first step, the
+        slowest by far, left out), the first step's own pace before that; None until then."""
+        if len(self._seen) >= 2:
+            (t0, s0), (t1, s1) = self._seen[0], self._seen[-1]
+            return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 > s0 else None
+        if self._seen and self._opened_at is not None:
+            t1, s1 = self._seen[0]
+            return s1 / (t1 - self._opened_at) if t1 > self._opened_at else None
+        return None
 
-    def eta(self, phase: Phase, step: int, elapsed_s: float) -> tuple[float | None, str | None]:
-        """(seconds left, basis): "measured" once steps move, "history" before, (None, None) without either."""
-        rate = self.rate() if phase in (Phase.TRAINING, Phase.SAVING) else None
+    def eta(self, phase: Phase, now: float, elapsed_s: float) -> tuple[float | None, str | None]:
+        """(seconds left, basis) at `now`, `elapsed_s` after the job started: "measured" once a step rate
+        exists, "history" before, (None, None) with neither."""
+        rate = self.rate() if phase in MEASURED_PHASES else None
         if rate:
-            return max(0.0, (self.total_steps - step) / rate), "measured"
+            at, step = self._seen[-1]
+            steps_left = max(0, self.total_steps - step)
+            left_at_step = steps_left / rate + self.tail_s
+            floor = self.tail_s if steps_left else 0.0  # the save is still to come while steps remain
+            return max(floor, left_at_step - (now - at)), "measured"
         if self.estimate is not None:
-            return max(0.0, self.estimate - elapsed_s), "history"
+            return max(self.tail_s, self.estimate - elapsed_s), "history"
         return None, None
+
+    def moves(self) -> bool:
+        """Whether the ETA changes with time alone (and so is worth writing though no output came)."""
+        return self.estimate is not None or self.rate() is not None

@@ -27,7 +27,7 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, utcnow
 from lora_worker.states import FailureClass, JobState, Phase
-from lora_worker.run.eta import EtaClock
+from lora_worker.run.eta import EtaClock, estimate_tail
 from lora_worker.run.logfile import JobLog
 from lora_worker.run.outcome import Outcome, decide, recorded_lora
 from lora_worker.host import processes
@@ -91,7 +91,10 @@ class Runner:
         self.joblog = JobLog(self.settings.log_dir, self.job_id, head_bytes=self.settings.log_head_bytes,
                              tail_bytes=self.settings.log_tail_bytes)
         self.output = TrainerOutput(self.joblog, self._on_output)
-        self.clock = EtaClock(total_steps=job.total_steps, estimated_duration_s=job.estimated_duration_s)
+        tails = _persist(lambda: repo.save_and_teardown_durations(
+            self.db, tier=job.tier, device_index=job.device_index), f"job {self.job_id}: read the history")
+        self.clock = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s,
+                              tail_s=estimate_tail(tails))
         self._started = time.monotonic()
         gpu_fd = take_lock(gpu_lock_path(self.settings, job.device_index), GPU_LOCK_WAIT_S)
         try:
@@ -210,8 +213,7 @@ class Runner:
         if p.phase is not phase or p.step != step or p.phase is not Phase.TRAINING:
             # Any output counts as life in the quiet phases; in training only a new step does.
             self._activity_at = now
-        if p.step != step:
-            self.clock.observe(p.step, now)
+        self.clock.follow(p.phase, p.step, now)
         if p.phase is not phase:
             self._flush(force=True)
 
@@ -295,14 +297,14 @@ class Runner:
         """Write the progress if it changed and is due (or `force`); False if the ledger did not take it."""
         for step, loss in self.output.parser.take_points():
             self._pending_points[step] = loss
-        if self.clock.estimate is not None and self.clock.rate() is None:
-            self.output.changed = True  # a history-based ETA counts down with the clock, output or not
+        if self.clock.moves():
+            self.output.changed = True  # the ETA counts down with the clock, output or not
         pending = self.output.changed or self._pending_points or self._pending_values
         if not pending or (not force and not self._due()):
             return True
         p = self.output.progress
         at = utcnow()
-        eta, basis = self.clock.eta(p.phase, p.step, time.monotonic() - self._started)
+        eta, basis = self.clock.eta(p.phase, now=time.monotonic(), elapsed_s=time.monotonic() - self._started)
         values = {
             "phase": p.phase.value, "step": p.step, "loss": _finite(p.loss), "rate": self.clock.rate() or p.rate,
             "eta_s": eta, "eta_basis": basis, "last_progress_at": at,
@@ -352,7 +354,8 @@ class Runner:
         p = self.output.progress
         values: dict[str, object] = {
             "exit_code": outcome.exit_code, "signal": outcome.signal, "lora_path": outcome.lora_path,
-            "step": p.step, "loss": _finite(p.loss), "eta_s": 0.0 if outcome.state is JobState.SUCCEEDED else None,
+            "step": p.step, "loss": _finite(p.loss),
+            "eta_s": None, "eta_basis": None,  # nothing is left to wait for, whatever the outcome
         }
 
         def write() -> bool:

@@ -19,9 +19,10 @@ from marshmallow import Schema
 from werkzeug.routing import Rule
 
 from lora_worker.web.auth import OPEN_ENDPOINTS
-from lora_worker.web.schemas import (AcceptedSchema, ErrorSchema, GpuStatusSchema, HealthSchema, JobListQuerySchema,
-                                     JobListSchema, JobSchema, LogQuerySchema, LogSchema, ProgressQuerySchema,
-                                     ProgressSeriesSchema, StatusQuerySchema, TrainRequestSchema)
+from lora_worker.web.schemas import (AcceptedSchema, CancelQuerySchema, ErrorSchema, GpuStatusSchema, HealthSchema,
+                                     JobListQuerySchema, JobListSchema, JobSchema, LogQuerySchema, LogSchema,
+                                     ProgressQuerySchema, ProgressSeriesSchema, StatusQuerySchema,
+                                     TrainRequestSchema)
 
 bp = Blueprint("openapi", __name__)
 
@@ -76,8 +77,11 @@ DOCS: dict[str, Doc] = {
                           errors=(404, 422, 503), query=ProgressQuerySchema),
     "train.job_log": Doc("A job's run log: its last lines, or from a logical byte offset.", 200, LogSchema,
                          errors=(404, 422, 503), query=LogQuerySchema),
-    "train.cancel": Doc("Ask a job to stop; harmless twice, 409 once it ended.", 202, JobSchema,
-                        errors=(404, 409, 503)),
+    "train.cancel": Doc("Ask a job to stop; harmless twice, 409 once it ended. With `wait`, answer once it "
+                        "has ended (200), or after that many seconds with its state then (202).", 202, JobSchema,
+                        errors=(404, 409, 422, 503), query=CancelQuerySchema,
+                        also={200: "With `wait`: the job ended within it (normally `cancelled`; a job that "
+                                   "finished first says how it did)."}),
     "gpu.gpu_status": Doc("Each GPU's memory and compute processes, in PCI bus order.", 200, GpuStatusSchema),
     "health.healthz": Doc("Liveness and the active job id; open without a token.", 200, HealthSchema),
     "metrics.metrics": Doc("Prometheus metrics: jobs by state, durations, the active job, GPU memory.", 200,

@@ -6,11 +6,11 @@ import re
 import unicodedata
 from typing import Any
 
-from marshmallow import RAISE, Schema, ValidationError, fields, post_load, validate, validates
+from marshmallow import RAISE, Schema, ValidationError, fields, missing, post_load, validate, validates
 
-from lora_worker.config import LORA_TARGET_PRESETS, TIERS
+from lora_worker.config import DEFAULT_LORA_TARGETS, LORA_TARGET_PRESETS, SDXL_HPARAMS, TIERS
 from lora_worker.dispatch.request import TrainRequest
-from lora_worker.states import JobState
+from lora_worker.states import ACTIVE_STATES, TERMINAL_STATES, JobState, Phase
 
 MAX_PATH = 4096
 # Names that become a file name, a folder name or a caption token: ASCII, no separators, no leading '-'
@@ -100,17 +100,98 @@ class FiniteFloat(fields.Float):
         return super()._serialize(value, attr, obj, **kwargs)
 
 
+class _InStates:
+    """A field shown only while the job is in one of `states`; null otherwise, whatever the row holds."""
+
+    states: frozenset[JobState]
+
+    def _serialize(self, value: Any, attr: str | None, obj: Any, **kwargs: Any) -> Any:
+        if JobState(obj.status) not in self.states:
+            return None
+        return super()._serialize(value, attr, obj, **kwargs)  # type: ignore[misc]
+
+
+class WhileActive(_InStates, fields.Float):
+    """The time left: a queued or running job's only. Null on a finished job, even in a row written before
+    terminal writes cleared it."""
+
+    states = ACTIVE_STATES
+
+
+class WhileActiveString(_InStates, fields.String):
+    """What a `WhileActive` number rests on: null on a finished job, like the number."""
+
+    states = ACTIVE_STATES
+
+
+class EndedInPhase(_InStates, fields.String):
+    """The phase a finished job was in when it ended; null while it is active."""
+
+    states = TERMINAL_STATES
+
+
+class InEffect(fields.Field):
+    """An optional request value as it took effect: the recipe's default where the request left it out."""
+
+    def __init__(self, inner: fields.Field, default: object, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.inner, self.default = inner, default
+
+    def _serialize(self, value: Any, attr: str | None, obj: Any, **kwargs: Any) -> Any:
+        return self.inner._serialize(self.default if value is None else value, attr, obj, **kwargs)
+
+
+class SameObject(fields.Nested):
+    """A nested object read from the object being dumped itself: a group of its columns under one key."""
+
+    def get_value(self, obj: Any, attr: str, accessor: Any = None, default: Any = missing) -> Any:
+        return obj
+
+
+class AcceptedRequestSchema(Schema):
+    """The request as the worker accepted it and the trainer was given it."""
+
+    dataset_dir = fields.String(metadata={"description": "the resolved real path the trainer reads"})
+    base_model_path = fields.String(metadata={"description": "the resolved real path the trainer loads"})
+    output_dir = fields.String(metadata={"description": "the resolved real path the LoRA is written into"})
+    output_name = fields.String()
+    trigger = fields.String()
+    subject_class = fields.String()
+    repeats = fields.Integer()
+    tier = fields.String(validate=validate.OneOf(list(TIERS)))
+    device_index = fields.Integer()
+    seed = fields.Integer()
+    max_grad_norm = InEffect(fields.Float(), float(SDXL_HPARAMS["max_grad_norm"]), metadata={
+        "type": "number",
+        "description": f"as in effect: {SDXL_HPARAMS['max_grad_norm']} when the request left it out"})
+    lora_target_modules = InEffect(fields.String(), DEFAULT_LORA_TARGETS, metadata={
+        "type": "string", "enum": list(LORA_TARGET_PRESETS),
+        "description": f"as in effect: {DEFAULT_LORA_TARGETS} when the request left it out"})
+
+
 class JobSchema(Schema):
     """A job as `GET /train/<id>` shows it."""
 
     worker_job_id = fields.Integer(attribute="id")
     status = fields.String(validate=validate.OneOf([s.value for s in JobState]))
-    phase = fields.String(allow_none=True)
+    phase = fields.String(allow_none=True, validate=validate.OneOf([p.value for p in Phase]), metadata={
+        "description": "what the trainer is doing; once the job ended, the phase it ended in (kept as it was: "
+                       "`saving` after a success, e.g. `loading_model` after an early cancel; null if it never "
+                       "started). `ended_in_phase` says the same, and only for a finished job"})
+    ended_in_phase = EndedInPhase(attribute="phase", dump_only=True, allow_none=True,
+                                  validate=validate.OneOf([p.value for p in Phase]), metadata={
+        "description": "the phase a finished job ended in; null while it is queued or running, and for a job "
+                       "that ended before it started (cancelled while queued, its supervisor never started)"})
+    request = SameObject(AcceptedRequestSchema, metadata={
+        "description": "the request as accepted: its values, the defaults it took, the resolved paths"})
     step = fields.Integer()
     total_steps = fields.Integer()
     loss = FiniteFloat(allow_none=True, metadata={"description": "avr_loss; null when absent or not finite (nan)"})
     rate = fields.Float(allow_none=True, metadata={"description": "optimizer steps per second"})
-    eta_s = fields.Float(allow_none=True)
+    eta_s = WhileActive(allow_none=True, metadata={
+        "description": "seconds left until the job ends, the LoRA's save, the trainer's teardown and the file's "
+                       "verification included; counts down between steps; null unless queued or running "
+                       "(and before training, when no similar job has finished yet)"})
     lora_path = fields.String(allow_none=True)
     error = fields.String(allow_none=True)
     failure_class = fields.String(allow_none=True)
@@ -132,8 +213,9 @@ class JobSchema(Schema):
     version = fields.Integer(metadata={"description": "bumped by every change; pass it as ?since= to long-poll"})
     estimated_duration_s = fields.Float(allow_none=True, metadata={
         "description": "median wall time of similar finished jobs (tier, device, image count) at acceptance"})
-    eta_basis = fields.String(allow_none=True, validate=validate.OneOf(["measured", "history"]), metadata={
-        "description": "what eta_s rests on: the recent step rate, or the history estimate before training"})
+    eta_basis = WhileActiveString(allow_none=True, validate=validate.OneOf(["measured", "history"]), metadata={
+        "description": "what eta_s rests on: the measured step rate from the first step on (plus the save and "
+                       "teardown of finished jobs of this tier and device), or the history estimate before it"})
     lora_sha256 = fields.String(allow_none=True)
     lora_size = fields.Integer(allow_none=True)
     sd_scripts_commit = fields.String(allow_none=True)
@@ -149,6 +231,17 @@ class AcceptedSchema(Schema):
 
 
 IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,128}")  # matched whole (fullmatch)
+
+
+class CancelQuerySchema(Schema):
+    """POST /train/<id>/cancel: with `wait`, answer once the job has ended, or after that many seconds."""
+
+    class Meta:
+        unknown = RAISE
+
+    wait = fields.Float(load_default=None, allow_nan=False, validate=validate.Range(0, 60, min_inclusive=False),
+                        metadata={"description": "seconds to wait for the job to end (more than 0, at most 60)",
+                                  "exclusiveMinimum": True})
 
 
 class StatusQuerySchema(Schema):

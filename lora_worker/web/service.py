@@ -20,6 +20,7 @@ from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, ProgressPoint
 from lora_worker.reconcile import current_job, reconcile
 from lora_worker.run.logfile import LogChunk, LogReader
+from lora_worker.states import TERMINAL_STATES, JobState
 
 log = logging.getLogger(__name__)
 
@@ -48,22 +49,26 @@ class Worker:
     # -- reading -----------------------------------------------------------------------------------------
 
     def job(self, job_id: int, *, wait_s: float = 0.0, since: int | None = None) -> Job:
-        """A job as the ledger has it. With `since`, wait up to `wait_s` for its version to differ from it.
+        """A job as the ledger has it. With `since`, wait up to `wait_s` for its version to differ from it."""
+        job = self._job_now(job_id)
+        if since is None or job.version != since:
+            return job
+        return self._wait(job, wait_s, lambda j: j.version != since)
+
+    def _wait(self, job: Job, wait_s: float, done: Callable[[Job], bool]) -> Job:
+        """`job` as it is once `done(job)` holds, or after `wait_s` seconds.
 
         Waiting takes one of a few long-poll slots, fewer than gunicorn's threads, so waiting clients can
         never leave a cancel without a thread; when the slots are taken, the answer comes at once.
         """
-        job = self._job_now(job_id)
-        if since is None or wait_s <= 0 or job.version != since:
-            return job
-        if not self._long_polls.acquire(blocking=False):
+        if wait_s <= 0 or done(job) or not self._long_polls.acquire(blocking=False):
             return job
         try:
             deadline = time.monotonic() + wait_s
             while (left := deadline - time.monotonic()) > 0:
                 time.sleep(min(LONG_POLL_INTERVAL_S, left))
-                job = self._job_now(job_id)
-                if job.version != since:
+                job = self._job_now(job.id)
+                if done(job):
                     break
         finally:
             self._long_polls.release()
@@ -96,9 +101,12 @@ class Worker:
             return reader.read_from(offset, limit)
         return reader.tail_lines(lines if lines is not None else 100)
 
-    def cancel(self, job_id: int) -> Job:
+    def cancel(self, job_id: int, *, wait_s: float = 0.0) -> Job:
+        """Ask the job to stop; with `wait_s`, answer once it has ended (cancelled, or whatever it ended as)
+        or after `wait_s` seconds with its state then. The wait takes a long-poll slot like GET's."""
         self._job_now(job_id)
-        return repo.request_cancel(self.db, job_id, actor="api")
+        job = repo.request_cancel(self.db, job_id, actor="api")
+        return self._wait(job, wait_s, lambda j: JobState(j.status) in TERMINAL_STATES)
 
     def gpu_status(self) -> dict[str, Any]:
         self.reconcile_active()  # a dead supervisor's job is neither active nor "ours"

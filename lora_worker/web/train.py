@@ -8,10 +8,11 @@ from flask import Blueprint, Response, jsonify, request
 from werkzeug.exceptions import BadRequest
 
 from lora_worker.web import worker
-from lora_worker.web.schemas import (IDEMPOTENCY_KEY, AcceptedSchema, JobListQuerySchema, JobListSchema, JobSchema,
-                                     LogQuerySchema, LogSchema, ProgressQuerySchema, ProgressSeriesSchema,
-                                     StatusQuerySchema, TrainRequestSchema)
+from lora_worker.web.schemas import (IDEMPOTENCY_KEY, AcceptedSchema, CancelQuerySchema, JobListQuerySchema,
+                                     JobListSchema, JobSchema, LogQuerySchema, LogSchema, ProgressQuerySchema,
+                                     ProgressSeriesSchema, StatusQuerySchema, TrainRequestSchema)
 from lora_worker.errors import InvalidRequest
+from lora_worker.states import TERMINAL_STATES, JobState
 
 bp = Blueprint("train", __name__)
 
@@ -59,7 +60,12 @@ def job_log(job_id: int) -> Response:
 
 @bp.post("/train/<int:job_id>/cancel")
 def cancel(job_id: int) -> tuple[Response, int]:
-    return jsonify(JobSchema().dump(worker().cancel(job_id))), 202
+    """202 with the job, as soon as the cancel is recorded; with `?wait=S`, 200 once the job has ended within
+    those seconds (202 with its state then if it has not)."""
+    query = CancelQuerySchema().load(request.args)
+    job = worker().cancel(job_id, wait_s=query["wait"] or 0.0)
+    ended = query["wait"] is not None and JobState(job.status) in TERMINAL_STATES
+    return jsonify(JobSchema().dump(job)), 200 if ended else 202
 
 
 def _json_body() -> object:

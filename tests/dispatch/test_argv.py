@@ -34,6 +34,7 @@ def golden(steps: int, dim: int, res: int, batch: int, extra: str = "") -> str:
         "--pretrained_model_name_or_path=/worktank/models/sdxl.safetensors "
         "--tokenizer_cache_dir=/opt/fluxgym/tokenizers --train_data_dir=/worktank/arbo/train/t1/dataset "
         "--output_dir=/worktank/arbo/train/t1/output --output_name=ohwx_v1 --save_model_as=safetensors "
+        "--save_precision=fp16 "
         f"--caption_extension=.txt --resolution={res} --network_module=networks.lora --network_dim={dim} "
         f"--network_alpha={dim} {extra}--mixed_precision=bf16 --learning_rate=1e-4 --lr_scheduler=cosine "
         "--optimizer_type=AdamW8bit --min_snr_gamma=5 --noise_offset=0.1 --max_grad_norm=1.0 "

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lora_worker.config import LORA_SAVE_DTYPE, REPO_ROOT, TIERS
+from lora_worker.config import LORA_DTYPE, REPO_ROOT, TIERS
 from lora_worker.dispatch.request import ResolvedRequest, TrainRequest, resolve_request
 from lora_worker.errors import InvalidRequest
 from lora_worker.host.safetensors import ExpectedLora
@@ -36,7 +36,7 @@ def test_resolving_binds_the_tier_and_the_lora_the_run_must_produce(tier):
     assert req.tier is TIERS[tier]
     assert req.lora_file == OUT / "ohwx_v1.safetensors"
     assert req.expected == ExpectedLora(rank=TIERS[tier].network_dim, output_name="ohwx_v1",
-                                        steps=TIERS[tier].max_train_steps, seed=7, dtype=LORA_SAVE_DTYPE)
+                                        steps=TIERS[tier].max_train_steps, seed=7, dtype=LORA_DTYPE)
 
 
 def test_the_resolved_paths_are_the_ones_dispatch_found_not_the_ones_sent():
@@ -49,7 +49,7 @@ def test_the_row_records_the_resolved_request_as_text_once():
     columns = resolved(raw(tier="balanced")).row_columns()
     assert columns["dataset_dir"] == "/train/t1/dataset" and columns["output_dir"] == str(OUT)
     assert (columns["lora_file"], columns["lora_rank"], columns["lora_steps"], columns["lora_dtype"]) == (
-        str(OUT / "ohwx_v1.safetensors"), 32, 1500, LORA_SAVE_DTYPE)
+        str(OUT / "ohwx_v1.safetensors"), 32, 1500, LORA_DTYPE)
     assert (columns["tier"], columns["total_steps"], columns["output_name"], columns["seed"]) == (
         "balanced", 1500, "ohwx_v1", 42)
 

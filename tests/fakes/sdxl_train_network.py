@@ -11,7 +11,8 @@ captures in tests/data/*.jsonl show:
   set_postfix), closed after `model saved.`;
 - a missing model file → the diffusers ValueError; missing tokenizers → the TypeError seen offline;
 - a real `.safetensors` LoRA: the 722 U-Net module names of a real SDXL run, shapes for the requested rank,
-  the real run's `ss_*` metadata with this run's values; tensor data left sparse (zeros) so it is cheap;
+  the real run's `ss_*` metadata with this run's values; tensor data left sparse (zeros) so it is cheap; every
+  tensor in the `--save_precision` dtype (none or float → F32, fp16 → F16, bf16 → BF16), as save_weights casts;
 - no signal handling of its own (SIGTERM kills it; SIGINT raises KeyboardInterrupt), like the real trainer.
 
 Behaviour for a test is read from `fake_trainer.json` in the working directory (the sd-scripts dir), because
@@ -343,8 +344,23 @@ def lora_metadata(args: argparse.Namespace, rank: int, steps: int, epoch: int, t
     return metadata
 
 
-def save_lora(path: str, rank: int, alpha: float, metadata: dict[str, str], partial: bool = False) -> None:
+# --save_precision: network.save_weights casts every tensor to it; without it (or "float") they stay float32.
+SAVE_DTYPES = {None: "F32", "float": "F32", "fp16": "F16", "bf16": "BF16"}
+DTYPE_SIZES = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+def encode_scalar(value: float, dtype: str) -> bytes:
+    if dtype == "F16":
+        return struct.pack("<e", value)
+    if dtype == "BF16":
+        return struct.pack("<f", value)[2:]  # bfloat16 is float32's upper half (little-endian: its last 2 bytes)
+    return struct.pack("<f", value)
+
+
+def save_lora(path: str, rank: int, alpha: float, metadata: dict[str, str], partial: bool = False,
+              precision: str | None = None) -> None:
     """A safetensors file as safetensors' serializer lays it out; tensor bytes left sparse (zeros)."""
+    dtype = SAVE_DTYPES[precision]
     with open(os.path.join(HERE, "sdxl_lora_template.json")) as fh:
         modules = json.load(fh)["modules"]
     header: dict[str, object] = {"__metadata__": metadata}
@@ -353,8 +369,8 @@ def save_lora(path: str, rank: int, alpha: float, metadata: dict[str, str], part
     for name, in_features, out_features in modules:
         for key, shape in ((f"{name}.alpha", []), (f"{name}.lora_down.weight", [rank, in_features]),
                            (f"{name}.lora_up.weight", [out_features, rank])):
-            size = 4 * math.prod(shape)
-            header[key] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+            size = DTYPE_SIZES[dtype] * math.prod(shape)
+            header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
             if key.endswith(".alpha"):
                 alphas.append(offset)
             offset += size
@@ -365,7 +381,7 @@ def save_lora(path: str, rank: int, alpha: float, metadata: dict[str, str], part
         data_start = fh.tell()
         for at in alphas:
             fh.seek(data_start + at)
-            fh.write(struct.pack("<f", alpha))
+            fh.write(encode_scalar(alpha, dtype))
         fh.truncate(data_start + (offset // 2 if partial else offset))
 
 
@@ -493,7 +509,7 @@ def train(args: argparse.Namespace) -> int:
                 os.makedirs(out_dir, exist_ok=True)  # save_model: the directory first, then the line
                 print(f"\nsaving checkpoint: {ckpt}", flush=True)
                 save_lora(ckpt, rank, args.network_alpha, lora_metadata(args, rank, step, epoch, total, subsets,
-                                                                         started))
+                                                                         started), precision=args.save_precision)
             nan = MODES.get("nan_from_step") is not None and step >= MODES["nan_from_step"]
             losses.append(float("nan") if nan else 1.1 * math.exp(-step / max(steps, 1)) + rng.random() * 0.05)
             window = losses[-batches:]
@@ -505,7 +521,7 @@ def train(args: argparse.Namespace) -> int:
             os.makedirs(out_dir, exist_ok=True)  # save_model: the directory first, then the line
             print(f"\nsaving checkpoint: {ckpt}", flush=True)
             save_lora(ckpt, rank, args.network_alpha, lora_metadata(args, rank, step, epoch + 1, total, subsets,
-                                                                     started))
+                                                                     started), precision=args.save_precision)
         if step >= steps:
             break
     if MODES.get("skip_save"):
@@ -516,10 +532,10 @@ def train(args: argparse.Namespace) -> int:
     print(f"\nsaving checkpoint: {final}", flush=True)
     metadata = lora_metadata(args, rank, step, epochs, total, subsets, started)
     if MODES.get("partial_save_then_hang"):
-        save_lora(final, rank, args.network_alpha, metadata, partial=True)
+        save_lora(final, rank, args.network_alpha, metadata, partial=True, precision=args.save_precision)
         phase_hang()
     phase("saving")
-    save_lora(final, rank, args.network_alpha, metadata)
+    save_lora(final, rank, args.network_alpha, metadata, precision=args.save_precision)
     log("model saved.")
     bar.close()
     sleep("teardown_s", 0.0)

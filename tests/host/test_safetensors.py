@@ -55,12 +55,14 @@ def test_a_lora_that_is_not_the_one_asked_for_is_refused(tmp_path, change, probl
     assert check.problem is not None and problem in check.problem, check
 
 
-def test_the_dtype_check_reads_only_the_lora_weights_not_the_alphas(tmp_path):
-    # sd-scripts saves alpha scalars alongside; only lora_down/lora_up carry the precision the run saved in.
+def test_the_dtype_check_counts_the_alphas_too(tmp_path):
+    # sd-scripts casts every tensor it saves (down, up and the alpha scalars) to --save_precision, so a file
+    # whose alphas alone differ was not written by the run that was asked for.
     check = verify_lora(real_lora(tmp_path / "ohwx.safetensors",
                                   dtype=lambda name: "F16" if name.endswith(".alpha") else None), ASKED)
-    assert check.problem is None, check
-    assert inspect_lora(tmp_path / "ohwx.safetensors").dtypes == {"F32"}
+    assert check.mismatch and "F16" in check.problem, check
+    dtypes = inspect_lora(tmp_path / "ohwx.safetensors").dtypes
+    assert set(dtypes) == {"F32", "F16"} and dtypes["F16"] == dtypes["F32"] // 2
 
 
 def test_a_truncated_file_is_invalid_not_a_mismatch(tmp_path):

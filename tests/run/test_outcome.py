@@ -105,9 +105,9 @@ def test_the_run_never_reads_the_tier_or_dtype_constants():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module == "lora_worker.config":
                 names = {a.name for a in node.names}
-                assert not names & {"TIERS", "Tier", "LORA_SAVE_DTYPE"}, f"{path.name} imports {names}"
+                assert not names & {"TIERS", "Tier", "LORA_DTYPE"}, f"{path.name} imports {names}"
             if isinstance(node, ast.Attribute):
-                assert node.attr not in ("TIERS", "LORA_SAVE_DTYPE"), f"{path.name}:{node.lineno}"
+                assert node.attr not in ("TIERS", "LORA_DTYPE"), f"{path.name}:{node.lineno}"
 
 
 def run_recorded(api, host, db, **recorded: object) -> Job:

@@ -183,8 +183,12 @@ def outcome_text(job: Job) -> str:
         size = f"{job.lora_size / 1e6:.1f} MB" if job.lora_size is not None else "size unknown"
         return f"job {job.id} succeeded: {job.lora_path} ({size})"
     if job.status == JobState.FAILED.value:
-        return f"job {job.id} failed ({job.failure_class}): {job.error or 'no error recorded'}"
-    return f"job {job.id} {job.status}" + (f": {job.error}" if job.error else "")
+        head = f"job {job.id} failed ({job.failure_class})"
+    else:
+        head = f"job {job.id} {job.status}"
+    error = (job.error or ("no error recorded" if job.status == JobState.FAILED.value else "")).splitlines()
+    # The error's first line on the outcome's line; the rest (the log's last lines) indented under it.
+    return head + (f": {error[0]}" if error else "") + "".join(f"\n  {line}" for line in error[1:])
 
 
 def _eta(job: Job) -> str:

@@ -60,8 +60,13 @@ class Lines:
     def __init__(self, proc: subprocess.Popen[str]) -> None:
         self.lines: list[str] = []
         assert proc.stdout is not None
-        self._thread = threading.Thread(target=lambda: self.lines.extend(iter(proc.stdout.readline, "")))
+        self._stdout = proc.stdout
+        self._thread = threading.Thread(target=lambda: self.lines.extend(iter(self._stdout.readline, "")))
         self._thread.start()
+
+    def close(self) -> None:
+        self._thread.join(30)
+        self._stdout.close()
 
     def wait_for(self, text: str, timeout: float) -> None:
         wait_for(lambda: any(text in line for line in self.lines), timeout=timeout, interval=0.2,
@@ -137,6 +142,7 @@ def test_make_demos_flow_from_a_fresh_clone_trains_a_verified_lora_and_labels_th
         if demo.poll() is None:
             demo.kill()
             demo.wait()
+        out.close()
     conn = sqlite3.connect(root / "ledger.sqlite3")
     try:
         assert conn.execute("SELECT status FROM jobs WHERE id = ?", (answer["worker_job_id"],)).fetchone() \

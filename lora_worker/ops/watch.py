@@ -125,7 +125,8 @@ def _watch_live(look: Callable[[], View], out: TextIO, poll_s: float) -> View:
             time.sleep(poll_s)
             view = look()
             live.update(render(view), refresh=True)
-    console.print(Text(outcome_text(view.job)))  # a Text: an error's brackets are not markup
+    # A Text, so an error's brackets are not markup; soft-wrapped, so a long LoRA path stays one line to copy.
+    console.print(Text(outcome_text(view.job)), soft_wrap=True)
     return view
 
 

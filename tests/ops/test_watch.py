@@ -92,7 +92,7 @@ def test_watch_at_a_terminal_redraws_one_panel_in_place_through_the_phases_to_th
     job = client.get(f"/train/{job_id}").get_json()
     lora = Path(job["lora_path"])
     outcome = ANSI.sub("", frames[-1]).split("╯", 1)[1]
-    assert f"job {job_id} succeeded: {lora} ({lora.stat().st_size / 1e6:.1f} MB)" in outcome.replace("\r\n", "")
+    assert f"\r\njob {job_id} succeeded: {lora} ({lora.stat().st_size / 1e6:.1f} MB)\r\n" in outcome  # one line
 
 
 @pytest.mark.slow

@@ -72,10 +72,6 @@ class Host:
     env: dict[str, str]
     settings: Settings
 
-    @property
-    def gpus(self) -> Path:
-        return self.root / "gpus.json"
-
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     """The whole demo. It ends at Ctrl-C (or SIGTERM), which at any point cancels what it started and stops the
@@ -201,20 +197,20 @@ def curl_commands(url: str, job_id: int, version: int, host: Host) -> str:
     lines = [
         "",
         "Each step again, by hand (the server runs without a token: loopback only):",
-        f"  # dispatch another job (202 and its id; the same body twice: 409 output_exists)",
+        "  # dispatch another job (202 and its id; the same body twice: 409 output_exists)",
         f"  curl -s -X POST {url}/train -H 'Content-Type: application/json' -d {body}",
-        f"  # status, and a long poll that answers as soon as the job changes (or after 25 s)",
+        "  # status, and a long poll that answers as soon as the job changes (or after 25 s)",
         f"  curl -s {url}/train/{job_id}",
         f"  curl -s '{url}/train/{job_id}?since={version}&wait=25'",
-        f"  # the run log (its first line says the trainer is simulated), and the loss curve",
+        "  # the run log (its first line says the trainer is simulated), and the loss curve",
         f"  curl -s '{url}/train/{job_id}/log?lines=20'",
         f"  curl -s '{url}/train/{job_id}/progress?points=20'",
         f"  # cancel (202 while it runs; 409 job_finished once it has ended, as job {job_id} has)",
         f"  curl -s -X POST {url}/train/{job_id}/cancel",
-        f"  # the GPUs, and the service's health",
+        "  # the GPUs, and the service's health",
         f"  curl -s {url}/gpu-status",
         f"  curl -s {url}/healthz",
-        f"  # the operator's view, from the ledger",
+        "  # the operator's view, from the ledger",
         f"  {cli} jobs watch        # the active job, live",
         f"  {cli} jobs show {job_id}",
         f"  {cli} doctor",
@@ -254,6 +250,7 @@ def _server(host: Host, out: TextIO) -> Iterator[str]:
     try:
         _wait_until_up(url, proc, log_path)
         _say(out, f"server up: {url} (gunicorn pid {proc.pid}; its log: {_short(log_path)})")
+        _cancel_active(host, url, out)  # a job an earlier demo left running (killed, not stopped) holds the slot
         yield url
     finally:
         _cancel_active(host, url, out)

@@ -110,7 +110,9 @@ class _Looker:
             self._version = job.version
         size = self.reader.size() if self.reader.exists() else 0
         if size != self._log_size:
-            self._lines = [_printable(line) for line in self.reader.tail_lines(LOG_LINES).text.splitlines()]
+            # Blank lines (sd-scripts prints "\nepoch N/M\n") would take the room of the lines worth reading.
+            text = self.reader.tail_lines(LOG_LINES * 4).text
+            self._lines = [_printable(line) for line in text.splitlines() if line.strip()][-LOG_LINES:]
             self._log_size = size
         return View(job, self._losses, self._lines)
 

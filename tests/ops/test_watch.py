@@ -161,3 +161,15 @@ def test_a_flat_curve_is_a_flat_line_and_nan_losses_are_gaps():
     assert sparkline([1.0, float("nan"), None, 0.0], width=4) == BLOCKS[-1] + "  " + BLOCKS[0]
     assert describe_curve([]) == ""
     assert describe_curve([float("nan")]) == " " + "  1 points, no finite loss"  # one blank column
+
+
+def test_the_log_lines_shown_skip_blank_lines_and_cannot_move_the_cursor(db, migrated):
+    from lora_worker.ops.watch import LOG_LINES, _Looker
+    from tests.ops.test_jobs import write_log
+
+    job_id = finished(db, JobState.SUCCEEDED, 0.1)
+    lines = [f"line {i}" for i in range(10)] + ["", "epoch 2/2", "", "evil \x1b[2J\x1b[H here", ""]
+    write_log(migrated, job_id, lines).close()
+    view = _Looker(db, migrated, job_id)()
+    assert list(view.log_lines) == ["line 6", "line 7", "line 8", "line 9", "epoch 2/2", "evil ?[2J?[H here"]
+    assert len(view.log_lines) == LOG_LINES

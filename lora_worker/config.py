@@ -322,5 +322,6 @@ def _devices(table: Mapping[str, Any]) -> Mapping[int, DeviceProfile]:
     return MappingProxyType(profiles)
 
 
-__all__ = ["Settings", "Tier", "TRAINER_KINDS", "SIMULATED", "refuse_simulated_when_deployed", "DeviceProfile", "TIERS", "SDXL_HPARAMS", "LORA_TARGET_PRESETS",
-           "DEFAULT_DEVICES", "load_settings", "settings_to_json", "settings_from_json"]
+__all__ = ["Settings", "Tier", "DeviceProfile", "TIERS", "SDXL_HPARAMS", "LORA_TARGET_PRESETS",
+           "DEFAULT_DEVICES", "TRAINER_KINDS", "SIMULATED", "load_settings", "refuse_simulated_when_deployed",
+           "settings_to_json", "settings_from_json"]

@@ -77,16 +77,12 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_config(settings: Settings, args: argparse.Namespace) -> int:
-    from lora_worker.ops.banner import describe
-
-    describe(settings, sys.stdout, bind=args.bind)
+    banner.describe(settings, sys.stdout, bind=args.bind)
     return 0
 
 
 def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
-    from lora_worker.ops import demo
-
-    return demo.run(args)  # its own simulated host: the caller's settings are not used
+    return demo_cli.run(args)  # its own simulated host: the caller's settings are not used
 
 
 COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], int]] = {

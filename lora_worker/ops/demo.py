@@ -168,7 +168,7 @@ def _show(host: Host, url: str, started: float, out: TextIO) -> int:
     if job["status"] != JobState.SUCCEEDED.value:
         raise DemoError(f"job {job_id} ended {job['status']}: {job.get('failure_class')}: {job.get('error')}")
     _verify(job, body, out)
-    _say(out, f"dispatch to a verified LoRA in {time.monotonic() - started:.1f} s since `demo` started")
+    _say(out, f"a verified LoRA {time.monotonic() - started:.1f} s after the demo started")
     again = {**body, "output_name": f"{TRIGGER}_lora_again"}  # a new name: the first output exists now
     (host.root / "next-request.json").write_text(json.dumps(again, indent=2) + "\n")
     out.write(curl_commands(url, job_id, job["version"], host))

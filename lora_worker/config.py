@@ -94,6 +94,13 @@ DEFAULT_DEVICES: Mapping[int, DeviceProfile] = MappingProxyType(
     }
 )
 
+# What `trainer_kind` may say. "simulated" is the test double of sd-scripts (tests/fakes/) that `make demo`
+# installs: it trains nothing. It is for a development server only, so it is refused from a config file (the
+# deployed settings are one), under systemd, and next to an API token (see `refuse_simulated_when_deployed`).
+TRAINER_KINDS = ("sd-scripts", "simulated")
+SIMULATED = "simulated"
+SIMULATED_ENV = "LORA_WORKER_TRAINER_KIND"
+
 # Free space the output volume needs: the final LoRA (float32, dim 32: ~0.35 GB) plus headroom.
 DEFAULT_DISK_MIB: Mapping[str, int] = MappingProxyType({"fast": 1024, "balanced": 2048, "quality": 2048})
 
@@ -123,6 +130,7 @@ class Settings:
     accelerate: Path = Path("/opt/fluxgym/.venv/bin/accelerate")
     sd_scripts_dir: Path = Path("/opt/fluxgym/sd-scripts")
     tokenizer_cache_dir: Path = Path("/opt/fluxgym/tokenizers")
+    trainer_kind: str = "sd-scripts"  # or "simulated": labelled on /healthz, in doctor and in each run log
     hf_home: Path | None = None  # worker-owned; defaults to <state_dir>/hf
     cpu_threads: int = 4
     child_path: str = "/usr/local/bin:/usr/bin:/bin"
@@ -153,6 +161,15 @@ class Settings:
     api_token_file: Path | None = None  # without systemd; `$CREDENTIALS_DIRECTORY/api_token` wins when present
     max_body_bytes: int = 64 * 1024
     long_poll_slots: int = 4  # below gunicorn's 8 threads: waiting clients never starve a cancel
+
+    def __post_init__(self) -> None:
+        if self.trainer_kind not in TRAINER_KINDS:
+            raise ConfigError(f"setting 'trainer_kind': {self.trainer_kind!r} is not one of {list(TRAINER_KINDS)}")
+
+    @property
+    def simulated(self) -> bool:
+        """Whether the trainer is the test double: the worker then trains nothing, and says so everywhere."""
+        return self.trainer_kind == SIMULATED
 
     @property
     def database_path(self) -> Path:
@@ -192,11 +209,32 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     config_path = environ.get(ENV_PREFIX + "CONFIG")
     if config_path:
         values.update(_read_toml(Path(config_path)))
+        if values.get("trainer_kind") == SIMULATED:
+            raise ConfigError(f"{config_path}: trainer_kind = \"simulated\" is refused in a config file (the deployed "
+                              f"settings are one); a development server sets {SIMULATED_ENV}=simulated instead")
     for f in fields(Settings):
         raw = environ.get(ENV_PREFIX + f.name.upper())
         if raw is not None and f.name not in _TABLE_FIELDS:
             values[f.name] = raw
-    return Settings(**{name: _coerce(name, value) for name, value in values.items()})
+    settings = Settings(**{name: _coerce(name, value) for name, value in values.items()})
+    refuse_simulated_when_deployed(settings, environ)
+    return settings
+
+
+def refuse_simulated_when_deployed(settings: Settings, environ: Mapping[str, str]) -> None:
+    """A simulated trainer reports LoRAs nobody trained: never under systemd or next to an API token.
+
+    systemd sets INVOCATION_ID for every unit it runs and CREDENTIALS_DIRECTORY where it hands over the token;
+    a token file means clients other than this host's developer. Without a token the web app already refuses
+    any address but loopback, so a simulated worker is a development server on loopback or nothing."""
+    if not settings.simulated:
+        return
+    deployed = [name for name in ("INVOCATION_ID", "CREDENTIALS_DIRECTORY") if environ.get(name)]
+    if settings.api_token_file is not None:
+        deployed.append("api_token_file")
+    if deployed:
+        raise ConfigError("trainer_kind 'simulated' is for a development server only; refused with "
+                          + ", ".join(deployed) + " set (a deployed worker runs the real sd-scripts)")
 
 
 def settings_to_json(settings: Settings) -> str:
@@ -296,5 +334,6 @@ def _devices(table: Mapping[str, Any]) -> Mapping[int, DeviceProfile]:
 
 
 __all__ = ["Settings", "Tier", "DeviceProfile", "TIERS", "SDXL_HPARAMS", "LORA_TARGET_PRESETS",
-           "DEFAULT_LORA_TARGETS", "SAVE_PRECISION_DTYPES", "LORA_DTYPE", "DEFAULT_DEVICES", "load_settings",
+           "DEFAULT_LORA_TARGETS", "SAVE_PRECISION_DTYPES", "LORA_DTYPE", "DEFAULT_DEVICES", "TRAINER_KINDS",
+           "SIMULATED", "load_settings", "refuse_simulated_when_deployed",
            "settings_to_json", "settings_from_json"]

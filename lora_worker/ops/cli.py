@@ -1,4 +1,4 @@
-"""`lora-worker`: the operator's commands (migrate, reconcile, serve, jobs …, doctor)."""
+"""`lora-worker`: the operator's commands (migrate, reconcile, serve, jobs …, doctor, config, demo)."""
 from __future__ import annotations
 
 import argparse
@@ -7,6 +7,8 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from lora_worker.ops import banner
+from lora_worker.ops import demo as demo_cli
 from lora_worker.ops import jobs as jobs_cli
 from lora_worker.config import Settings, load_settings
 from lora_worker.errors import LoraWorkerError
@@ -74,12 +76,23 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
     return jobs_cli.run(settings, args)
 
 
+def cmd_config(settings: Settings, args: argparse.Namespace) -> int:
+    banner.describe(settings, sys.stdout, bind=args.bind)
+    return 0
+
+
+def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
+    return demo_cli.run(args)  # its own simulated host: the caller's settings are not used
+
+
 COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], int]] = {
     "migrate": cmd_migrate,
     "reconcile": cmd_reconcile,
     "serve": cmd_serve,
     "doctor": cmd_doctor,
     "jobs": cmd_jobs,
+    "demo": cmd_demo,
+    "config": cmd_config,
 }
 
 
@@ -92,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="migrate, reconcile and run gunicorn")
     serve.add_argument("--bind", default=None, help="override the `bind` setting (default 127.0.0.1:8203)")
     jobs_cli.add_parser(sub)
+    demo_cli.add_parser(sub)
+    banner.add_parser(sub)
     return parser
 
 

@@ -52,8 +52,9 @@ def _gpu_checks(settings: Settings, nvml: Nvml) -> Iterator[Check]:
 
 def _trainer_checks(settings: Settings) -> Iterator[Check]:
     missing = missing_trainer_parts(settings)
-    yield Check("trainer", not missing, "accelerate, sdxl_train_network.py and both CLIP tokenizers present"
-                if not missing else "missing " + "; ".join(missing))
+    kind = "simulated (the test double: no GPU, nothing learned); " if settings.simulated else ""
+    yield Check("trainer", not missing, kind + ("accelerate, sdxl_train_network.py and both CLIP tokenizers present"
+                if not missing else "missing " + "; ".join(missing)))
     for directory in settings.model_dirs:
         yield Check(f"models dir {directory}", directory.is_dir(), "present" if directory.is_dir() else "missing")
 

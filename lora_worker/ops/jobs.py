@@ -1,4 +1,5 @@
-"""`lora-worker jobs …`: the ledger for an operator at a terminal: ls, show, log [-f], cancel [--all], prune.
+"""`lora-worker jobs …`: the ledger for an operator at a terminal: ls, show, watch, log [-f], cancel [--all],
+prune.
 
 It talks to the ledger directly, not to the HTTP API, so it works while the web service is stopped (a
 `systemctl stop` leaves training running; `jobs cancel --all` is how to stop it). Like a request, every
@@ -25,6 +26,7 @@ from lora_worker.reconcile import current_job, reconcile
 from lora_worker.states import ACTIVE_STATES, JobState
 from lora_worker.run.logfile import LogReader
 from lora_worker.ops.retention import prune
+from lora_worker.ops.watch import describe_curve, watch
 
 log = logging.getLogger("lora_worker.jobs")
 
@@ -40,6 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     ls.add_argument("--status", action="append", choices=[s.value for s in JobState], default=[])
     ls.add_argument("--limit", type=_positive_int, default=20)
     cmd.add_parser("show", help="one job and its event history").add_argument("job_id", type=_positive_int)
+    live = cmd.add_parser("watch", help="a job live until it ends: progress, ETA, loss curve, log (0 if it succeeded)")
+    live.add_argument("job_id", nargs="?", type=_positive_int, help="default: the active job")
     follow = cmd.add_parser("log", help="a job's run log")
     follow.add_argument("job_id", type=_positive_int)
     follow.add_argument("-f", "--follow", action="store_true", help="keep printing until the job has ended")
@@ -84,6 +88,7 @@ def cmd_show(db: Database, settings: Settings, args: argparse.Namespace, out: Te
         "dataset": f"{job.dataset_dir} ({job.image_count} images x {job.repeats} repeats)",
         "output": job.lora_file,
         "progress": _progress(job),
+        "loss curve": describe_curve([p.loss for p in repo.progress_points(db, job.id)]) or None,
         "created": _time(job.created_at), "started": _time(job.started_at), "finished": _time(job.finished_at),
         "run time": _run_time(job), "cancel requested": _time(job.cancel_requested_at),
         "lora": job.lora_path, "failure": job.failure_class, "exit code": job.exit_code, "signal": job.signal,
@@ -100,6 +105,18 @@ def cmd_show(db: Database, settings: Settings, args: argparse.Namespace, out: Te
     _table(out, ("AT", "FROM", "TO", "ACTOR", "REASON"),
            [(_time(e.at), e.from_status or "-", e.to_status, e.actor, e.reason or "") for e in events], indent=2)
     return 0
+
+
+def cmd_watch(db: Database, settings: Settings, args: argparse.Namespace, out: TextIO) -> int:
+    job_id = args.job_id
+    if job_id is None:
+        reconcile(db, settings, actor="cli")
+        active = repo.active_job(db)
+        if active is None:
+            out.write("no active job; name one: lora-worker jobs watch ID (lora-worker jobs ls lists them)\n")
+            return 1
+        job_id = active.id
+    return watch(db, settings, job_id, out)
 
 
 def cmd_log(db: Database, settings: Settings, args: argparse.Namespace, out: TextIO) -> int:
@@ -156,7 +173,7 @@ def cmd_prune(db: Database, settings: Settings, args: argparse.Namespace, out: T
 
 
 COMMANDS: dict[str, Callable[[Database, Settings, argparse.Namespace, TextIO], int]] = {
-    "ls": cmd_ls, "show": cmd_show, "log": cmd_log, "cancel": cmd_cancel, "prune": cmd_prune,
+    "ls": cmd_ls, "show": cmd_show, "watch": cmd_watch, "log": cmd_log, "cancel": cmd_cancel, "prune": cmd_prune,
 }
 
 

@@ -124,7 +124,7 @@ class Runner:
     # -- the trainer -------------------------------------------------------------------------------------
 
     def _run_trainer(self, job: Job) -> Outcome:
-        self.output.note(f"job {job.id}: {shlex.join(job.argv)}")
+        self.output.note(("SIMULATED trainer (a test double: no GPU, nothing learned); " if self.settings.simulated else "") + f"job {job.id}: {shlex.join(job.argv)}")
         processes.set_child_subreaper()
         started = time.time()
         self._activity_at = time.monotonic()  # the watchdog counts from the trainer's start, not the supervisor's

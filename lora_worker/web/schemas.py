@@ -337,6 +337,7 @@ class HealthSchema(Schema):
     status = fields.String()
     active_job_id = fields.Integer(allow_none=True)
     nvml = fields.String()
+    trainer = fields.String(metadata={"description": "sd-scripts, or simulated: the test double, which trains nothing"})
 
 
 class ErrorSchema(Schema):

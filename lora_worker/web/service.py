@@ -120,7 +120,8 @@ class Worker:
             nvml = "ok"
         except NvmlUnavailable as exc:
             nvml = f"unavailable: {exc.message}"
-        return {"status": "ok", "active_job_id": active.id if active else None, "nvml": nvml}
+        return {"status": "ok", "active_job_id": active.id if active else None, "nvml": nvml,
+                "trainer": self.settings.trainer_kind}
 
     def reconcile_active(self) -> None:
         reconcile(self.db, self.settings, actor="api")

@@ -1,0 +1,144 @@
+"""A host without a GPU or sd-scripts, made to look like the real one: the simulated trainer (the test double
+in tests/fakes/), a pair of simulated GPUs, a tiny SDXL checkpoint and a kohya dataset.
+
+`make demo` builds it; it is the same trainer the tests run, installed the same way. The launcher's first
+line names this interpreter, not `python3` from PATH: the worker hands the trainer a restricted PATH, on
+which `/usr/bin/env python3` finds the system Python, without tqdm.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lora_worker.config import REPO_ROOT
+
+FAKES = REPO_ROOT / "tests" / "fakes"
+LAUNCHER = "accelerate"
+TOKENIZER_DIRS = ("openai_clip-vit-large-patch14", "laion_CLIP-ViT-bigG-14-laion2B-39B-b160k")
+TTS_NAME = "tts_server (simulated)"  # what tts_process_pattern matches on the 24 GB card
+TTS_COMM = "tts_server"
+
+# Enough of an SDXL checkpoint for the base-model check: the U-Net, both text encoders and the VAE.
+SDXL_TINY: Mapping[str, tuple[str, list[int]]] = {
+    "model.diffusion_model.input_blocks.0.0.weight": ("F16", [4, 4, 3, 3]),
+    "model.diffusion_model.out.2.bias": ("F16", [4]),
+    "conditioner.embedders.0.transformer.text_model.final_layer_norm.weight": ("F16", [8]),
+    "conditioner.embedders.1.model.ln_final.weight": ("F16", [8]),
+    "first_stage_model.decoder.conv_in.bias": ("F16", [8]),
+}
+DTYPE_BYTES = {"F32": 4, "F16": 2}
+
+
+def install_simulated_trainer(root: Path, python: str = sys.executable) -> dict[str, Path]:
+    """Lay out a trainer install shaped like fluxgym's under `root`: venv/bin/accelerate, sd-scripts/, tokenizers/.
+
+    Returns the three settings that point the worker at it. Safe to run again over an earlier install."""
+    if not (FAKES / LAUNCHER).is_file():
+        raise FileNotFoundError(f"the simulated trainer is not in this checkout: {FAKES} is missing")
+    venv_bin = root / "venv" / "bin"
+    venv_bin.mkdir(parents=True, exist_ok=True)
+    launcher = venv_bin / LAUNCHER
+    body = (FAKES / LAUNCHER).read_text().split("\n", 1)[1]
+    launcher.write_text(f"#!{python}\n{body}")
+    launcher.chmod(0o755)
+    sd_scripts = root / "sd-scripts"
+    sd_scripts.mkdir(exist_ok=True)
+    for source in sorted(FAKES.iterdir()):  # every file of the fake: the trainer script and what it reads
+        if source.is_file() and source.name != LAUNCHER:
+            shutil.copy(source, sd_scripts / source.name)
+    tokenizers = root / "tokenizers"
+    for name in TOKENIZER_DIRS:  # what an offline install holds; the fake only checks they are there
+        (tokenizers / name).mkdir(parents=True, exist_ok=True)
+        (tokenizers / name / "vocab.json").write_text("{}")
+        (tokenizers / name / "merges.txt").write_text("#version: 0.2\n")
+    return {"accelerate": launcher, "sd_scripts_dir": sd_scripts, "tokenizer_cache_dir": tokenizers}
+
+
+def set_trainer_modes(sd_scripts_dir: Path, **modes: Any) -> None:
+    """The fake's knobs (`step_s`, `load_s`, …), read from its working directory, the sd-scripts dir."""
+    (sd_scripts_dir / "fake_trainer.json").write_text(json.dumps(modes))
+
+
+def start_tts_stand_in() -> subprocess.Popen[bytes]:
+    """A sleeping process named like a TTS server: the foreign compute process on the 24 GB card."""
+    # Its name (what /gpu-status and a 409 gpu_busy show) is set the way a real server's is: in /proc/self/comm.
+    code = f"open('/proc/self/comm', 'w').write({TTS_COMM!r})\nimport time\nwhile True: time.sleep(3600)"
+    return subprocess.Popen([TTS_NAME, "-c", code],  # noqa: S603
+                            executable=sys.executable, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def write_gpus(path: Path, tts_pid: int | None) -> Path:
+    """The `nvml_fake_file`: a 24 GB card at bus 01 running TTS (6 GiB), and an idle 48 GB card at bus 02."""
+    tts = [{"pid": tts_pid, "used_mib": 6_144}] if tts_pid else []
+    doc = {"devices": [
+        {"name": "NVIDIA GeForce RTX 3090 (simulated)", "uuid": "GPU-SIMULATED-3090", "pci_bus_id": "00000000:01:00.0",
+         "memory_total_mib": 24_576, "memory_used_mib": 6_400, "utilization_pct": 31, "temperature_c": 52,
+         "processes": tts},
+        {"name": "NVIDIA RTX A6000 (simulated)", "uuid": "GPU-SIMULATED-A6000", "pci_bus_id": "00000000:02:00.0",
+         "memory_total_mib": 49_140, "memory_used_mib": 310, "utilization_pct": 0, "temperature_c": 34,
+         "processes": []},
+    ]}
+    path.write_text(json.dumps(doc, indent=2))
+    return path
+
+
+def write_base_model(path: Path) -> Path:
+    """A well-formed single-file SDXL checkpoint (zero weights): enough for the worker's header check."""
+    header: dict[str, Any] = {"__metadata__": {"note": "simulated SDXL checkpoint: zero weights"}}
+    offset = 0
+    for name, (dtype, shape) in SDXL_TINY.items():
+        size = DTYPE_BYTES[dtype] * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * offset)
+    return path
+
+
+def write_dataset(train_dir: Path, trigger: str, subject_class: str, repeats: int, images: int) -> Path:
+    """`<train_dir>/dataset/<repeats>_<trigger> <class>/imgN.png` + captions; returns the dataset dir."""
+    dataset = train_dir / "dataset"
+    folder = dataset / f"{repeats}_{trigger} {subject_class}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(images):
+        (folder / f"img{i}.png").write_bytes(_png(64, 64, shade=40 + 30 * i))
+        (folder / f"img{i}.txt").write_text(f"{trigger} {subject_class}, portrait, photo {i + 1}\n")
+    return dataset
+
+
+def make_shared_dir(path: Path) -> None:
+    """The train root as the deployed host has it: setgid and group-writable, closed to others."""
+    path.mkdir(parents=True, exist_ok=True)
+    os.chmod(path, 0o2770)
+
+
+def _png(width: int, height: int, shade: int) -> bytes:
+    """A real greyscale PNG: a diagonal gradient."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    rows = b"".join(b"\0" + bytes((shade + x + y) % 256 for x in range(width)) for y in range(height))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))

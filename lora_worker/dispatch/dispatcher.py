@@ -25,7 +25,7 @@ from lora_worker.dispatch.dataset import DatasetManifest, inspect_dataset
 from lora_worker.dispatch.disk import require_free_space
 from lora_worker.dispatch.model import check_base_model
 from lora_worker.dispatch.request import TrainRequest, check_device
-from lora_worker.errors import IdempotencyKeyReused, JobActive, LaunchFailed, OutputExists
+from lora_worker.errors import IdempotencyKeyReused, JobActive, LaunchFailed
 from lora_worker.host.fingerprint import sd_scripts_commit, trainer_versions
 from lora_worker.host.nvml import Nvml
 from lora_worker.host.trainer import require_trainer
@@ -80,9 +80,7 @@ class Dispatcher:
         request = self.resolve(request)
         manifest = inspect_dataset(Path(request.dataset_dir), request.kohya_folder)
         check_base_model(Path(request.base_model_path))
-        if Path(request.lora_file).exists():
-            raise OutputExists(f"{request.lora_file} already exists; choose another output_name.",
-                               path=request.lora_file)
+        paths.require_no_output(request.lora_file)
         active = repo.active_job(self.db)
         if active is not None:
             raise JobActive(f"Job {active.id} is already active; one training runs at a time.",
@@ -95,9 +93,10 @@ class Dispatcher:
         job = repo.create_job(self.db, columns)
         try:
             try:
-                paths.create_output_dir(Path(request.output_dir))
+                output_id = paths.create_output_dir(Path(request.output_dir))
             except OSError as exc:
                 raise LaunchFailed(f"Cannot create {request.output_dir}: {exc.strerror or exc}.") from exc
+            repo.record_output_identity(self.db, job.id, str(output_id))
             self.launch(job.id, self.settings)
         except LaunchFailed as exc:
             repo.transition(self.db, job.id, JobState.FAILED, actor="api", reason=exc.message,
@@ -132,6 +131,7 @@ class Dispatcher:
             "total_steps": TIERS[request.tier].max_train_steps,
             # the reproducibility fingerprint, as far as it is known before the run
             "dataset_sha256": manifest.sha256(),
+            **manifest.identities(),  # compared again right before exec
             "sd_scripts_commit": sd_scripts_commit(self.settings.sd_scripts_dir),
             "trainer_versions": trainer_versions(self.settings.accelerate),
             "estimated_duration_s": estimate_duration(repo.durations_of_similar_jobs(

@@ -2,6 +2,7 @@
 that blocks, sees every folder sd-scripts would train on, and refuses a LoRA path that holds anything."""
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 import sqlite3
@@ -14,9 +15,11 @@ from lora_worker.dispatch import paths
 from lora_worker.dispatch.dataset import CAPTION_MAX_BYTES
 from lora_worker.errors import InvalidRequest
 from lora_worker.host import fs
-from tests.helpers import job_rows as rows, png_bytes
+from lora_worker.states import TERMINAL_STATES
+from tests.helpers import job_rows as rows, png_bytes, set_modes, wait_for
 
 FOLDER = "10_ohwx woman"
+TERMINAL = {s.value for s in TERMINAL_STATES}
 
 
 def refused(response, settings, launches, status: int = 422, code: str = "dataset_invalid") -> str:
@@ -257,3 +260,54 @@ def test_the_checked_directories_identities_are_recorded_with_the_job(api, host)
     expected = tuple(str(fs.FileId.of(os.stat(p))) for p in (
         host.dataset, host.dataset / FOLDER, host.dataset.parent / "output"))
     assert row == expected
+
+
+# -- the artifact, end to end with the real supervisor --------------------------------------------------------
+
+def run_until_saved(client, host, **modes) -> int:
+    """Start a real run that pauses after `model saved.` (the trainer's teardown), and wait for that line."""
+    set_modes(host.sd_scripts, teardown_s=3.0, **modes)
+    response = client.post("/train", json=host.payload())
+    assert response.status_code == 202, response.get_json()
+    job_id = response.get_json()["worker_job_id"]
+    wait_for(lambda: "model saved." in client.get(f"/train/{job_id}/log?lines=50").get_json()["text"],
+             what="model saved.")
+    return job_id
+
+
+def final(client, job_id: int, timeout: float = 30.0) -> dict:
+    return wait_for(lambda: (j := client.get(f"/train/{job_id}").get_json())["status"] in TERMINAL and j,
+                    timeout=timeout, what=f"job {job_id} to end")
+
+
+@pytest.mark.slow
+def test_a_fifo_swapped_in_after_model_saved_fails_the_job_without_blocking_the_supervisor(client, host):
+    job_id = run_until_saved(client, host)
+    lora = host.dataset.parent / "output" / "ohwx_lora.safetensors"
+    lora.unlink()
+    os.mkfifo(lora)
+    done = final(client, job_id)
+    assert (done["status"], done["failure_class"]) == ("failed", "artifact_invalid"), done
+    assert "FIFO" in done["error"] and done["lora_path"] is None
+
+
+@pytest.mark.slow
+def test_a_link_swapped_in_after_model_saved_is_not_reported_as_the_lora(client, host):
+    job_id = run_until_saved(client, host)
+    lora = host.dataset.parent / "output" / "ohwx_lora.safetensors"
+    kept = host.root / "elsewhere.safetensors"
+    lora.rename(kept)  # the real LoRA, moved out of the root; a link to it in its place
+    lora.symlink_to(kept)
+    done = final(client, job_id)
+    assert (done["status"], done["failure_class"]) == ("failed", "artifact_invalid"), done
+    assert "symlink" in done["error"]
+
+
+@pytest.mark.slow
+def test_a_lora_whose_mtime_is_before_the_run_still_succeeds_the_wall_clock_may_step_back(client, host):
+    job_id = run_until_saved(client, host)
+    lora = host.dataset.parent / "output" / "ohwx_lora.safetensors"
+    os.utime(lora, (1_000_000_000, 1_000_000_000))  # as if the clock had stepped back to 2001 during the run
+    done = final(client, job_id)
+    assert done["status"] == "succeeded", done
+    assert done["lora_sha256"] == hashlib.sha256(lora.read_bytes()).hexdigest()

@@ -33,8 +33,11 @@ def what_moved(job: Job) -> str | None:
             now = fs.FileId.of(os.fstat(fds[label]))
             if recorded is not None and now != fs.FileId.parse(recorded):
                 return f"{label} {path} is not the directory that was checked (was {recorded}, now {now})"
-        return (_new_subset(fds["dataset_dir"], folder) or _unsafe_entry(fds["the kohya folder"], folder)
-                or _lora_present(fds["output_dir"], job.output_name))
+        try:
+            return (_new_subset(fds["dataset_dir"], folder) or _unsafe_entry(fds["the kohya folder"], folder)
+                    or _lora_present(fds["output_dir"], job.output_name))
+        except OSError as exc:  # made unreadable meanwhile: as good as moved
+            return f"the dataset or output_dir can no longer be listed ({exc.strerror or exc})"
     finally:
         for fd in fds.values():
             os.close(fd)

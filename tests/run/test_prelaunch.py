@@ -120,3 +120,13 @@ def test_a_swap_after_the_202_ends_the_job_as_launch_error_and_the_trainer_never
     assert "Refusing to start the trainer" in done.error and "symlink" in done.error
     assert not record.exists(), "the trainer ran"
     assert not list(outside.glob("*.safetensors")), "something was written outside"
+
+
+def test_a_folder_that_can_no_longer_be_listed_is_a_reason_not_a_supervisor_error(accepted, monkeypatch):
+    from lora_worker.host import fs
+
+    def denied(dir_fd: int) -> list:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(fs, "list_entries", denied)
+    assert what_moved(accepted) == "the dataset or output_dir can no longer be listed (Permission denied)"

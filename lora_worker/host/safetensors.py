@@ -214,10 +214,3 @@ def _sha256(fh: BinaryIO, chunk: int = 1 << 20) -> str:
         digest.update(block)
     return digest.hexdigest()
 
-
-def sha256_of(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()

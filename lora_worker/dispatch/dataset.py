@@ -1,22 +1,28 @@
 """The dataset as sd-scripts will read it: `<dataset_dir>/<repeats>_<trigger> <class>/` with images and
 `.txt` captions. Checked before a job is accepted, because sd-scripts reports most problems late or not at all
 (no images: exit 0 and no file; a 0-byte caption: a crash after start-up).
+
+The dataset is written by arbo and its users, so it is read as a hostile party may have made it
+(`lora_worker.host.fs`): no link is followed, nothing is opened that could block, and every entry the trainer
+will open (the kohya folder, each image, each caption) must be a regular file or a real directory inside the
+dataset. A link to a secret would otherwise be trained on, and its caption copied into the LoRA's metadata
+(`ss_tag_frequency`), which arbo downloads.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from lora_worker.errors import DatasetInvalid
+from lora_worker.host import fs, kohya
 
-# sd-scripts' extensions (library/train_util.py IMAGE_EXTENSIONS), matched case-insensitively.
-IMAGE_EXTENSIONS = frozenset({".png", ".jpg", ".jpeg", ".webp", ".bmp"})
-CAPTION_EXTENSION = ".txt"
-KOHYA_FOLDER = re.compile(r"^(\d+)_")
+# The most a caption may hold. sd-scripts uses only its first line, and captions become LoRA metadata; a
+# caption past this is refused rather than read (one linked to /dev/zero never ends).
+CAPTION_MAX_BYTES = 64 * 1024
 
 _MAGIC: dict[str, tuple[bytes, ...]] = {
     ".png": (b"\x89PNG\r\n\x1a\n",),
@@ -35,10 +41,13 @@ class DatasetImage:
 
 @dataclass(frozen=True)
 class DatasetManifest:
-    """The images of the kohya folder, in name order; the fingerprint hashes this."""
+    """The images of the kohya folder, in name order; the fingerprint hashes this. The identities are those
+    of the directories as they were checked; the supervisor refuses to start if either has been replaced."""
 
     folder: str
     images: tuple[DatasetImage, ...]
+    dataset_id: fs.FileId | None = None
+    folder_id: fs.FileId | None = None
 
     @property
     def image_count(self) -> int:
@@ -49,80 +58,142 @@ class DatasetManifest:
         body = json.dumps({"folder": self.folder, "images": doc}, sort_keys=True, ensure_ascii=False)
         return hashlib.sha256(body.encode()).hexdigest()
 
+    def identities(self) -> dict[str, str | None]:
+        """The ledger columns the pre-exec check compares against."""
+        return {"dataset_dev_ino": str(self.dataset_id) if self.dataset_id else None,
+                "kohya_dev_ino": str(self.folder_id) if self.folder_id else None}
+
 
 def inspect_dataset(dataset_dir: Path, folder_name: str) -> DatasetManifest:
     """Check the kohya folder and read its manifest; DatasetInvalid says what was expected."""
-    folder = dataset_dir / folder_name
-    _check_other_folders(dataset_dir, folder_name)
-    if not folder.is_dir():
+    dataset_fd = _open_dataset(dataset_dir)
+    try:
+        entries = dict(_entries(dataset_fd, dataset_dir))
+        _check_other_folders(entries, folder_name)
+        folder_fd = _open_folder(dataset_fd, dataset_dir, folder_name, entries.get(folder_name))
+        try:
+            manifest = _read_folder(folder_fd, folder_name)
+            return DatasetManifest(folder=folder_name, images=manifest,
+                                   dataset_id=fs.FileId.of(os.fstat(dataset_fd)),
+                                   folder_id=fs.FileId.of(os.fstat(folder_fd)))
+        finally:
+            os.close(folder_fd)
+    finally:
+        os.close(dataset_fd)
+
+
+def _open_dataset(dataset_dir: Path) -> int:
+    try:
+        return fs.open_dir(str(dataset_dir))
+    except fs.Refused as exc:
+        raise DatasetInvalid({"dataset_dir": [f"{exc}; the dataset is read without following links."]}) from exc
+    except OSError as exc:
+        raise DatasetInvalid({"dataset_dir": [f"Cannot open {dataset_dir}: {exc.strerror or exc}."]}) from exc
+
+
+def _check_other_folders(entries: dict[str, os.stat_result], expected: str) -> None:
+    """sd-scripts takes every sub-directory whose name it reads as repeats >= 1 (its `is_dir()` follows links):
+    another one would be trained on silently, and `image_count` would not count it."""
+    problems = []
+    for name, st in sorted(entries.items()):
+        repeats = kohya.subset_repeats(name)
+        if name == expected or repeats is None or not (stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+            continue
+        tokens = "_".join(name.split("_")[1:])
+        problems.append(f"{name!r} ({fs.kind_of(st.st_mode)}): sd-scripts would train on it as another subset "
+                        f"with {repeats} repeats and class tokens {tokens!r}; only {expected!r} may be there.")
+    if problems:
+        raise DatasetInvalid({"dataset_dir": problems[:10]})
+
+
+def _open_folder(dataset_fd: int, dataset_dir: Path, name: str, st: os.stat_result | None) -> int:
+    if st is None:
         raise DatasetInvalid({"dataset_dir": [
-            f"Expected the folder {folder_name!r} (<repeats>_<trigger> <subject_class>) inside {dataset_dir}."]})
-    images = [entry for entry in sorted(_entries(folder), key=lambda e: e.name)
-              if entry.is_file() and Path(entry.name).suffix.lower() in IMAGE_EXTENSIONS]
+            f"Expected the folder {name!r} (<repeats>_<trigger> <subject_class>) inside {dataset_dir}."]})
+    if not stat.S_ISDIR(st.st_mode):
+        raise DatasetInvalid({"dataset_dir": [
+            f"{name!r} is a {fs.kind_of(st.st_mode)}; the kohya folder must be a real directory in the dataset."]})
+    try:
+        return fs.open_subdir(dataset_fd, name)
+    except OSError as exc:  # replaced since the listing, or not ours to read
+        raise DatasetInvalid({"dataset_dir": [f"Cannot open {name!r}: {exc}."]}) from exc
+
+
+def _read_folder(folder_fd: int, folder_name: str) -> tuple[DatasetImage, ...]:
+    entries = dict(_entries(folder_fd, Path(folder_name)))
+    images = [name for name in sorted(entries) if kohya.is_trained_image(name)]
     if not images:
         raise DatasetInvalid({"dataset_dir": [
-            f"{folder_name!r} holds no images ({', '.join(sorted(IMAGE_EXTENSIONS))})."]})
+            f"{folder_name!r} holds no images ({', '.join(kohya.IMAGE_EXTENSIONS)})."]})
     problems: list[str] = []
     manifest = []
-    for entry in images:
-        path = Path(entry.path)
-        problem = _image_problem(path)
-        caption, caption_problem = _read_caption(path.with_suffix(CAPTION_EXTENSION))
-        problems += [p for p in (problem, caption_problem) if p]
-        manifest.append(DatasetImage(entry.name, entry.stat().st_size, caption))
+    for name in images:
+        size, problem = _check_image(folder_fd, name, entries[name])
+        caption_file = kohya.caption_name(name)
+        caption, caption_problem = _read_caption(folder_fd, caption_file, entries.get(caption_file))
+        problems += [f"{folder_name}/{p}" for p in (problem, caption_problem) if p]
+        manifest.append(DatasetImage(name, size, caption))
     if problems:
         shown = problems[:10] + ([f"… and {len(problems) - 10} more"] if len(problems) > 10 else [])
         raise DatasetInvalid({"dataset_dir": shown})
-    return DatasetManifest(folder=folder_name, images=tuple(manifest))
+    return tuple(manifest)
 
 
-def _check_other_folders(dataset_dir: Path, expected: str) -> None:
-    # sd-scripts trains on every `<n>_name` folder with n >= 1; another one would change the run silently.
-    others = sorted(e.name for e in _entries(dataset_dir)
-                    if e.is_dir() and e.name != expected and (m := KOHYA_FOLDER.match(e.name)) and int(m[1]) > 0)
-    if others:
-        raise DatasetInvalid({"dataset_dir": [
-            f"Holds other training folders {others}; only {expected!r} may be there."]})
-
-
-def _entries(directory: Path) -> list[os.DirEntry[str]]:
+def _entries(dir_fd: int, shown: Path) -> list[tuple[str, os.stat_result]]:
     # A folder the worker may not list (made 0700 by another user) is the request's problem: a 422, not a 500.
     try:
-        with os.scandir(directory) as it:
-            return list(it)
+        return fs.list_entries(dir_fd)
     except OSError as exc:
-        raise DatasetInvalid({"dataset_dir": [f"Cannot list {directory}: {exc.strerror}."]}) from exc
+        raise DatasetInvalid({"dataset_dir": [f"Cannot list {shown}: {exc.strerror or exc}."]}) from exc
 
 
-def _image_problem(path: Path) -> str | None:
+def _check_image(folder_fd: int, name: str, st: os.stat_result) -> tuple[int, str | None]:
+    """(size, problem). Only a regular file is opened, never through a link, and only its first bytes read."""
+    if not stat.S_ISREG(st.st_mode):
+        return 0, f"{name}: a {fs.kind_of(st.st_mode)}; images must be regular files in the dataset"
     try:
-        with path.open("rb") as fh:
-            head = fh.read(16)
+        fd, st = fs.open_regular(folder_fd, name)
     except OSError as exc:
-        return f"{path.name}: unreadable ({exc.strerror})"
+        return 0, f"{name}: unreadable ({exc.strerror or exc})"
+    try:
+        head = os.read(fd, 16)
+    except OSError as exc:
+        return st.st_size, f"{name}: unreadable ({exc.strerror or exc})"
+    finally:
+        os.close(fd)
     if not head:
-        return f"{path.name}: empty file"
-    suffix = path.suffix.lower()
+        return st.st_size, f"{name}: empty file"
+    suffix = os.path.splitext(name)[1].lower()
     if suffix == ".webp":
         ok = head[:4] == b"RIFF" and head[8:12] == b"WEBP"
     else:
         ok = head.startswith(_MAGIC[suffix])
-    return None if ok else f"{path.name}: not a {suffix[1:]} image"
+    return st.st_size, None if ok else f"{name}: not a {suffix[1:]} image"
 
 
-def _read_caption(path: Path) -> tuple[str | None, str | None]:
+def _read_caption(folder_fd: int, name: str, st: os.stat_result | None) -> tuple[str | None, str | None]:
     """(first line, problem). sd-scripts asserts on a 0-byte caption and raises on non-UTF-8."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+    if st is None:
         return None, None  # sd-scripts then uses the folder's class tokens as the caption
+    if not stat.S_ISREG(st.st_mode):
+        return None, f"{name}: a {fs.kind_of(st.st_mode)}; captions must be regular files in the dataset"
+    try:
+        fd, _ = fs.open_regular(folder_fd, name)
     except OSError as exc:
-        return None, f"{path.name}: unreadable ({exc.strerror})"
+        return None, f"{name}: unreadable ({exc.strerror or exc})"
+    try:
+        data = fs.read_capped(fd, CAPTION_MAX_BYTES)
+    except fs.Refused:
+        return None, f"{name}: caption is larger than {CAPTION_MAX_BYTES // 1024} KiB"
+    except OSError as exc:
+        return None, f"{name}: unreadable ({exc.strerror or exc})"
+    finally:
+        os.close(fd)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
-        return None, f"{path.name}: caption is not UTF-8"
+        return None, f"{name}: caption is not UTF-8"
     first = text.splitlines()[0].strip() if text else ""
     if not first:
-        return None, f"{path.name}: caption is empty (sd-scripts uses only its first line)"
+        return None, f"{name}: caption is empty (sd-scripts uses only its first line)"
     return first, None

@@ -11,7 +11,6 @@ produce (file, rank, steps, dtype; name and seed). The supervisor reads all of i
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,7 +26,7 @@ from lora_worker.dispatch.dataset import DatasetManifest, inspect_dataset
 from lora_worker.dispatch.disk import require_free_space
 from lora_worker.dispatch.model import check_base_model
 from lora_worker.dispatch.request import ResolvedRequest, TrainRequest, check_device, resolve_request
-from lora_worker.errors import IdempotencyKeyReused, JobActive, LaunchFailed, OutputExists
+from lora_worker.errors import IdempotencyKeyReused, JobActive, LaunchFailed
 from lora_worker.host.fingerprint import sd_scripts_commit, trainer_versions
 from lora_worker.host.nvml import Nvml
 from lora_worker.host.trainer import require_trainer
@@ -82,9 +81,7 @@ class Dispatcher:
         request = self.resolve(raw)
         manifest = inspect_dataset(request.dataset_dir, request.kohya_folder)
         check_base_model(request.base_model_path)
-        if os.path.lexists(request.lora_file):  # a dangling link counts: sd-scripts would save through it
-            raise OutputExists(f"{request.lora_file} already exists; choose another output_name.",
-                               path=str(request.lora_file))
+        paths.require_no_output(str(request.lora_file))
         active = repo.active_job(self.db)
         if active is not None:
             raise JobActive(f"Job {active.id} is already active; one training runs at a time.",
@@ -97,9 +94,10 @@ class Dispatcher:
         job = repo.create_job(self.db, columns)
         try:
             try:
-                paths.create_output_dir(request.output_dir)
+                output_id = paths.create_output_dir(request.output_dir)
             except OSError as exc:
                 raise LaunchFailed(f"Cannot create {request.output_dir}: {exc.strerror or exc}.") from exc
+            repo.record_output_identity(self.db, job.id, str(output_id))
             self.launch(job.id, self.settings)
         except LaunchFailed as exc:
             # No supervisor ran, so there is no run log to quote: the sentence is the whole story.
@@ -127,6 +125,7 @@ class Dispatcher:
             "argv": build_argv(request, self.settings), "env": build_env(request, self.settings),
             # the reproducibility fingerprint, as far as it is known before the run
             "dataset_sha256": manifest.sha256(),
+            **manifest.identities(),  # compared again right before exec
             "sd_scripts_commit": sd_scripts_commit(self.settings.sd_scripts_dir),
             "trainer_versions": trainer_versions(self.settings.accelerate),
             "estimated_duration_s": estimate_duration(repo.durations_of_similar_jobs(

@@ -1,7 +1,9 @@
 """Path containment: every path the trainer receives is a resolved real path inside a directory we own.
 
 `realpath(strict=True)` + `commonpath` is the check; string prefixes and unresolved `is_relative_to` both
-accept `..` and symlink escapes. The resolved string is what goes into argv.
+accept `..` and symlink escapes. The resolved string is what goes into argv and into the job's row. A
+relative `dataset_dir` or `output_dir` (Studio's names, `t1/dataset`) is taken under the train root, with the
+same rules. A path the OS would refuse as too long is the request's problem (422), found before it is used.
 """
 from __future__ import annotations
 
@@ -9,14 +11,15 @@ import os
 import re
 from pathlib import Path
 
-from lora_worker.errors import InvalidRequest, Unavailable
+from lora_worker.errors import InvalidRequest, OutputExists, Unavailable
+from lora_worker.host import fs
 
 SAFE_COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")  # matched whole (fullmatch)
 
 
 def resolve_dir(raw: str, base: Path, field: str) -> Path:
-    """An existing directory at or below `base`, as its real path."""
-    real = _resolve_existing(raw, field)
+    """An existing directory at or below `base` (a relative name is taken under it), as its real path."""
+    real = _resolve_existing(under(raw, base, field), field)
     if not real.is_dir():
         raise InvalidRequest({field: ["Must be a directory."]})
     _require_inside(real, base, field)
@@ -39,7 +42,10 @@ def resolve_file(raw: str, bases: tuple[Path, ...], field: str, *, suffix: str) 
 def resolve_new_dir(raw: str, base: Path, field: str) -> Path:
     """A directory at or below `base` that may not exist yet: its existing part resolved, the rest checked
     name by name. Nothing is created here; `create_output_dir` does that once the job is accepted."""
-    path = Path(raw)
+    absolute = under(raw, base, field)
+    if problem := fs.check_length(absolute):  # else lexists() below says False, and the walk goes wrong
+        raise InvalidRequest({field: [f"The path {problem}."]})
+    path = Path(absolute)
     missing: list[str] = []
     while not os.path.lexists(path):
         if path.name in ("", ".", ".."):
@@ -55,21 +61,51 @@ def resolve_new_dir(raw: str, base: Path, field: str) -> Path:
         raise InvalidRequest({field: [f"Must be a directory; {real} is not one."]})
     resolved = real.joinpath(*missing)
     _require_inside(resolved, base, field)
+    if problem := fs.check_length(str(resolved)):  # the real path can be longer than the name given
+        raise InvalidRequest({field: [f"The resolved path {problem}."]})
     return resolved
 
 
-def create_output_dir(path: Path) -> None:
-    """Create the output directory group-writable; the setgid bit of the train root is inherited."""
-    missing = []
-    probe = path
-    while not probe.exists():
-        missing.insert(0, probe)
-        probe = probe.parent
-    for directory in missing:
-        os.mkdir(directory)
-        # mkdir applies the umask; the shared group (arbo) must be able to read and clean up outputs.
-        inherited_setgid = directory.parent.stat().st_mode & 0o2000
-        os.chmod(directory, 0o770 | inherited_setgid)
+def under(raw: str, base: Path, field: str) -> str:
+    """`raw` as an absolute path: a relative name means `<base>/<name>`, and may not climb out of it."""
+    if "\x00" in raw:
+        raise InvalidRequest({field: ["Must not contain NUL bytes."]})
+    if not raw:
+        raise InvalidRequest({field: ["Must not be empty."]})
+    if not os.path.isabs(raw):
+        if any(part in (".", "..") for part in raw.split("/")):
+            raise InvalidRequest({field: [f"A relative name is taken under {base}; it must not contain "
+                                          "'.' or '..' components."]})
+        raw = os.path.join(str(base), raw)
+    return raw
+
+
+def require_no_output(lora_file: str) -> None:
+    """Nothing at all may be at the LoRA's path: a file, a directory, a FIFO, or a symlink (dangling or not,
+    which the trainer would write through to wherever it points). The output directory is walked without
+    following links; if it does not exist yet, neither does anything in it."""
+    if problem := fs.check_length(lora_file):
+        raise InvalidRequest({"output_dir": [f"{lora_file} {problem}."]})
+    directory, name = os.path.split(lora_file)
+    try:
+        dir_fd = fs.open_dir(directory)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise InvalidRequest({"output_dir": [f"Cannot be opened without following links ({exc})."]}) from exc
+    try:
+        found = fs.entry_at(dir_fd, name)
+    finally:
+        os.close(dir_fd)
+    if found is not None:
+        raise OutputExists(f"{lora_file} already exists (a {fs.kind_of(found.st_mode)}); "
+                           "choose another output_name.", path=lora_file, kind=fs.kind_of(found.st_mode))
+
+
+def create_output_dir(path: Path) -> fs.FileId:
+    """Create the output directory group-writable (the setgid bit of the train root is inherited), without
+    following a link on the way; returns its identity, which the supervisor checks again before exec."""
+    return fs.make_dirs(str(path), 0o770)
 
 
 def real_train_root(root: Path) -> Path:
@@ -98,6 +134,8 @@ def _resolve_existing(raw: str, field: str) -> Path:
         raise InvalidRequest({field: ["Must not contain NUL bytes."]})
     if not os.path.isabs(raw):
         raise InvalidRequest({field: ["Must be an absolute path."]})
+    if problem := fs.check_length(raw):
+        raise InvalidRequest({field: [f"The path {problem}."]})
     try:
         return Path(os.path.realpath(raw, strict=True))
     except FileNotFoundError as exc:

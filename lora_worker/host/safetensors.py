@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from lora_worker.host import fs
+
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit the safetensors reference implementation enforces
 
 # Key prefixes of a single-file SDXL checkpoint (the layout sd-scripts loads when given a file).
@@ -68,45 +70,50 @@ def open_regular(path: Path) -> BinaryIO:
 def read_header(path: Path) -> Header:
     """Parse and check the header; a truncated file (killed mid-save) fails the size check."""
     with open_regular(path) as fh:
-        fh.seek(0, 2)
-        size = fh.tell()
-        fh.seek(0)
-        prefix = fh.read(8)
-        if len(prefix) < 8:
-            raise HeaderError(f"{path.name}: shorter than 8 bytes")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > MAX_HEADER_BYTES or length > size - 8:
-            raise HeaderError(f"{path.name}: header length {length} does not fit a {size}-byte file")
-        raw = fh.read(length)
+        return parse_header(fh, path.name)
+
+
+def parse_header(fh: BinaryIO, name: str) -> Header:
+    """The header of the open file `fh` (`name` is how errors call it)."""
+    fh.seek(0, 2)
+    size = fh.tell()
+    fh.seek(0)
+    prefix = fh.read(8)
+    if len(prefix) < 8:
+        raise HeaderError(f"{name}: shorter than 8 bytes")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > MAX_HEADER_BYTES or length > size - 8:
+        raise HeaderError(f"{name}: header length {length} does not fit a {size}-byte file")
+    raw = fh.read(length)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HeaderError(f"{path.name}: header is not JSON ({exc})") from exc
+        raise HeaderError(f"{name}: header is not JSON ({exc})") from exc
     if not isinstance(header, dict):
-        raise HeaderError(f"{path.name}: header is not a JSON object")
+        raise HeaderError(f"{name}: header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise HeaderError(f"{path.name}: __metadata__ must map names to strings")
-    _check_offsets(path, header, size - 8 - length)
+        raise HeaderError(f"{name}: __metadata__ must map names to strings")
+    _check_offsets(name, header, size - 8 - length)
     return Header(tensors=header, metadata=metadata, file_size=size)
 
 
-def _check_offsets(path: Path, tensors: dict[str, Any], data_bytes: int) -> None:
+def _check_offsets(name: str, tensors: dict[str, Any], data_bytes: int) -> None:
     end = 0
-    for name, info in tensors.items():
+    for tensor, info in tensors.items():
         try:
             begin, stop = info["data_offsets"]
             shape = info["shape"]
             info["dtype"]
         except (KeyError, TypeError, ValueError) as exc:
-            raise HeaderError(f"{path.name}: tensor {name!r} has a malformed entry") from exc
+            raise HeaderError(f"{name}: tensor {tensor!r} has a malformed entry") from exc
         if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise HeaderError(f"{path.name}: tensor {name!r} has a malformed shape")
+            raise HeaderError(f"{name}: tensor {tensor!r} has a malformed shape")
         if not all(type(o) is int for o in (begin, stop)) or not 0 <= begin <= stop <= data_bytes:
-            raise HeaderError(f"{path.name}: tensor {name!r} lies outside the file")
+            raise HeaderError(f"{name}: tensor {tensor!r} lies outside the file")
         end = max(end, stop)
     if end != data_bytes:
-        raise HeaderError(f"{path.name}: {data_bytes} data bytes but tensors index {end} (truncated or padded)")
+        raise HeaderError(f"{name}: {data_bytes} data bytes but tensors index {end} (truncated or padded)")
 
 
 def missing_sdxl_families(header: Header) -> list[str]:
@@ -116,19 +123,23 @@ def missing_sdxl_families(header: Header) -> list[str]:
 
 
 def inspect_lora(path: Path) -> LoraInfo:
-    header = read_header(path)
+    return lora_info(read_header(path), path.name)
+
+
+def lora_info(header: Header, name: str) -> LoraInfo:
+    """What a parsed header says about the LoRA; HeaderError if it holds no LoRA weights."""
     ranks: set[int] = set()
     families: set[str] = set()
     modules = 0
-    for name, info in header.tensors.items():
-        if name.endswith(".lora_down.weight"):
+    for tensor, info in header.tensors.items():
+        if tensor.endswith(".lora_down.weight"):
             if not info["shape"]:
-                raise HeaderError(f"{path.name}: tensor {name!r} has no shape; a lora_down weight has a rank")
+                raise HeaderError(f"{name}: tensor {tensor!r} has no shape; a lora_down weight has a rank")
             modules += 1
             ranks.add(int(info["shape"][0]))
-            families.add(name.split("_", 2)[0] + "_" + name.split("_", 2)[1])
+            families.add(tensor.split("_", 2)[0] + "_" + tensor.split("_", 2)[1])
     if modules == 0:
-        raise HeaderError(f"{path.name}: no lora_down weights; not a LoRA")
+        raise HeaderError(f"{name}: no lora_down weights; not a LoRA")
     return LoraInfo(ranks=frozenset(ranks), families=frozenset(families),
                     metadata=header.metadata, file_size=header.file_size, dtypes=lora_dtypes(header))
 
@@ -157,14 +168,20 @@ def dtype_problem(dtypes: dict[str, int], expected: str) -> str | None:
 
 @dataclass(frozen=True)
 class ExpectedLora:
-    """What the final LoRA must be: worked out once at dispatch from the request and its tier, recorded in the
-    job's row, and read back from the row by the supervisor that checks the file."""
+    """What the final LoRA must be, and where: worked out once at dispatch from the request and its tier,
+    recorded in the job's row, and read back from the row by the supervisor that checks the file.
+
+    There is no "newer than the run" time test: a wall clock that steps back during a run would fail a good
+    one. Freshness comes from identity instead: nothing was at the path when the job was accepted nor right
+    before the trainer started (dispatch and the pre-exec check refuse otherwise), the output directory is
+    the one recorded then (`output_dir_id`), and the file has no other hard link."""
 
     rank: int  # the shape[0] of every lora_down weight, and ss_network_dim
     output_name: str  # ss_output_name
     steps: int  # ss_max_train_steps
     seed: int  # ss_seed
-    dtype: str  # of every lora_down and lora_up weight, as safetensors names it ("F32", "F16", "BF16")
+    dtype: str  # of every saved LoRA tensor, as safetensors names it ("F32", "F16", "BF16")
+    output_dir_id: fs.FileId | None = None  # the output directory's identity as dispatch recorded it
 
 
 @dataclass(frozen=True)
@@ -176,22 +193,47 @@ class ArtifactCheck:
     mismatch: bool = False  # readable, but not the LoRA that was asked for
     missing: bool = False
     size: int | None = None
+    sha256: str | None = None  # of the very file whose header was checked
     metadata: dict[str, str] = field(default_factory=dict)
 
 
-def verify_lora(path: Path, expected: ExpectedLora, *, not_before: float = 0.0) -> ArtifactCheck:
-    """Read the LoRA's header (never its tensors) and compare it with what was expected. A file older than
-    `not_before` (epoch seconds: the run's start) is an earlier run's, as good as missing."""
+def verify_lora(path: Path, expected: ExpectedLora) -> ArtifactCheck:
+    """Open the LoRA as a hostile party may have left it, then read its header (never its tensors into
+    memory) and hash it, both from the one open file, and compare the header with the request.
+
+    The output directory is walked without following links and must still be the recorded one; the file is
+    opened with O_NOFOLLOW|O_NONBLOCK (a link is refused, a FIFO opens at once and is refused by fstat), must
+    be a regular file with a single link, and the kernel's path for it must be the expected one."""
+    where = str(path)
     try:
-        stat = path.lstat()
+        dir_fd = fs.open_dir(str(path.parent))
     except FileNotFoundError:
-        return ArtifactCheck(str(path), problem="file not found", missing=True)
-    if stat.st_mtime < not_before:
-        return ArtifactCheck(str(path), problem="the file predates this run", missing=True)
+        return ArtifactCheck(where, problem="the output directory is gone", missing=True)
+    except OSError as exc:
+        return ArtifactCheck(where, problem=f"the output directory cannot be opened without following links: {exc}")
     try:
-        info = inspect_lora(path)
-    except (OSError, HeaderError) as exc:
-        return ArtifactCheck(str(path), problem=str(exc))
+        if expected.output_dir_id is not None and fs.FileId.of(os.fstat(dir_fd)) != expected.output_dir_id:
+            return ArtifactCheck(where, problem="the output directory was replaced during the run")
+        try:
+            fd, st = fs.open_regular(dir_fd, path.name)
+        except FileNotFoundError:
+            return ArtifactCheck(where, problem="file not found", missing=True)
+        except OSError as exc:
+            return ArtifactCheck(where, problem=str(exc))
+    finally:
+        os.close(dir_fd)
+    with os.fdopen(fd, "rb") as fh:
+        if st.st_nlink != 1:
+            return ArtifactCheck(where, problem=f"{path.name} has {st.st_nlink} hard links; "
+                                                "the LoRA must be a file of its own")
+        real = fs.real_path_of(fd)
+        if real != where:
+            return ArtifactCheck(where, problem=f"{path.name} is really {real}")
+        try:
+            info = lora_info(parse_header(fh, path.name), path.name)
+            digest = _sha256(fh)
+        except (OSError, HeaderError) as exc:
+            return ArtifactCheck(where, problem=str(exc))
     md = info.metadata
     checks = [
         ("lora_unet" in info.families, f"no U-Net LoRA modules (families: {sorted(info.families)})"),
@@ -208,13 +250,14 @@ def verify_lora(path: Path, expected: ExpectedLora, *, not_before: float = 0.0) 
     if wrong := dtype_problem(info.dtypes, expected.dtype):
         problems.append(wrong)
     if problems:
-        return ArtifactCheck(str(path), problem="; ".join(problems), mismatch=True, size=info.file_size)
-    return ArtifactCheck(str(path), size=info.file_size, metadata=md)
+        return ArtifactCheck(where, problem="; ".join(problems), mismatch=True, size=info.file_size)
+    return ArtifactCheck(where, size=info.file_size, sha256=digest, metadata=md)
 
 
-def sha256_of(path: Path, chunk: int = 1 << 20) -> str:
+def _sha256(fh: BinaryIO, chunk: int = 1 << 20) -> str:
     digest = hashlib.sha256()
-    with open_regular(path) as fh:
-        while block := fh.read(chunk):
-            digest.update(block)
+    fh.seek(0)
+    while block := fh.read(chunk):
+        digest.update(block)
     return digest.hexdigest()
+

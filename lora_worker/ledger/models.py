@@ -127,6 +127,11 @@ class Job(Base):
     training_started_at: Mapped[datetime | None] = mapped_column(UtcTimestamp)
     eta_basis: Mapped[str | None] = mapped_column(String(16))  # "history" before training, then "measured"
 
+    # "<st_dev>:<st_ino>" of the directories as dispatch checked them; the supervisor compares before exec.
+    dataset_dev_ino: Mapped[str | None] = mapped_column(String(48))
+    kohya_dev_ino: Mapped[str | None] = mapped_column(String(48))
+    output_dev_ino: Mapped[str | None] = mapped_column(String(48))
+
     events: Mapped[list[JobEvent]] = relationship(back_populates="job", order_by="JobEvent.id",
                                                   passive_deletes=True)
 

@@ -64,6 +64,13 @@ def forget_idempotency_key(db: Database, job_id: int) -> None:
         s.execute(update(Job).where(Job.id == job_id).values(idempotency_key=None))
 
 
+def record_output_identity(db: Database, job_id: int, dev_ino: str) -> None:
+    """The output directory's identity, known only once dispatch has created it (after the INSERT)."""
+    with db.write() as s:
+        s.execute(update(Job).where(Job.id == job_id, Job.status == JobState.QUEUED.value)
+                  .values(output_dev_ino=dev_ino))
+
+
 def durations_of_similar_jobs(db: Database, *, tier: str, device_index: int, image_count: int,
                               limit: int = 25) -> list[float]:
     """Wall seconds (start to finish) of the latest succeeded jobs of this tier, device and image count."""

@@ -30,9 +30,10 @@ from types import FrameType
 from typing import Any, TextIO
 
 from lora_worker.errors import LoraWorkerError
-from lora_worker.config import ENV_PREFIX, REPO_ROOT, SIMULATED, SIMULATED_ENV, TIERS, Settings, load_settings
+from lora_worker.config import (ENV_PREFIX, LORA_DTYPE, REPO_ROOT, SIMULATED, SIMULATED_ENV, TIERS, Settings,
+                                load_settings)
 from lora_worker.host.nvml import make_nvml
-from lora_worker.host.safetensors import ExpectedLora, sha256_of, verify_lora
+from lora_worker.host.safetensors import ExpectedLora, verify_lora
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import current_revision, prepare_state_dir, upgrade
@@ -101,7 +102,7 @@ def prepare_host(root: Path, bind: str, tts_pid: int, step_s: float, out: TextIO
     _say(out, f"simulated host in {_short(root)}")
     trainer = simulated.install_simulated_trainer(root / "trainer")
     simulated.set_trainer_modes(trainer["sd_scripts_dir"], **{**TRAINER_PACE, "step_s": step_s})
-    model = simulated.write_base_model(root / "models" / "sdxl_base_simulated.safetensors")
+    simulated.write_base_model(root / "models" / "sdxl_base_simulated.safetensors")
     simulated.make_shared_dir(root / "train")
     simulated.write_gpus(root / "gpus.json", tts_pid)
     values: dict[str, Any] = {
@@ -179,10 +180,10 @@ def _verify(job: Mapping[str, Any], body: Mapping[str, Any], out: TextIO) -> Non
     """Read the LoRA ourselves, as a client would: the worker's verdict is not taken on trust."""
     path = Path(job["lora_path"])
     check = verify_lora(path, ExpectedLora(rank=TIERS[TIER].network_dim, output_name=body["output_name"],
-                                           max_train_steps=TIERS[TIER].max_train_steps, seed=SEED))
+                                           steps=TIERS[TIER].max_train_steps, seed=SEED, dtype=LORA_DTYPE))
     if check.problem:
         raise DemoError(f"the LoRA at {path} is not the one asked for: {check.problem}")
-    digest = sha256_of(path)
+    digest = check.sha256
     if digest != job["lora_sha256"]:
         raise DemoError(f"the LoRA at {path} has sha256 {digest}, the ledger says {job['lora_sha256']}")
     md = check.metadata

@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal as signals
 from dataclasses import dataclass
 
+from lora_worker.host.fs import FileId
 from lora_worker.host.safetensors import ArtifactCheck, ExpectedLora
 from lora_worker.ledger.models import Job
 from lora_worker.run.parser import Progress
@@ -30,7 +31,8 @@ class Outcome:
 def recorded_lora(job: Job) -> ExpectedLora:
     """The LoRA this job must produce, as dispatch recorded it in the row (never re-derived from the tier)."""
     return ExpectedLora(rank=job.lora_rank, output_name=job.output_name, steps=job.lora_steps, seed=job.seed,
-                        dtype=job.lora_dtype)
+                        dtype=job.lora_dtype,
+                        output_dir_id=FileId.parse(job.output_dev_ino) if job.output_dev_ino else None)
 
 
 # Output markers, strongest evidence first: an OOM explains a crash better than the crash does.

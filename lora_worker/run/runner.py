@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TypeVar
 
-from lora_worker.host.safetensors import ArtifactCheck, sha256_of, verify_lora
+from lora_worker.host.safetensors import ArtifactCheck, verify_lora
 from lora_worker.config import Settings
 from lora_worker.errors import LedgerBusy, LedgerUnwritable
 from lora_worker.host.fingerprint import SHA
@@ -33,6 +33,7 @@ from lora_worker.run.outcome import Outcome, decide, recorded_lora
 from lora_worker.host import processes
 from lora_worker.host.locks import gpu_lock_path, take_lock
 from lora_worker.run.output import STREAM, TrainerOutput
+from lora_worker.run.prelaunch import what_moved
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +127,10 @@ class Runner:
     def _run_trainer(self, job: Job) -> Outcome:
         self.output.note(("SIMULATED trainer (a test double: no GPU, nothing learned); " if self.settings.simulated else "") + f"job {job.id}: {shlex.join(job.argv)}")
         processes.set_child_subreaper()
-        started = time.time()
         self._activity_at = time.monotonic()  # the watchdog counts from the trainer's start, not the supervisor's
+        if (moved := what_moved(job)) is not None:  # the last look, right before exec
+            self.output.note(f"refusing to start the trainer: {moved}")
+            return Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR, f"Refusing to start the trainer: {moved}.")
         try:
             proc = subprocess.Popen(  # noqa: S603 - argv is the stored list; no shell
                 job.argv, cwd=self.settings.sd_scripts_dir, env=job.env, stdin=subprocess.DEVNULL,
@@ -155,7 +158,7 @@ class Runner:
             delay = min(delay * 2, 5.0)
         rc = proc.returncode
         self.output.note(f"trainer ended: {processes.decode_wait_status(rc)}")
-        return self._outcome(job, rc, started)
+        return self._outcome(job, rc)
 
     def _supervise(self, proc: subprocess.Popen[bytes]) -> None:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -337,16 +340,13 @@ class Runner:
             log.warning("job %s: progress not written (%s); will retry", self.job_id, exc)
             return False
 
-    def _outcome(self, job: Job, rc: int | None, started: float) -> Outcome:
+    def _outcome(self, job: Job, rc: int | None) -> Outcome:
         cancelled = self.stop_reason in ("cancel", "signal")
         artifact: ArtifactCheck | None = None
         if rc == 0 and not self.stop_reason and "model_saved" in self.output.progress.flags:
-            artifact = verify_lora(Path(job.lora_file), recorded_lora(job), not_before=started - 1)
+            artifact = verify_lora(Path(job.lora_file), recorded_lora(job))
             if artifact.problem is None:
-                try:
-                    self.artifact_values = self._artifact_values(artifact)
-                except OSError as exc:  # gone or unreadable since the header was read: not a proven success
-                    artifact = ArtifactCheck(artifact.path, problem=f"cannot be read to hash it: {exc}")
+                self.artifact_values = self._artifact_values(artifact)
         return decide(returncode=rc, progress=self.output.progress, log_tail=self.output.tail,
                       cancelled=cancelled, stalled_in=self.stalled_in, artifact=artifact)
 
@@ -379,7 +379,7 @@ class Runner:
 
     def _artifact_values(self, artifact: ArtifactCheck) -> dict[str, object]:
         """The verified file's hash and size, and what its metadata adds to the fingerprint."""
-        values: dict[str, object] = {"lora_sha256": sha256_of(Path(artifact.path)), "lora_size": artifact.size}
+        values: dict[str, object] = {"lora_sha256": artifact.sha256, "lora_size": artifact.size}
         md = artifact.metadata
         if md.get("ss_new_sd_model_hash"):
             values["base_model_sha256"] = md["ss_new_sd_model_hash"]

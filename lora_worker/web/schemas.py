@@ -76,7 +76,7 @@ class TrainRequestSchema(Schema):
             raise ValidationError("Must not contain control characters (NUL, newline, …) or lone surrogates.")
         if unicodedata.normalize("NFC", value) != value:
             raise ValidationError("Must be in Unicode normal form NFC.")
-        if not value.startswith("/"):
+        if not value.startswith("/") and data_key == "base_model_path":  # dataset and output: under the root
             raise ValidationError("Must be an absolute path.")
         if any(part in (".", "..") for part in value.split("/")):
             raise ValidationError("Must not contain '.' or '..' components.")
@@ -200,6 +200,8 @@ class JobSchema(Schema):
     tier = fields.String()
     device_index = fields.Integer()
     train_id = fields.String()
+    dataset_dir = fields.String(metadata={"description": "the resolved real path the trainer was given"})
+    output_dir = fields.String(metadata={"description": "the resolved real path the trainer was given"})
     output_name = fields.String()
     seed = fields.Integer()
     image_count = fields.Integer()

@@ -1,15 +1,18 @@
 """The proof of success: the LoRA's header is read (never its tensors) and held to what was asked for."""
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import struct
+import threading
 from pathlib import Path
 
 import pytest
 
-from lora_worker.host.safetensors import (ExpectedLora, HeaderError, inspect_lora, read_header, sha256_of,
-                                          verify_lora)
+from lora_worker.host.fs import FileId
+from lora_worker.host.safetensors import ExpectedLora, HeaderError, inspect_lora, read_header, verify_lora
 from tests.helpers import write_safetensors
 
 REAL = json.loads((Path(__file__).parent.parent / "data" / "lora-header-run1_simple.json").read_text())
@@ -70,11 +73,67 @@ def test_a_truncated_file_is_invalid_not_a_mismatch(tmp_path):
     assert "lies outside the file" in check.problem and not check.mismatch and not check.missing
 
 
-def test_a_missing_or_older_file_is_missing(tmp_path):
-    assert verify_lora(tmp_path / "ohwx.safetensors", ASKED).missing
+def test_a_missing_file_is_missing(tmp_path):
+    check = verify_lora(tmp_path / "ohwx.safetensors", ASKED)
+    assert check.missing and check.problem == "file not found"
+
+
+def test_a_lora_whose_mtime_is_in_the_past_is_verified_the_clock_is_not_consulted(tmp_path):
+    # A wall clock stepped back during the run (NTP, a VM restored) leaves the LoRA "older" than the start.
     path = real_lora(tmp_path / "ohwx.safetensors")
-    older = verify_lora(path, ASKED, not_before=path.stat().st_mtime + 60)
-    assert older.missing and "predates" in older.problem
+    os.utime(path, (1_000_000_000, 1_000_000_000))  # 2001
+    check = verify_lora(path, ASKED)
+    assert check.problem is None and not check.missing
+
+
+def test_the_hash_is_of_the_file_whose_header_was_checked(tmp_path):
+    path = real_lora(tmp_path / "ohwx.safetensors")
+    assert verify_lora(path, ASKED).sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_symlink_at_the_lora_path_is_refused_not_followed(tmp_path):
+    elsewhere = real_lora(tmp_path / "elsewhere" / "ohwx.safetensors")  # a perfect LoRA, but not here
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "ohwx.safetensors").symlink_to(elsewhere)
+    check = verify_lora(tmp_path / "out" / "ohwx.safetensors", ASKED)
+    assert "symlink" in check.problem and not check.missing and not check.mismatch and check.sha256 is None
+
+
+def test_a_fifo_at_the_lora_path_is_refused_without_blocking(tmp_path):
+    path = tmp_path / "ohwx.safetensors"
+    os.mkfifo(path)
+    result: list = []
+    reader = threading.Thread(target=lambda: result.append(verify_lora(path, ASKED)), daemon=True)
+    reader.start()
+    reader.join(5)
+    if reader.is_alive():
+        with open(path, "wb"):  # give the blocked open a writer, so the thread can end
+            pass
+        pytest.fail("verify_lora blocked on a FIFO")
+    assert "FIFO" in result[0].problem and not result[0].missing
+
+
+def test_a_lora_with_another_hard_link_is_refused(tmp_path):
+    path = real_lora(tmp_path / "ohwx.safetensors")
+    os.link(path, tmp_path / "kept-by-someone-else")
+    assert "2 hard links" in verify_lora(path, ASKED).problem
+
+
+def test_a_lora_in_a_directory_reached_through_a_link_is_refused(tmp_path):
+    real_lora(tmp_path / "real" / "ohwx.safetensors")
+    (tmp_path / "out").symlink_to(tmp_path / "real")
+    check = verify_lora(tmp_path / "out" / "ohwx.safetensors", ASKED)
+    assert "symlink" in check.problem and check.sha256 is None
+
+
+def test_a_lora_in_an_output_directory_other_than_the_recorded_one_is_refused(tmp_path):
+    path = real_lora(tmp_path / "out" / "ohwx.safetensors")
+    (tmp_path / "checked").mkdir()
+    recorded = FileId.of(os.stat(tmp_path / "checked"))
+    check = verify_lora(path, dataclasses.replace(ASKED, output_dir_id=recorded))
+    assert check.problem == "the output directory was replaced during the run"
+    same = verify_lora(path, dataclasses.replace(ASKED, output_dir_id=FileId.of(os.stat(tmp_path / "out"))))
+    assert same.problem is None
 
 
 def raw_safetensors(path: Path, header: dict, data: bytes = b"\0" * 8) -> Path:
@@ -106,18 +165,11 @@ def test_a_lora_down_weight_without_a_shape_is_a_header_error(tmp_path):
     assert "has no shape" in verify_lora(path, ASKED).problem
 
 
-def test_a_link_where_the_lora_should_be_is_refused_not_followed(tmp_path):
+def test_a_header_is_never_read_through_a_link_or_from_a_fifo(tmp_path):
+    # The base model's header is read the same way: a link is refused, not followed; a FIFO cannot block.
     target = real_lora(tmp_path / "elsewhere.safetensors")
-    (tmp_path / "ohwx.safetensors").symlink_to(target)
-    check = verify_lora(tmp_path / "ohwx.safetensors", ASKED)
-    assert check.problem is not None and "symbolic link" in check.problem and not check.missing
-    with pytest.raises(OSError):
-        sha256_of(tmp_path / "ohwx.safetensors")
-
-
-def test_a_fifo_where_the_lora_should_be_is_refused_without_blocking(tmp_path):
-    os.mkfifo(tmp_path / "ohwx.safetensors")  # a plain open() would wait for a writer forever
-    check = verify_lora(tmp_path / "ohwx.safetensors", ASKED)
-    assert check.problem is not None and "not a regular file" in check.problem
-    with pytest.raises(OSError):
-        read_header(tmp_path / "ohwx.safetensors")
+    (tmp_path / "link.safetensors").symlink_to(target)
+    os.mkfifo(tmp_path / "fifo.safetensors")  # a plain open() would wait for a writer forever
+    for name in ("link.safetensors", "fifo.safetensors"):
+        with pytest.raises(OSError):
+            read_header(tmp_path / name)

@@ -126,7 +126,7 @@ def test_make_demos_flow_from_a_fresh_clone_trains_a_verified_lora_and_labels_th
         # It went through the real pieces: a 409 for the TTS card, then the job on the 48 GB card.
         assert re.search(r"POST /train on GPU 0 → 409 gpu_busy: GPU 0 is in use by tts_server", out.text)
         assert "tts_on_3090: true" in out.text
-        assert re.search(rf"job 1: running \(training\), step \d+/400", out.text)
+        assert re.search(r"job 1: running \(training\), step \d+/400", out.text)
         timing = float(re.search(r"a verified LoRA ([\d.]+) s after the demo started", out.text)[1])
         assert timing < 90, timing  # "well under a minute" on an idle machine; this box is shared
 

@@ -242,6 +242,7 @@ def start_stored_job(host, db, *, extra: tuple[str, ...] = (), **request: object
     argv = build_argv(req, host.settings) + list(extra)
     job = repo.create_job(db, {**req.row_columns(), "image_count": 3, "argv": argv,
                                "env": build_env(req, host.settings)})
+    Path(req.output_dir).mkdir(parents=True, exist_ok=True)  # as dispatch does; the pre-exec check wants it
     launch_supervisor(job.id, host.settings)
     return job.id
 
@@ -260,7 +261,7 @@ def test_failures_only_a_changed_installation_can_cause(client, host, db, change
 def test_no_images_with_exit_0_is_not_success(client, host, db):
     modes(host)
     empty = host.root / "train" / "t1" / "empty"
-    empty.mkdir()
+    (empty / "10_ohwx woman").mkdir(parents=True)  # the kohya folder, with nothing in it
     done = wait_state(client, start_stored_job(host, db, dataset_dir=str(empty)), *TERMINAL)
     assert (done["status"], done["failure_class"], done["exit_code"]) == ("failed", "dataset_invalid", 0)
     assert "No data found" in done["error"]

@@ -1,0 +1,69 @@
+"""The last look before exec: what the trainer is about to be given is still what dispatch checked.
+
+Between the 202 and the exec, the train root stays writable by arbo and its users. So right before the
+supervisor starts the trainer, it walks every directory again without following a link and compares its
+(device, inode) with the one recorded at acceptance: a directory swapped for a symlink, or for another
+directory, stops the job (`failed`, `launch_error`) before the trainer has opened anything. It also looks
+again at what the trainer will open inside them (no new subset folder, no image or caption turned into a
+link or a FIFO) and at the LoRA's path, where nothing may be yet: the file found there after the run is
+then the trainer's, which is how the artifact check knows it is fresh without comparing clocks.
+"""
+from __future__ import annotations
+
+import os
+import stat
+
+from lora_worker.host import fs, kohya
+from lora_worker.ledger.models import Job
+
+
+def what_moved(job: Job) -> str | None:
+    """Why the trainer must not start (a sentence), or None when everything is as it was checked."""
+    folder = kohya.folder_name(job.repeats, job.trigger, job.subject_class)
+    directories = (("dataset_dir", job.dataset_dir, job.dataset_dev_ino),
+                   ("the kohya folder", os.path.join(job.dataset_dir, folder), job.kohya_dev_ino),
+                   ("output_dir", job.output_dir, job.output_dev_ino))
+    fds: dict[str, int] = {}
+    try:
+        for label, path, recorded in directories:
+            try:
+                fds[label] = fs.open_dir(path)
+            except OSError as exc:
+                return f"{label} {path} cannot be opened without following links ({exc})"
+            now = fs.FileId.of(os.fstat(fds[label]))
+            if recorded is not None and now != fs.FileId.parse(recorded):
+                return f"{label} {path} is not the directory that was checked (was {recorded}, now {now})"
+        try:
+            return (_new_subset(fds["dataset_dir"], folder) or _unsafe_entry(fds["the kohya folder"], folder)
+                    or _lora_present(fds["output_dir"], job.output_name))
+        except OSError as exc:  # made unreadable meanwhile: as good as moved
+            return f"the dataset or output_dir can no longer be listed ({exc.strerror or exc})"
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _new_subset(dataset_fd: int, folder: str) -> str | None:
+    for name, st in fs.list_entries(dataset_fd):
+        if name != folder and kohya.subset_repeats(name) is not None and (
+                stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+            return f"dataset_dir now holds {name!r} ({fs.kind_of(st.st_mode)}), which sd-scripts would train on"
+    return None
+
+
+def _unsafe_entry(folder_fd: int, folder: str) -> str | None:
+    entries = dict(fs.list_entries(folder_fd))
+    opened = [n for n in entries if kohya.is_trained_image(n)]
+    opened += [c for c in map(kohya.caption_name, opened) if c in entries]
+    for name in opened:
+        if not stat.S_ISREG(entries[name].st_mode):
+            return f"{folder}/{name} is now a {fs.kind_of(entries[name].st_mode)}, not a regular file"
+    return None
+
+
+def _lora_present(output_fd: int, output_name: str) -> str | None:
+    name = f"{output_name}.safetensors"
+    found = fs.entry_at(output_fd, name)
+    if found is not None:
+        return f"{name} appeared in output_dir after the job was accepted (a {fs.kind_of(found.st_mode)})"
+    return None

@@ -1,0 +1,132 @@
+"""Nothing changes under the trainer after the check: right before exec the supervisor looks again, without
+following links, and refuses to start (`failed`, `launch_error`) if anything it will hand over has moved."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lora_worker.ledger import repository as repo
+from lora_worker.run.local import launch_supervisor
+from lora_worker.run.prelaunch import what_moved
+from lora_worker.states import TERMINAL_STATES
+from tests.helpers import png_bytes, set_modes, wait_for
+
+FOLDER = "10_ohwx woman"
+TERMINAL = {s.value for s in TERMINAL_STATES}
+
+
+@pytest.fixture
+def accepted(api, host, launches, db):
+    """A job accepted by the real dispatch whose supervisor has not started: the recording launcher holds it."""
+    response = api.post("/train", json=host.payload())
+    assert response.status_code == 202, response.get_json()
+    return repo.get_job(db, response.get_json()["worker_job_id"])
+
+
+def swap_for_link(path: Path) -> Path:
+    """Move the directory aside, copy it outside the train root, and put a symlink to the copy in its place."""
+    outside = path.parent.parent.parent / f"outside-{path.name}"
+    shutil.copytree(path, outside, symlinks=True)
+    shutil.rmtree(path)
+    path.symlink_to(outside)
+    return outside
+
+
+def test_nothing_moved_lets_the_trainer_start(accepted):
+    assert what_moved(accepted) is None
+
+
+@pytest.mark.parametrize("which", ["dataset", "output", "kohya"])
+def test_a_directory_swapped_for_a_symlink_is_refused(accepted, host, which):
+    path = {"dataset": host.dataset, "output": host.dataset.parent / "output",
+            "kohya": host.dataset / FOLDER}[which]
+    swap_for_link(path)
+    reason = what_moved(accepted)
+    assert reason is not None and "cannot be opened without following links" in reason and "symlink" in reason
+
+
+@pytest.mark.parametrize("which", ["dataset", "output", "kohya"])
+def test_a_directory_replaced_by_another_real_directory_is_refused_by_identity(accepted, host, which):
+    path = {"dataset": host.dataset, "output": host.dataset.parent / "output",
+            "kohya": host.dataset / FOLDER}[which]
+    aside = path.with_name(path.name + ".old")
+    path.rename(aside)
+    shutil.copytree(aside, path)  # same name, same content, another inode
+    reason = what_moved(accepted)
+    assert reason is not None and "is not the directory that was checked" in reason
+
+
+def test_a_parent_directory_swapped_for_a_symlink_is_refused(accepted, host):
+    train_dir = host.dataset.parent
+    moved = train_dir.with_name("t1-moved")
+    train_dir.rename(moved)  # same inodes below, now reached through a link
+    train_dir.symlink_to(moved)
+    reason = what_moved(accepted)
+    assert reason is not None and f"{train_dir} is a symlink" in reason
+
+
+def test_a_new_subset_folder_after_the_check_is_refused(accepted, host):
+    (host.dataset / "+3_extra").mkdir()
+    (host.dataset / "+3_extra" / "a.png").write_bytes(png_bytes())
+    reason = what_moved(accepted)
+    assert reason is not None and "'+3_extra'" in reason and "sd-scripts would train on" in reason
+
+
+@pytest.mark.parametrize("name", ["img0.png", "img0.txt"])
+def test_an_image_or_caption_turned_into_a_link_after_the_check_is_refused(accepted, host, name):
+    target = host.dataset / FOLDER / name
+    target.unlink()
+    target.symlink_to("/etc/hostname")
+    reason = what_moved(accepted)
+    assert reason is not None and f"{FOLDER}/{name} is now a symlink" in reason
+
+
+def test_a_caption_turned_into_a_fifo_after_the_check_is_refused(accepted, host):
+    target = host.dataset / FOLDER / "img1.txt"
+    target.unlink()
+    os.mkfifo(target)
+    assert "is now a FIFO" in what_moved(accepted)
+
+
+def test_a_lora_path_planted_after_the_check_is_refused(accepted, host):
+    (host.dataset.parent / "output" / "ohwx_lora.safetensors").symlink_to(host.root / "stolen.safetensors")
+    reason = what_moved(accepted)
+    assert reason is not None and "appeared in output_dir after the job was accepted (a symlink)" in reason
+
+
+def test_a_row_from_before_the_identities_were_recorded_is_still_checked_for_links(accepted, host):
+    # A job accepted before migration 0005 has no identities; the walk without links still applies.
+    accepted.dataset_dev_ino = accepted.kohya_dev_ino = accepted.output_dev_ino = None
+    assert what_moved(accepted) is None
+    swap_for_link(host.dataset.parent / "output")
+    assert "symlink" in what_moved(accepted)
+
+
+# -- the real supervisor --------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["dataset", "output"])
+def test_a_swap_after_the_202_ends_the_job_as_launch_error_and_the_trainer_never_runs(accepted, host, db, which):
+    record = host.root / "record.json"
+    set_modes(host.sd_scripts, record=str(record))
+    outside = swap_for_link(host.dataset if which == "dataset" else host.dataset.parent / "output")
+    launch_supervisor(accepted.id, host.settings)
+    done = wait_for(lambda: (j := repo.get_job(db, accepted.id)).status in TERMINAL and j, timeout=30,
+                    what="the job to end")
+    assert (done.status, done.failure_class) == ("failed", "launch_error"), done.error
+    assert "Refusing to start the trainer" in done.error and "symlink" in done.error
+    assert not record.exists(), "the trainer ran"
+    assert not list(outside.glob("*.safetensors")), "something was written outside"
+
+
+def test_a_folder_that_can_no_longer_be_listed_is_a_reason_not_a_supervisor_error(accepted, monkeypatch):
+    from lora_worker.host import fs
+
+    def denied(dir_fd: int) -> list:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(fs, "list_entries", denied)
+    assert what_moved(accepted) == "the dataset or output_dir can no longer be listed (Permission denied)"

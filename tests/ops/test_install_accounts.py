@@ -36,7 +36,7 @@ class Accounts:
 
     def cleanup(self) -> None:
         for user in (self.service, self.arbo):
-            subprocess.run(["userdel", user], capture_output=True)
+            subprocess.run(["userdel", "--force", user], capture_output=True)
         for group in (self.group, self.service, self.arbo):
             subprocess.run(["groupdel", group], capture_output=True)
 

@@ -292,9 +292,11 @@ def test_no_driver_is_nvml_unavailable(monkeypatch):
 
 def test_doctor_reports_each_check_and_fails_on_what_is_missing(migrated, host, capsys, monkeypatch):
     from lora_worker.ops import cli
+    migrated = replace(migrated, arbo_user="root", gpu_lock_group="root")  # this host's names: root's group
     monkeypatch.setattr(cli, "load_settings", lambda: migrated)
     os.chmod(migrated.train_root, 0o2770)
     assert cli.main(["migrate"]) == 0  # creates the state dir's lock folders
+    os.chmod(migrated.gpu_locks, 0o3770)  # as the tmpfiles entry makes it
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "[  ok] nvml: 2 device(s)" in out and "[  ok] device 1 (48g): NVIDIA RTX A6000" in out

@@ -37,7 +37,7 @@ def users():
     subprocess.run(["useradd", "--system", "--no-create-home", names["outsider"]], check=True)
     yield names
     for user in (names["member"], names["outsider"]):
-        subprocess.run(["userdel", user], capture_output=True)
+        subprocess.run(["userdel", "--force", user], capture_output=True)
         subprocess.run(["groupdel", user], capture_output=True)
     subprocess.run(["groupdel", names["group"]], capture_output=True)
 

@@ -142,7 +142,8 @@ class Settings:
     gpu_lock_group: str = "arbotrain"
     gpu_lock_everyone: bool = False
     # arbo's user on this host (its container runs as this uid): `doctor` checks it can read what we write.
-    arbo_user: str = "lkraven"
+    # Unset in a checkout; the installer writes the seed's `lkraven` (or its --arbo-user) into the deployed file.
+    arbo_user: str | None = None
     # HTTP. `bind` is what gunicorn listens on (comma-separated, as gunicorn's --bind); gunicorn tells the app
     # the addresses it really serves, so a worker without a token can insist on loopback.
     bind: str = "127.0.0.1:8203"

@@ -151,6 +151,9 @@ def _models_readable_checks(settings: Settings) -> list[Check]:
 
 
 def _arbo_user_check(settings: Settings) -> Check:
+    if settings.arbo_user is None:
+        return Check("arbo's user", False, "not set (arbo_user): nobody checked to read what the trainer writes",
+                     required=False)
     name = f"arbo's user {settings.arbo_user}"
     try:
         arbo = pwd.getpwnam(settings.arbo_user)
@@ -167,10 +170,11 @@ def _arbo_user_check(settings: Settings) -> Check:
 def _shared_folder_check(settings: Settings) -> Check:
     """Make a folder as the trainer would, and see whether arbo's user could read it."""
     name = f"train root shared {settings.train_root}"
+    required = settings.arbo_user is not None  # shared with whom, else: a checkout's own train root
     try:
         folder = Path(tempfile.mkdtemp(prefix=".doctor-", dir=settings.train_root))
     except OSError as exc:
-        return Check(name, False, f"this user cannot create a folder there: {exc.strerror}")
+        return Check(name, False, f"this user cannot create a folder there: {exc.strerror}", required)
     try:
         st, root_gid = folder.stat(), settings.train_root.stat().st_gid
         os.chmod(folder, 0o777 & ~_umask())  # mkdtemp makes 0700; a trainer's mkdir gets the umask
@@ -180,9 +184,9 @@ def _shared_folder_check(settings: Settings) -> Check:
     group = _group_name(st.st_gid)
     if st.st_gid != root_gid:
         return Check(name, False, f"a new folder is group {group}, not the root's {_group_name(root_gid)} "
-                     "(no setgid bit?)")
+                     "(no setgid bit?)", required)
     if mode & 0o050 != 0o050:
-        return Check(name, False, f"a new folder is mode {mode:04o}: its group cannot read it (the umask?)")
+        return Check(name, False, f"a new folder is mode {mode:04o}: its group cannot read it (the umask?)", required)
     return Check(name, True, f"a new folder is group {group}, mode {mode:04o}: the group can read it")
 
 
@@ -190,6 +194,9 @@ def _gpu_lock_dir_check(settings: Settings) -> Check:
     path, want = settings.gpu_locks, gpu_lock_dir_mode(settings)
     who = "every user" if settings.gpu_lock_everyone else f"group {settings.gpu_lock_group}"
     name = f"gpu interlock {path}"
+    if settings.gpu_lock_dir is None:  # a checkout's own <state_dir>/gpu-locks: no other trainer looks there
+        return Check(name, False, "private to this worker (gpu_lock_dir unset): no other trainer can join",
+                     required=False)
     try:
         st = os.stat(path)
     except OSError as exc:

@@ -145,7 +145,8 @@ def _models_readable_checks(settings: Settings) -> list[Check]:
             continue
         models = sorted(p for p in directory.rglob("*.safetensors") if p.is_file())
         unreadable = [p for p in models if not os.access(p, os.R_OK)]
-        checks.append(Check(name, not unreadable, f"{len(models) - len(unreadable)}/{len(models)} checkpoint(s) readable"
+        readable = f"{len(models) - len(unreadable)}/{len(models)} checkpoint(s) readable"
+        checks.append(Check(name, not unreadable, readable
                             + (f"; not: {', '.join(p.name for p in unreadable[:5])}" if unreadable else "")))
     return checks
 

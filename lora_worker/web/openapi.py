@@ -2,8 +2,9 @@
 
 Each route's endpoint has one entry in `DOCS`: what it takes, what it answers, and which errors it can give
 by name; their statuses, `retryable` and `Retry-After` come from `web.errors.CATALOGUE`, listed whole under the
-document's `x-errors` and per response under its own `x-errors` (every error in the one `Error` shape). Paths, path parameters and methods come from `app.url_map`,
-so the document follows the routes; a test fails when a route has no entry here.
+document's `x-errors` and per response under its own `x-errors` (every error in the one `Error` shape).
+Paths, path parameters and methods come from `app.url_map`, so the document follows the routes; a test fails
+when a route has no entry here.
 """
 from __future__ import annotations
 

@@ -2,23 +2,40 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-BIND ?= 127.0.0.1:8203
+# Empty: gunicorn takes the `bind` setting (the config file, LORA_WORKER_BIND, else 127.0.0.1:8203);
+# `make run BIND=host:port` overrides it.
+BIND ?=
+LOCK := deploy/requirements.lock
 
-.PHONY: run test demo chaos bench install clean
+.PHONY: run test demo chaos bench install lock clean
 
-$(VENV)/.installed: setup.cfg pyproject.toml
+# What the service needs and nothing more, from the lock with its hashes (as the installer does); then the
+# worker itself, editable, built with the locked setuptools.
+$(VENV)/.runtime: setup.cfg pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --require-hashes --no-deps -r $(LOCK)
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $@
+
+# The runtime plus the test extras.
+$(VENV)/.installed: $(VENV)/.runtime
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed
 
 # Dev server: SQLite under ./var, schema migrated, dead jobs reconciled, then gunicorn (1 worker) on loopback.
-run: $(VENV)/.installed
-	$(BIN)/lora-worker config --bind $(BIND)
+run: $(VENV)/.runtime
+	$(BIN)/lora-worker config $(if $(BIND),--bind $(BIND))
 	$(BIN)/lora-worker migrate
 	$(BIN)/lora-worker reconcile
-	exec $(BIN)/gunicorn -c systemd/gunicorn.conf.py --bind $(BIND) 'lora_worker.wsgi:app'
+	exec $(BIN)/gunicorn -c systemd/gunicorn.conf.py $(if $(BIND),--bind $(BIND)) 'lora_worker.wsgi:app'
+
+# Re-lock every dependency, transitive ones included, with hashes, after a pin in setup.cfg changed.
+lock: $(VENV)/.runtime
+	$(BIN)/python -m pip install --quiet -e '.[lock]'
+	$(BIN)/uv pip compile setup.cfg deploy/build-requirements.in --universal --python-version 3.11 \
+		--generate-hashes -o $(LOCK)
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest

@@ -155,6 +155,14 @@ class Settings:
     tts_device_index: int = 0
     tts_process_pattern: str = r"(?i)\btts\b|tts[-_]?server|xtts|coqui|piper|kokoro|f5[-_]tts"
     gpu_lock_dir: Path | None = None  # host-wide convention; defaults to <state_dir>/gpu-locks
+    # Who may join the interlock: the members of `gpu_lock_group` (directory 3770, files 0660), or, with
+    # `gpu_lock_everyone`, every user on the host (1777, 0666). The installer's tmpfiles entry makes the
+    # directory so; `lora-worker doctor` checks it.
+    gpu_lock_group: str = "arbotrain"
+    gpu_lock_everyone: bool = False
+    # arbo's user on this host (its container runs as this uid): `doctor` checks it can read what we write.
+    # Unset in a checkout; the installer writes the seed's `lkraven` (or its --arbo-user) into the deployed file.
+    arbo_user: str | None = None
     # HTTP. `bind` is what gunicorn listens on (comma-separated, as gunicorn's --bind); gunicorn tells the app
     # the addresses it really serves, so a worker without a token can insist on loopback.
     bind: str = "127.0.0.1:8203"
@@ -316,15 +324,24 @@ def _bool(value: Any) -> bool:
     raise ValueError(f"not a boolean: {value!r}")
 
 
+DEVICE_KEYS = frozenset({"label", "tiers", "train_batch_size", "vram_mib"})
+
+
 def _devices(table: Mapping[str, Any]) -> Mapping[int, DeviceProfile]:
     profiles = {}
     for key, spec in dict(table).items():
         index = int(key)
+        unknown_keys = set(dict(spec)) - DEVICE_KEYS
+        if unknown_keys:  # `vram = …` for `vram_mib` would otherwise leave the card without its limits
+            raise ValueError(f"device {index}: unknown key(s) {sorted(unknown_keys)}; known: {sorted(DEVICE_KEYS)}")
         tiers = frozenset(spec["tiers"])
         unknown = tiers - set(TIERS)
         if unknown:
             raise ValueError(f"device {index}: unknown tier(s) {sorted(unknown)}")
         vram = {str(k): int(v) for k, v in dict(spec.get("vram_mib", {})).items()}
+        stray = set(vram) - set(TIERS)
+        if stray:
+            raise ValueError(f"device {index}: vram_mib names unknown tier(s) {sorted(stray)}")
         missing = tiers - set(vram)
         if missing:
             raise ValueError(f"device {index}: vram_mib missing for {sorted(missing)}")

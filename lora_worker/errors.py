@@ -6,16 +6,17 @@
      ├── InvalidRequest               422: a parameter is out of bounds (field errors attached)
      │    ├── DatasetInvalid          422: the dataset folder is not what the request describes
      │    ├── BaseModelInvalid        422: the base model is not a readable SDXL checkpoint
-     │    └── IdempotencyKeyReused    422: the same Idempotency-Key came with another body
+     │    ├── IdempotencyKeyReused    422: the same Idempotency-Key came with another body
+     │    └── OutputExists            422: the LoRA file to be written already exists (field output_name)
      ├── JobNotFound                  404
-     ├── Conflict                     409
+     ├── Conflict                     409: busy now; the same request may succeed later
      │    ├── JobActive               409: another job is queued or running
-     │    ├── JobFinished             409: the job already ended (cancel of a finished job)
      │    ├── InsufficientVram        409: the device has too little free memory for the tier
      │    ├── GpuBusy                 409: a foreign compute process is on the device
-     │    ├── GpuLocked               409: another trainer holds the host-wide device lock
-     │    ├── InsufficientDisk        409: the output volume is too full for the tier
-     │    └── OutputExists            409: the LoRA file to be written already exists
+     │    └── GpuLocked               409: another trainer holds the host-wide device lock
+     ├── JobFinished                  409: the job already ended (cancel of a finished job); never retry
+     ├── InsufficientStorage          507
+     │    └── InsufficientDisk        507: the output volume is too full for the tier
      └── Unavailable                  503
           ├── TrainerUnavailable      503: the sd-scripts installation is incomplete
           ├── NvmlUnavailable         503: no NVIDIA driver / NVML on this host
@@ -23,7 +24,10 @@
           ├── LedgerUnwritable        503: the ledger's disk is full or failing
           └── LaunchFailed            503: the supervisor process could not be started
 
-HTTP statuses are assigned in `lora_worker.web.errors`; nothing here knows about HTTP.
+HTTP statuses are assigned in `lora_worker.web.errors`; nothing here knows about HTTP. What a client may do is
+known here, though: `retryable` says whether the same request, unchanged, can succeed later by waiting alone
+(a busy GPU frees up; an existing output file never goes away), and `retry_after_s`, when a wait is known,
+how long to wait.
 """
 from __future__ import annotations
 
@@ -34,10 +38,14 @@ class LoraWorkerError(Exception):
     """The worker failed."""
 
     code = "internal_error"
+    retryable = False
+    retry_after_s: float | None = None  # a class default; a raise site that knows the wait passes its own
 
-    def __init__(self, message: str | None = None, **details: Any) -> None:
+    def __init__(self, message: str | None = None, *, retry_after_s: float | None = None, **details: Any) -> None:
         self.message = message or (self.__doc__ or self.code).strip()
         self.details = details
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
         super().__init__(self.message)
 
 
@@ -81,6 +89,17 @@ class IdempotencyKeyReused(InvalidRequest):
     code = "idempotency_key_reused"
 
 
+class OutputExists(InvalidRequest):
+    """The LoRA file this job would write already exists; a finished LoRA is never overwritten."""
+
+    code = "output_exists"
+
+    # Invalid, not busy: the file stays, so the same request would fail forever. It names the field to change.
+    def __init__(self, message: str | None = None, **details: Any) -> None:
+        text = message or (self.__doc__ or self.code).strip()
+        super().__init__({"output_name": [text]}, text, **details)
+
+
 class JobNotFound(LoraWorkerError):
     """No job has this id."""
 
@@ -88,9 +107,10 @@ class JobNotFound(LoraWorkerError):
 
 
 class Conflict(LoraWorkerError):
-    """The request conflicts with the worker's current state."""
+    """The device or the one job slot is busy now; the same request may be accepted later."""
 
     code = "conflict"
+    retryable = True
 
 
 class JobActive(Conflict):
@@ -99,7 +119,7 @@ class JobActive(Conflict):
     code = "job_active"
 
 
-class JobFinished(Conflict):
+class JobFinished(LoraWorkerError):
     """The job has already finished."""
 
     code = "job_finished"
@@ -123,16 +143,16 @@ class GpuLocked(Conflict):
     code = "gpu_locked"
 
 
-class InsufficientDisk(Conflict):
+class InsufficientStorage(LoraWorkerError):
+    """There is not enough storage to do this."""
+
+    code = "insufficient_storage"
+
+
+class InsufficientDisk(InsufficientStorage):
     """The output volume has too little free space for this tier."""
 
     code = "insufficient_disk"
-
-
-class OutputExists(Conflict):
-    """The LoRA file this job would write already exists; a finished LoRA is never overwritten."""
-
-    code = "output_exists"
 
 
 class Unavailable(LoraWorkerError):
@@ -157,18 +177,23 @@ class LedgerBusy(Unavailable):
     """The job ledger is locked by another process; retry shortly."""
 
     code = "ledger_busy"
+    retryable = True
+    retry_after_s = 1.0
 
 
 class LedgerUnwritable(Unavailable):
     """The job ledger cannot be written right now (disk full or failing); retry later."""
 
     code = "ledger_unwritable"
+    retryable = True
+    retry_after_s = 10.0
 
 
 class LaunchFailed(Unavailable):
     """The job supervisor could not be started."""
 
     code = "launch_failed"
+    retryable = True  # a fork or exec that failed under load; nothing about the request was wrong
 
 
 def _summary(fields: dict[str, list[str]]) -> str:

@@ -198,6 +198,7 @@ def install_script() -> ModuleType:
                                                   / "install.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is being made
     spec.loader.exec_module(module)
     return module
 

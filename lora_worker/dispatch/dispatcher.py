@@ -85,7 +85,7 @@ class Dispatcher:
         active = repo.active_job(self.db)
         if active is not None:
             raise JobActive(f"Job {active.id} is already active; one training runs at a time.",
-                            active_job_id=active.id)
+                            active_job_id=active.id, retry_after_s=active.eta_s)
         require_trainer(self.settings)
         admit(request.tier.name, request.device_index, self.settings, self.nvml)
         require_free_space(request.output_dir, self.settings.disk_mib[request.tier.name])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -115,10 +116,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings = load_settings()
-        return COMMANDS[args.command](settings, args)
+        status = COMMANDS[args.command](settings, args)
+        sys.stdout.flush()  # here, not at exit: a closed pipe must surface where it is handled below
+        return status
     except LoraWorkerError as exc:
         print(f"lora-worker {args.command}: {exc.message}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        die_of_closed_pipe()
+        return 141  # not reached
+
+
+def die_of_closed_pipe() -> None:
+    """End the way coreutils do when the reader went away (`jobs ls | head -1`): quietly, by SIGPIPE.
+
+    Python ignores SIGPIPE and raises BrokenPipeError instead; left alone that is a traceback, and at exit
+    another one from flushing stdout. Point stdout at /dev/null so nothing more is written, then take the
+    signal's default action, so the shell sees 141 as it would from `cat`."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGPIPE)
 
 
 if __name__ == "__main__":

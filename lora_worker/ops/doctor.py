@@ -1,14 +1,22 @@
-"""`lora-worker doctor`: the host checks behind dispatch, one line each, for an operator at a terminal."""
+"""`lora-worker doctor`: the host checks behind dispatch, one line each, for an operator at a terminal.
+
+Run it as the service user (the deployed `lora-worker` command does, even under sudo): what it checks is what
+that user can do: exec the trainer, read the models, make a folder in the train root that arbo's user can read.
+"""
 from __future__ import annotations
 
 import grp
 import os
+import pwd
 import stat
+import tempfile
+from pathlib import Path
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from lora_worker.config import Settings
 from lora_worker.errors import LoraWorkerError, NvmlUnavailable
+from lora_worker.host.locks import gpu_lock_dir_mode
 from lora_worker.host.nvml import Nvml
 from lora_worker.ledger.migrate import current_revision, head_revision, verify_integrity
 from lora_worker.host.trainer import missing_trainer_parts
@@ -27,7 +35,14 @@ class Check:
 
 
 def run_checks(settings: Settings, nvml: Nvml) -> list[Check]:
-    return [*_gpu_checks(settings, nvml), *_trainer_checks(settings), *_disk_checks(settings)]
+    return [*_gpu_checks(settings, nvml), *_trainer_checks(settings), *_disk_checks(settings),
+            *identity_checks(settings)]
+
+
+def identity_checks(settings: Settings) -> list[Check]:
+    """What the service user can do on this host, and whether arbo can read what it writes."""
+    return [_user_check(), _trainer_exec_check(settings), *_models_readable_checks(settings),
+            _arbo_user_check(settings), _shared_folder_check(settings), _gpu_lock_dir_check(settings)]
 
 
 def _gpu_checks(settings: Settings, nvml: Nvml) -> Iterator[Check]:
@@ -101,3 +116,127 @@ def _train_root_check(settings: Settings) -> Check:
         problems.append("this user cannot write to it")
     detail = f"group {group}, mode {mode:04o}" + ("; " + "; ".join(problems) if problems else "")
     return Check(f"train root {root}", not problems, detail)
+
+
+def _user_check() -> Check:
+    name = _user_name(os.geteuid())
+    if os.geteuid() == 0:
+        return Check("running as", False, "root: every access check below passes for root; run it as the service "
+                     "user (the deployed `lora-worker` command does)", required=False)
+    return Check("running as", True, f"{name} (uid {os.geteuid()})")
+
+
+def _trainer_exec_check(settings: Settings) -> Check:
+    script = settings.accelerate
+    name = f"trainer exec {script}"
+    if not os.access(script, os.R_OK | os.X_OK):
+        return Check(name, False, f"{_user_name(os.geteuid())} cannot read and execute it")
+    interpreter = _interpreter(script)
+    if interpreter is not None and not os.access(interpreter, os.X_OK):
+        return Check(name, False, f"its interpreter {interpreter} is not executable by {_user_name(os.geteuid())}")
+    return Check(name, True, "this user can run it" + (f" (interpreter {interpreter})" if interpreter else ""))
+
+
+def _models_readable_checks(settings: Settings) -> list[Check]:
+    checks = []
+    for directory in settings.model_dirs:
+        name = f"models readable {directory}"
+        if not os.access(directory, os.R_OK | os.X_OK):
+            checks.append(Check(name, False, "this user cannot list it"))
+            continue
+        models = sorted(p for p in directory.rglob("*.safetensors") if p.is_file())
+        unreadable = [p for p in models if not os.access(p, os.R_OK)]
+        readable = f"{len(models) - len(unreadable)}/{len(models)} checkpoint(s) readable"
+        checks.append(Check(name, not unreadable, readable
+                            + (f"; not: {', '.join(p.name for p in unreadable[:5])}" if unreadable else "")))
+    return checks
+
+
+def _arbo_user_check(settings: Settings) -> Check:
+    if settings.arbo_user is None:
+        return Check("arbo's user", False, "not set (arbo_user): nobody checked to read what the trainer writes",
+                     required=False)
+    name = f"arbo's user {settings.arbo_user}"
+    try:
+        arbo = pwd.getpwnam(settings.arbo_user)
+        group = grp.getgrgid(settings.train_root.stat().st_gid)
+    except KeyError:
+        return Check(name, False, "no such user, or the train root's group has no name, on this host")
+    except OSError as exc:
+        return Check(name, False, f"the train root is unreadable: {exc.strerror}")
+    member = arbo.pw_gid == group.gr_gid or settings.arbo_user in group.gr_mem
+    return Check(name, member, f"uid {arbo.pw_uid}, " + (f"in {group.gr_name}" if member else
+                                                         f"NOT in {group.gr_name}: it cannot read the LoRAs"))
+
+
+def _shared_folder_check(settings: Settings) -> Check:
+    """Make a folder as the trainer would, and see whether arbo's user could read it."""
+    name = f"train root shared {settings.train_root}"
+    required = settings.arbo_user is not None  # shared with whom, else: a checkout's own train root
+    try:
+        folder = Path(tempfile.mkdtemp(prefix=".doctor-", dir=settings.train_root))
+    except OSError as exc:
+        return Check(name, False, f"this user cannot create a folder there: {exc.strerror}", required)
+    try:
+        st, root_gid = folder.stat(), settings.train_root.stat().st_gid
+        os.chmod(folder, 0o777 & ~_umask())  # mkdtemp makes 0700; a trainer's mkdir gets the umask
+        mode = stat.S_IMODE(folder.stat().st_mode)
+    finally:
+        folder.rmdir()
+    group = _group_name(st.st_gid)
+    if st.st_gid != root_gid:
+        return Check(name, False, f"a new folder is group {group}, not the root's {_group_name(root_gid)} "
+                     "(no setgid bit?)", required)
+    if mode & 0o050 != 0o050:
+        return Check(name, False, f"a new folder is mode {mode:04o}: its group cannot read it (the umask?)", required)
+    return Check(name, True, f"a new folder is group {group}, mode {mode:04o}: the group can read it")
+
+
+def _gpu_lock_dir_check(settings: Settings) -> Check:
+    path, want = settings.gpu_locks, gpu_lock_dir_mode(settings)
+    who = "every user" if settings.gpu_lock_everyone else f"group {settings.gpu_lock_group}"
+    name = f"gpu interlock {path}"
+    if settings.gpu_lock_dir is None:  # a checkout's own <state_dir>/gpu-locks: no other trainer looks there
+        return Check(name, False, "private to this worker (gpu_lock_dir unset): no other trainer can join",
+                     required=False)
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return Check(name, False, f"unreadable: {exc.strerror}")
+    mode, group = stat.S_IMODE(st.st_mode), _group_name(st.st_gid)
+    problems = [f"mode {mode:04o}, not {want:04o}"] if mode != want else []
+    if not settings.gpu_lock_everyone and group != settings.gpu_lock_group:
+        problems.append(f"group {group}, not {settings.gpu_lock_group}")
+    if problems:
+        return Check(name, False, "; ".join(problems) + f": not every trainer of {who} can join")
+    return Check(name, True, f"mode {mode:04o}, group {group}: {who} can join")
+
+
+def _interpreter(script: Path) -> str | None:
+    try:
+        with open(script, "rb") as fh:
+            first = fh.readline(256)
+    except OSError:
+        return None
+    parts = first[2:].split() if first.startswith(b"#!") else []
+    return parts[0].decode(errors="replace") if parts else None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)

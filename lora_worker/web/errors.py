@@ -1,50 +1,138 @@
-"""One way from an exception to HTTP, and one JSON shape for every error: {error, message, status, …}."""
+"""One way from an exception to HTTP, and one JSON shape for every error: {error, message, status, retryable, …}.
+
+`CATALOGUE` is every error a client can meet: its status, whether the same request may succeed later by
+waiting alone (`retryable`), what `Retry-After` says, and what a client should do. The OpenAPI document and
+the README's table are both drawn from it (a test holds the README to the document).
+"""
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import dataclass
 from typing import Any
 
 from flask import Flask, Response, jsonify
 from marshmallow import ValidationError
 from werkzeug.exceptions import HTTPException
 
-from lora_worker.errors import (Conflict, InvalidRequest, JobNotFound, LedgerBusy, LedgerUnwritable,
+from lora_worker import errors as domain
+from lora_worker.errors import (Conflict, InsufficientStorage, InvalidRequest, JobFinished, JobNotFound,
                                 LoraWorkerError, Unavailable)
 
 log = logging.getLogger(__name__)
 
-# Domain error family → HTTP status; the first match in MRO order wins.
+# Domain error family → HTTP status; the first match in MRO order wins. 409 is kept for "busy now, retry
+# later" alone, so a client that retries every 409 never retries something that cannot change.
 STATUS: dict[type[LoraWorkerError], int] = {
     InvalidRequest: 422,
     JobNotFound: 404,
+    JobFinished: 409,
     Conflict: 409,
+    InsufficientStorage: 507,
     Unavailable: 503,
 }
 
 
-def error_response(status: int, code: str, message: str, **extra: Any) -> Response:
-    body = {"error": code, "message": message, "status": status, **{k: v for k, v in extra.items() if v is not None}}
+@dataclass(frozen=True)
+class ErrorEntry:
+    status: int
+    error: str
+    retryable: bool
+    retry_after: str  # what the Retry-After header holds, in words; "" when the answer carries none
+    advice: str  # what a client should do
+
+
+# The errors the web layer raises itself (werkzeug's, and ours around the routes), by their JSON `error`.
+_HTTP: tuple[ErrorEntry, ...] = (
+    ErrorEntry(400, "bad_request", False, "", "Send a JSON body."),
+    ErrorEntry(401, "unauthorized", False, "", "Send `Authorization: Bearer <token>` with the right token."),
+    ErrorEntry(404, "not_found", False, "", "No such route: check the URL."),
+    ErrorEntry(405, "method_not_allowed", False, "", "Use a method the `Allow` header names."),
+    ErrorEntry(413, "request_entity_too_large", False, "", "Send a smaller body (64 KiB at most)."),
+    ErrorEntry(500, "internal_error", False, "",
+               "A bug in the worker: report it with the time; do not retry blindly."),
+)
+
+_ADVICE: dict[str, tuple[str, str]] = {  # domain code → (Retry-After in words, what a client should do)
+    "validation_failed": ("", "Fix the fields `fields` names; the same request always fails."),
+    "dataset_invalid": ("", "Fix the dataset folder (the message says what is wrong), then send again."),
+    "base_model_invalid": ("", "Name a readable SDXL .safetensors checkpoint in an allowed models dir."),
+    "idempotency_key_reused": ("", "Use a new Idempotency-Key for a different body."),
+    "output_exists": ("", "Choose another `output_name`: a finished LoRA is never overwritten."),
+    "job_not_found": ("", "Check the job id; pruned jobs are gone."),
+    "job_active": ("the active job's remaining seconds, when measured",
+                   "Retry later: one job trains at a time (`details.active_job_id` names it)."),
+    "insufficient_vram": ("", "Retry later, when the device has freed memory, or choose another device."),
+    "gpu_busy": ("", "Retry later, when the foreign processes (`details.processes`) have left the device."),
+    "gpu_locked": ("", "Retry later: another trainer on the host holds the device's lock (see /gpu-status)."),
+    "job_finished": ("", "Nothing to cancel: `details.status` is the job's final state."),
+    "insufficient_disk": ("", "An operator must free space on the output volume; do not retry until then."),
+    "trainer_unavailable": ("", "An operator must repair the trainer install (`lora-worker doctor`)."),
+    "nvml_unavailable": ("", "An operator must restore the NVIDIA driver (`lora-worker doctor`)."),
+    "ledger_busy": ("1", "Retry after `Retry-After` seconds."),
+    "ledger_unwritable": ("10", "Retry after `Retry-After` seconds; an operator should check the state disk."),
+    "launch_failed": ("", "Retry once; if it fails again an operator should read the worker's log."),
+}
+
+# Errors that stop the service at start-up or name a family; none reaches a client.
+_NOT_ANSWERED = {domain.LoraWorkerError, domain.ConfigError, domain.LedgerCorrupt, domain.Conflict,
+                 domain.Unavailable, domain.InsufficientStorage}
+
+
+def status_of(exc: LoraWorkerError | type[LoraWorkerError]) -> int:
+    cls = exc if isinstance(exc, type) else type(exc)
+    for base in cls.__mro__:
+        if base in STATUS:
+            return STATUS[base]  # type: ignore[index]
+    return 500
+
+
+def answered_errors() -> list[type[LoraWorkerError]]:
+    """Every domain error class a client can receive."""
+    found: list[type[LoraWorkerError]] = []
+    pending = [LoraWorkerError]
+    while pending:
+        cls = pending.pop()
+        pending.extend(cls.__subclasses__())
+        if cls not in _NOT_ANSWERED and cls.__module__ == domain.__name__:
+            found.append(cls)
+    return found
+
+
+def _catalogue() -> tuple[ErrorEntry, ...]:
+    entries = list(_HTTP)
+    for cls in answered_errors():
+        retry_after, advice = _ADVICE[cls.code]
+        retry_after = retry_after or (f"{cls.retry_after_s:g}" if cls.retry_after_s else "")
+        entries.append(ErrorEntry(status_of(cls), cls.code, cls.retryable, retry_after, advice))
+    return tuple(sorted(entries, key=lambda e: (e.status, e.error)))
+
+
+CATALOGUE: tuple[ErrorEntry, ...] = _catalogue()
+BY_CODE: dict[str, ErrorEntry] = {entry.error: entry for entry in CATALOGUE}
+
+
+def error_response(status: int, code: str, message: str, *, retryable: bool | None = None,
+                   retry_after_s: float | None = None, **extra: Any) -> Response:
+    if retryable is None:
+        entry = BY_CODE.get(code)
+        retryable = entry.retryable if entry is not None else False
+    body = {"error": code, "message": message, "status": status, "retryable": retryable,
+            **{k: v for k, v in extra.items() if v is not None}}
     response = jsonify(body)
     response.status_code = status
+    if retry_after_s is not None:
+        response.headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))  # whole seconds (RFC 9110)
     return response
-
-
-def status_of(exc: LoraWorkerError) -> int:
-    for cls in type(exc).__mro__:
-        if cls in STATUS:
-            return STATUS[cls]
-    return 500
 
 
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(LoraWorkerError)
     def _domain(exc: LoraWorkerError) -> Response:
         details = {k: v for k, v in exc.details.items() if k != "fields"}
-        response = error_response(status_of(exc), exc.code, exc.message,
-                                  fields=exc.details.get("fields"), details=details or None)
-        if isinstance(exc, (LedgerBusy, LedgerUnwritable)):
-            response.headers["Retry-After"] = "1" if isinstance(exc, LedgerBusy) else "10"
-        return response
+        return error_response(status_of(exc), exc.code, exc.message, retryable=exc.retryable,
+                              retry_after_s=exc.retry_after_s if exc.retryable else None,
+                              fields=exc.details.get("fields"), details=details or None)
 
     @app.errorhandler(ValidationError)
     def _invalid(exc: ValidationError) -> Response:

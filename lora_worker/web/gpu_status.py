@@ -1,4 +1,5 @@
-"""`GET /gpu-status`: each device's memory and compute processes, whose they are, and whether TTS is live."""
+"""`GET /gpu-status`: each device's memory and compute processes, whose they are, whether TTS is live, and
+whether another trainer holds the device's interlock (so a client learns it before a POST is refused)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ from typing import Any
 import psutil
 
 from lora_worker.config import Settings
+from lora_worker.host.locks import gpu_lock_path, lock_state
 from lora_worker.host.nvml import GpuProcess, GpuReading
 from lora_worker.host.processes import describe_process
 from lora_worker.ledger.models import Job
@@ -56,6 +58,7 @@ def gpu_status(readings: list[GpuReading], settings: Settings, job: Job | None) 
             "utilization_pct": reading.utilization_pct,
             "temperature_c": reading.temperature_c,
             "processes": [_process(p, job, tts) for p in reading.processes],
+            "lock": _lock(settings, reading.index, job),
             "error": reading.error,
         })
     return {"devices": devices, "tts_on_3090": tts_live, "active_job_id": job.id if job else None}
@@ -65,3 +68,11 @@ def _process(proc: GpuProcess, job: Job | None, tts: list[GpuProcess]) -> dict[s
     name, _ = describe_process(proc.pid)
     return {"pid": proc.pid, "name": name, "used_mib": proc.used_mib, "ours": is_ours(proc.pid, job),
             "tts": proc in tts}
+
+
+def _lock(settings: Settings, index: int, job: Job | None) -> dict[str, Any]:
+    """The device's interlock: held or not, by which pid, and whether that is our own job's supervisor."""
+    state = lock_state(gpu_lock_path(settings, index))
+    name = describe_process(state.holder_pid)[0] if state.holder_pid else None
+    ours = bool(job is not None and state.holder_pid and state.holder_pid == job.supervisor_pid)
+    return {"held": state.held, "holder_pid": state.holder_pid, "holder_name": name, "ours": ours}

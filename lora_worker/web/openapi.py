@@ -1,8 +1,10 @@
 """GET /openapi.json: the API described from the app's own URL map and its marshmallow schemas (apispec).
 
-Each route's endpoint has one entry in `DOCS`: what it takes, what it answers, and which error statuses it
-can give (every error in the one `Error` shape). Paths, path parameters and methods come from `app.url_map`,
-so the document follows the routes; a test fails when a route has no entry here.
+Each route's endpoint has one entry in `DOCS`: what it takes, what it answers, and which errors it can give
+by name; their statuses, `retryable` and `Retry-After` come from `web.errors.CATALOGUE`, listed whole under the
+document's `x-errors` and per response under its own `x-errors` (every error in the one `Error` shape).
+Paths, path parameters and methods come from `app.url_map`, so the document follows the routes; a test fails
+when a route has no entry here.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from marshmallow import Schema
 from werkzeug.routing import Rule
 
 from lora_worker.web.auth import OPEN_ENDPOINTS
+from lora_worker.web.errors import BY_CODE, CATALOGUE, ErrorEntry
 from lora_worker.web.schemas import (AcceptedSchema, CancelQuerySchema, ErrorSchema, GpuStatusSchema, HealthSchema,
                                      JobListQuerySchema, JobListSchema, JobSchema, LogQuerySchema, LogSchema,
                                      ProgressQuerySchema, ProgressSeriesSchema, StatusQuerySchema,
@@ -29,15 +32,7 @@ bp = Blueprint("openapi", __name__)
 OPENAPI_VERSION = "3.0.3"
 JSON = "application/json"
 METRICS_MEDIA_TYPE = "text/plain"
-ERRORS: dict[int, str] = {
-    400: "The body is not JSON.",
-    401: "No bearer token, or a wrong one.",
-    404: "No job has this id.",
-    409: "Refused in the worker's current state (a job is active, the GPU is busy or locked, the job ended, …).",
-    413: "The body is larger than the limit (`max_body_bytes`, 64 KiB by default).",
-    422: "A parameter is invalid; `fields` names each one.",
-    503: "The worker cannot serve this now (ledger locked, NVML or the trainer unavailable, launch failed).",
-}
+LEDGER = ("ledger_busy", "ledger_unwritable")  # any route that reads the ledger
 PATH_PARAMETER_TYPES = {"int": {"type": "integer", "minimum": 0}, "float": {"type": "number"}}
 RULE_ARGUMENT = re.compile(r"<(?:(?P<converter>[^:<>(]+)(?:\([^)]*\))?:)?(?P<name>[^<>]+)>")
 
@@ -49,7 +44,7 @@ class Doc:
     summary: str
     status: int
     response: type[Schema] | dict[str, Any]  # a dump schema, or a raw OpenAPI schema for non-marshmallow bodies
-    errors: tuple[int, ...] = (503,)
+    errors: tuple[str, ...] = LEDGER  # error names (`error` in the body), from web.errors.CATALOGUE
     body: type[Schema] | None = None
     query: type[Schema] | None = None
     parameters: tuple[dict[str, Any], ...] = ()  # other OpenAPI parameter objects, e.g. a request header
@@ -65,24 +60,32 @@ IDEMPOTENCY_KEY = {
 }
 
 
+SUBMIT_ERRORS = ("bad_request", "request_entity_too_large", "validation_failed", "dataset_invalid",
+                 "base_model_invalid", "idempotency_key_reused", "output_exists", "job_active", "insufficient_vram",
+                 "gpu_busy", "gpu_locked", "insufficient_disk", "trainer_unavailable", "nvml_unavailable",
+                 *LEDGER, "launch_failed")
+JOB_READ_ERRORS = ("job_not_found", "validation_failed", *LEDGER)
+
 DOCS: dict[str, Doc] = {
     "train.submit": Doc("Start a training job: validated, admitted, recorded, launched.", 202, AcceptedSchema,
-                        errors=(400, 409, 413, 422, 503), body=TrainRequestSchema, parameters=(IDEMPOTENCY_KEY,),
+                        errors=SUBMIT_ERRORS, body=TrainRequestSchema, parameters=(IDEMPOTENCY_KEY,),
                         also={200: "An Idempotency-Key seen before, with the same body: the original job."}),
     "train.list_jobs": Doc("Recent jobs, newest first; `next_before_id` pages back.", 200, JobListSchema,
-                           errors=(422, 503), query=JobListQuerySchema),
+                           errors=("validation_failed", *LEDGER), query=JobListQuerySchema),
     "train.status": Doc("One job: state, phase, progress, outcome; with `since`, a long poll.", 200, JobSchema,
-                        errors=(404, 422, 503), query=StatusQuerySchema),
+                        errors=JOB_READ_ERRORS, query=StatusQuerySchema),
     "train.progress": Doc("The loss curve: (step, loss, t) thinned to at most `points`.", 200, ProgressSeriesSchema,
-                          errors=(404, 422, 503), query=ProgressQuerySchema),
+                          errors=JOB_READ_ERRORS, query=ProgressQuerySchema),
     "train.job_log": Doc("A job's run log: its last lines, or from a logical byte offset.", 200, LogSchema,
-                         errors=(404, 422, 503), query=LogQuerySchema),
-    "train.cancel": Doc("Ask a job to stop; harmless twice, 409 once it ended. With `wait`, answer once it "
-                        "has ended (200), or after that many seconds with its state then (202).", 202, JobSchema,
-                        errors=(404, 409, 422, 503), query=CancelQuerySchema,
+                         errors=JOB_READ_ERRORS, query=LogQuerySchema),
+    "train.cancel": Doc("Ask a job to stop; harmless twice, 409 `job_finished` once it ended. With `wait`, answer "
+                        "once it has ended (200), or after that many seconds with its state then (202).", 202,
+                        JobSchema, errors=("job_not_found", "job_finished", "validation_failed", *LEDGER),
+                        query=CancelQuerySchema,
                         also={200: "With `wait`: the job ended within it (normally `cancelled`; a job that "
                                    "finished first says how it did)."}),
-    "gpu.gpu_status": Doc("Each GPU's memory and compute processes, in PCI bus order.", 200, GpuStatusSchema),
+    "gpu.gpu_status": Doc("Each GPU's memory, compute processes and interlock, in PCI bus order.", 200,
+                          GpuStatusSchema, errors=("nvml_unavailable", *LEDGER)),
     "health.healthz": Doc("Liveness and the active job id; open without a token.", 200, HealthSchema),
     "metrics.metrics": Doc("Prometheus metrics: jobs by state, durations, the active job, GPU memory.", 200,
                            {"type": "string"}, media_type=METRICS_MEDIA_TYPE),
@@ -106,6 +109,8 @@ def build_document(app: Flask) -> dict[str, Any]:
                    security=[{"bearer": []}])
     spec.components.security_scheme("bearer", {"type": "http", "scheme": "bearer"})
     spec.components.schema("Error", schema=ErrorSchema)
+    # Every error a client can meet and what to do about it; the README's table says the same.
+    spec.options["x-errors"] = [_entry(entry) for entry in CATALOGUE]
     for rule in sorted(app.url_map.iter_rules(), key=lambda r: (r.rule, r.endpoint)):
         doc = DOCS.get(rule.endpoint)
         if doc is None:
@@ -125,10 +130,18 @@ def _operation(rule: Rule, doc: Doc) -> dict[str, Any]:
                                               "content": {doc.media_type: {"schema": doc.response}}}}
     for status, when in (doc.also or {}).items():
         responses[status] = {"description": when, "content": {doc.media_type: {"schema": doc.response}}}
-    errors = doc.errors if rule.endpoint in OPEN_ENDPOINTS else (401, *doc.errors)
-    for status in sorted(errors):
-        responses[status] = {"description": ERRORS[status], "content": {JSON: {"schema": ErrorSchema}}}
-    if 401 in errors:
+    codes = doc.errors if rule.endpoint in OPEN_ENDPOINTS else ("unauthorized", *doc.errors)
+    by_status: dict[int, list[ErrorEntry]] = {}
+    for code in codes:
+        by_status.setdefault(BY_CODE[code].status, []).append(BY_CODE[code])
+    for status, entries in sorted(by_status.items()):
+        responses[status] = {"description": " ".join(f"`{e.error}`: {e.advice}" for e in entries),
+                             "content": {JSON: {"schema": ErrorSchema}},
+                             "x-errors": [e.error for e in entries]}
+        if any(e.retry_after for e in entries):
+            responses[status]["headers"] = {"Retry-After": {
+                "description": "Seconds to wait, where the wait is known", "schema": {"type": "integer"}}}
+    if 401 in by_status:
         responses[401]["headers"] = {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}}
     operation: dict[str, Any] = {"operationId": rule.endpoint, "summary": doc.summary, "responses": responses,
                                  "parameters": _path_parameters(rule)}
@@ -140,6 +153,11 @@ def _operation(rule: Rule, doc: Doc) -> dict[str, Any]:
     if rule.endpoint in OPEN_ENDPOINTS:
         operation["security"] = []
     return operation
+
+
+def _entry(entry: ErrorEntry) -> dict[str, Any]:
+    return {"status": entry.status, "error": entry.error, "retryable": entry.retryable,
+            "retry_after": entry.retry_after, "advice": entry.advice}
 
 
 def _path_parameters(rule: Rule) -> list[dict[str, Any]]:

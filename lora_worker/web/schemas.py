@@ -313,6 +313,17 @@ class GpuProcessSchema(Schema):
     tts = fields.Boolean()
 
 
+class GpuLockSchema(Schema):
+    """The device's host-wide interlock (`<gpu_lock_dir>/gpu-<index>.lock`)."""
+
+    held = fields.Boolean(metadata={"description": "some trainer holds the lock: a POST for this device is a 409 "
+                                                   "`gpu_locked` unless it is ours"})
+    holder_pid = fields.Integer(allow_none=True, metadata={
+        "description": "the pid that took the lock (/proc/locks); null when free or not visible"})
+    holder_name = fields.String(allow_none=True)
+    ours = fields.Boolean(metadata={"description": "the holder is the active job's supervisor"})
+
+
 class GpuDeviceSchema(Schema):
     index = fields.Integer()
     label = fields.String(allow_none=True)
@@ -326,6 +337,7 @@ class GpuDeviceSchema(Schema):
     utilization_pct = fields.Integer(allow_none=True)
     temperature_c = fields.Integer(allow_none=True)
     processes = fields.List(fields.Nested(GpuProcessSchema))
+    lock = fields.Nested(GpuLockSchema)
     error = fields.String(allow_none=True)
 
 
@@ -348,5 +360,7 @@ class ErrorSchema(Schema):
     error = fields.String(required=True, metadata={"description": "machine-readable reason, e.g. job_active"})
     message = fields.String(required=True)
     status = fields.Integer(required=True)
+    retryable = fields.Boolean(required=True, metadata={
+        "description": "whether the same request, unchanged, may succeed later by waiting alone"})
     fields_ = fields.Dict(data_key="fields", keys=fields.String(), values=fields.List(fields.String()))
     details = fields.Dict()

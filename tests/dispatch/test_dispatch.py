@@ -156,11 +156,13 @@ def test_missing_tokenizers_are_a_503(api, host, launches):
     assert "laion_CLIP-ViT-bigG" in body["message"]
 
 
-def test_an_existing_lora_is_never_overwritten(api, host, launches):
+def test_an_existing_lora_is_never_overwritten_and_is_a_422_on_output_name(api, host, launches):
     out = host.dataset.parent / "output"
     out.mkdir()
     (out / "ohwx_lora.safetensors").write_bytes(b"previous run")
-    assert_refused(api.post("/train", json=host.payload()), 409, "output_exists", host.settings, launches)
+    body = assert_refused(api.post("/train", json=host.payload()), 422, "output_exists", host.settings, launches,
+                          "output_name")
+    assert body["retryable"] is False  # the file stays: retrying the same request can never succeed
 
 
 # -- paths -----------------------------------------------------------------------------------------------------

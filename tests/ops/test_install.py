@@ -3,6 +3,7 @@ are never overwritten, the code is mirrored, and the health gate waits for a rea
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import stat
@@ -14,17 +15,19 @@ import pytest
 
 from lora_worker.config import REPO_ROOT, load_settings
 from tests.helpers import install_script
+from tests.ops.test_lock import locked_pins
 from tests.service import Service, free_port
 
 pytestmark = pytest.mark.slow
 SCRIPT = REPO_ROOT / "systemd" / "install.py"
 
 
-def install(root: Path) -> subprocess.CompletedProcess[str]:
-    # --no-deps: the venv gets the worker itself, not its pins from the index; what is tested is the script.
-    result = subprocess.run([sys.executable, str(SCRIPT), "--root", str(root), "--no-systemctl",
-                             "--pip-args=--no-deps"], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout + result.stderr
+def install(root: Path, *flags: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    # The real thing: the venv is built from deploy/requirements.lock with --require-hashes.
+    result = subprocess.run([sys.executable, str(SCRIPT), "--root", str(root), "--no-systemctl", *flags],
+                            capture_output=True, text=True, timeout=600)
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
     return result
 
 
@@ -80,29 +83,48 @@ def test_the_install_lays_out_the_documented_host(staged):
     settings = load_settings({"LORA_WORKER_CONFIG": str(config)})  # every key is a real setting
     assert (settings.bind, str(settings.state_dir), str(settings.train_root), str(settings.gpu_lock_dir)) == (
         "0.0.0.0:8203", "/var/lib/lora-worker", "/worktank/arbo/train", "/run/lock/gpu")
+    assert (settings.gpu_lock_group, settings.gpu_lock_everyone, settings.arbo_user) == ("arbotrain", False, "lkraven")
+    assert str(settings.accelerate) == "/opt/fluxgym/.venv/bin/accelerate"  # the seed's trainer venv
     assert settings.api_token_file is None  # the token travels as a systemd credential
+    script = install_script()
     unit = root / "etc/systemd/system/lora-worker.service"
-    assert unit.read_text() == (REPO_ROOT / "systemd" / "lora-worker.service").read_text()
-    assert (root / "etc/tmpfiles.d/lora-worker.conf").read_text() == (
-        REPO_ROOT / "systemd" / "lora-worker.tmpfiles.conf").read_text()
+    assert unit.read_text() == script.render((REPO_ROOT / "systemd/lora-worker.service.in").read_text(),
+                                             script.Identities())
+    assert "User=llmuser" in unit.read_text() and "SupplementaryGroups=arbotrain" in unit.read_text()
+    tmpfiles = (root / "etc/tmpfiles.d/lora-worker.conf").read_text()
+    assert "d /run/lock/gpu 3770 root arbotrain -" in tmpfiles.splitlines()
     command = root / "usr/local/bin/lora-worker"
     assert stat.S_IMODE(command.stat().st_mode) == 0o755
     assert "LORA_WORKER_CONFIG=/etc/lora-worker/worker.toml" in command.read_text()
+    assert "runuser -u llmuser" in command.read_text()
     for rel in ("lora_worker/web/app.py", "migrations/versions/0003_operator_views.py", "systemd/gunicorn.conf.py"):
-        assert (root / "opt/lora-worker" / rel).read_bytes() == (REPO_ROOT / rel).read_bytes()
-    assert (root / "opt/lora-worker/venv/bin/lora-worker").exists()  # the editable install's entry point
+        assert (root / "opt/lora-training-worker" / rel).read_bytes() == (REPO_ROOT / rel).read_bytes()
+    assert (root / "opt/lora-training-worker/venv/bin/lora-worker").exists()  # the editable install's entry point
 
 
 def test_the_installed_venv_runs_the_installed_code_and_finds_its_migrations(staged):
     root = staged[0]
-    python = root / "opt/lora-worker/venv/bin/python"
-    # lora_worker.config needs nothing but the standard library (--no-deps left the pins out of this venv);
-    # migrate.py finds migrations/ at REPO_ROOT, so REPO_ROOT must be the install dir, not site-packages.
-    code = "import lora_worker.config as c; print(c.REPO_ROOT / 'migrations')"
-    result = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True,
+    python = root / "opt/lora-training-worker/venv/bin/python"
+    # migrate.py finds migrations/ at REPO_ROOT, so REPO_ROOT must be the install dir, not site-packages; the
+    # app imports, so the lock held every package it needs.
+    code = "import lora_worker.config as c, lora_worker.web.app; print(c.REPO_ROOT / 'migrations')"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True, env=env,
                             cwd=root)  # not the checkout: its lora_worker/ would be found first
-    assert result.stdout.strip() == str(root / "opt/lora-worker/migrations")
-    assert (root / "opt/lora-worker/migrations/env.py").is_file()
+    assert result.stdout.strip() == str(root / "opt/lora-training-worker/migrations")
+    assert (root / "opt/lora-training-worker/migrations/env.py").is_file()
+    check = subprocess.run([str(python), "-m", "pip", "check"], capture_output=True, text=True, env=env)
+    assert check.returncode == 0, check.stdout
+
+
+def test_the_venv_holds_exactly_the_locked_versions(staged):
+    python = staged[0] / "opt/lora-training-worker/venv/bin/python"
+    listed = subprocess.run([str(python), "-m", "pip", "list", "--format=json"], capture_output=True, text=True,
+                            check=True).stdout
+    installed = {p["name"].lower().replace("_", "-"): p["version"] for p in json.loads(listed)}
+    locked = locked_pins()
+    assert {name: installed.get(name) for name in locked} == locked
+    assert set(installed) - set(locked) == {"pip", "lora-worker"}  # nothing came in beside the lock and the worker
 
 
 def test_an_existing_config_and_token_are_never_overwritten(staged, tmp_path):
@@ -120,14 +142,14 @@ def test_an_existing_config_and_token_are_never_overwritten(staged, tmp_path):
 
 def test_the_code_is_mirrored_stale_files_removed_and_edits_undone(staged, tmp_path):
     root = copy_of(staged[0], tmp_path)
-    code = root / "opt/lora-worker"
+    code = root / "opt/lora-training-worker"
     (code / "lora_worker/removed_module.py").write_text("x = 1\n")
     (code / "lora_worker/web/app.py").write_text("tampered\n")
     out = install(root).stdout
     assert not (code / "lora_worker/removed_module.py").exists()
     assert (code / "lora_worker/web/app.py").read_bytes() == (REPO_ROOT / "lora_worker/web/app.py").read_bytes()
-    assert "removed /opt/lora-worker/lora_worker/removed_module.py" in out and "2 change(s)" in out
-    assert (code / "lora_worker.egg-info").is_dir()  # pip's metadata is not the script's to remove
+    assert "removed /opt/lora-training-worker/lora_worker/removed_module.py" in out and "2 change(s)" in out
+    assert (code / "venv/bin/python").exists()  # the venv beside the code is not a stale code file
 
 
 def test_the_health_gate_passes_on_200_and_fails_without_an_answer(migrated, host):

@@ -13,15 +13,28 @@ import pytest
 from lora_worker.config import REPO_ROOT
 from tests.helpers import install_script
 
-UNIT = REPO_ROOT / "systemd" / "lora-worker.service"
-TMPFILES = REPO_ROOT / "systemd" / "lora-worker.tmpfiles.conf"
 GUNICORN_CONF = REPO_ROOT / "systemd" / "gunicorn.conf.py"
 
 
-def directives(path: Path) -> dict[str, list[str]]:
+def rendered(name: str, tmp_dir: Path | None = None, **identities: object) -> Path | str:
+    """A template of systemd/ as install.py fills it in (the seed's identities unless told otherwise)."""
+    script = install_script()
+    text = script.render((REPO_ROOT / "systemd" / f"{name}.in").read_text(), script.Identities(**identities))
+    if tmp_dir is None:
+        return text
+    path = tmp_dir / name
+    path.write_text(text)
+    return path
+
+
+UNIT = "lora-worker.service"
+TMPFILES = "lora-worker.tmpfiles.conf"
+
+
+def directives(name: str, **identities: object) -> dict[str, list[str]]:
     """`Key=value` lines, every value of a repeated key in order (ExecStartPre=…)."""
     found: dict[str, list[str]] = defaultdict(list)
-    for line in path.read_text().splitlines():
+    for line in str(rendered(name, **identities)).splitlines():
         if "=" in line and not line.lstrip().startswith(("#", ";", "[")):
             key, value = line.split("=", 1)
             found[key.strip()].append(value.strip())
@@ -29,7 +42,8 @@ def directives(path: Path) -> dict[str, list[str]]:
 
 
 def deployed_config() -> dict[str, object]:
-    return install_script().WORKER_TOML
+    script = install_script()
+    return script.worker_toml(script.Identities())
 
 
 def test_a_restart_of_the_unit_never_kills_training():
@@ -37,23 +51,24 @@ def test_a_restart_of_the_unit_never_kills_training():
     assert unit["KillMode"] == ["process"]  # only the gunicorn master is signalled
     assert "RuntimeDirectory" not in unit  # removed on stop: live supervisors' locks would vanish
     assert unit["StateDirectory"] == ["lora-worker"]
-    text = UNIT.read_text()
+    text = str(rendered(UNIT))
     assert "systemctl stop lora-worker` does NOT stop training" in text and "jobs cancel --all" in text
 
 
 def test_the_unit_migrates_and_reconciles_before_serving_gunicorn_with_the_shipped_settings():
     unit = directives(UNIT)
-    assert unit["ExecStartPre"] == ["/opt/lora-worker/venv/bin/lora-worker migrate",
-                                    "/opt/lora-worker/venv/bin/lora-worker reconcile"]
-    assert unit["ExecStart"] == ["/opt/lora-worker/venv/bin/gunicorn -c /opt/lora-worker/systemd/gunicorn.conf.py "
-                                 "lora_worker.wsgi:app"]
+    assert unit["ExecStartPre"] == ["/opt/lora-training-worker/venv/bin/lora-worker migrate",
+                                    "/opt/lora-training-worker/venv/bin/lora-worker reconcile"]
+    assert unit["ExecStart"] == ["/opt/lora-training-worker/venv/bin/gunicorn -c "
+                                 "/opt/lora-training-worker/systemd/gunicorn.conf.py lora_worker.wsgi:app"]
     assert unit["Environment"] == ["LORA_WORKER_CONFIG=/etc/lora-worker/worker.toml"]
     assert unit["LoadCredential"] == ["api_token:/etc/lora-worker/api_token"]
 
 
 def test_the_unit_runs_unprivileged_with_the_hardening_that_keeps_cuda_working():
     unit = directives(UNIT)
-    assert unit["User"] == ["lora-worker"] and unit["SupplementaryGroups"] == ["arbo"]
+    assert unit["User"] == ["llmuser"] and unit["SupplementaryGroups"] == ["arbotrain"]  # the seed's identities
+    assert "Group" not in unit  # the service user's own primary group
     for key, value in (("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"), ("ProtectHome", "yes"),
                        ("PrivateTmp", "yes")):
         assert unit[key] == [value], key
@@ -66,8 +81,22 @@ def test_the_unit_can_write_exactly_where_the_deployed_config_points():
     writable = set(" ".join(directives(UNIT)["ReadWritePaths"]).split())
     assert writable == {config["train_root"], config["gpu_lock_dir"]}
     assert config["state_dir"] == "/var/lib/" + directives(UNIT)["StateDirectory"][0]
-    (entry,) = [line.split() for line in TMPFILES.read_text().splitlines() if line and not line.startswith("#")]
+    (entry,) = [line.split() for line in str(rendered(TMPFILES)).splitlines() if line and not line.startswith("#")]
     assert entry[:2] == ["d", config["gpu_lock_dir"]]  # /run is a tmpfs: the lock dir is made at boot
+    assert directives(UNIT)["RequiresMountsFor"] == [config["train_root"]]
+
+
+def test_other_identities_fill_every_place_the_seeds_names_stood():
+    ids = dict(service_user="svc", group="shared", prefix=Path("/srv/lw"), train_root=Path("/data/train"),
+               gpu_lock_dir=Path("/run/lock/gpus"), gpu_lock_group="gpuusers")
+    unit = directives(UNIT, **ids)
+    assert (unit["User"], unit["SupplementaryGroups"], unit["WorkingDirectory"]) == (
+        ["svc"], ["shared gpuusers"], ["/srv/lw"])
+    assert unit["ReadWritePaths"] == ["/data/train /run/lock/gpus"]
+    text = str(rendered(UNIT, **ids)) + str(rendered(TMPFILES, **ids))
+    for seed_name in ("llmuser", "arbotrain", "/opt/lora-training-worker", "/worktank", "/run/lock/gpu "):
+        assert seed_name not in text, seed_name
+    assert "d /run/lock/gpus 3770 root gpuusers -" in text
 
 
 def test_gunicorn_is_one_gthread_worker_without_preload_that_stops_before_systemd_kills_it(monkeypatch):
@@ -83,7 +112,9 @@ def test_gunicorn_is_one_gthread_worker_without_preload_that_stops_before_system
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
 def test_systemd_accepts_every_line_of_the_unit(tmp_path):
-    result = subprocess.run(["systemd-analyze", "verify", str(UNIT)], capture_output=True, text=True)
+    result = subprocess.run(["systemd-analyze", "verify", str(rendered(UNIT, tmp_path))], capture_output=True,
+                            text=True)
     complaints = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     # The only complaint allowed is that the venv is not installed on this machine.
-    assert all("/opt/lora-worker/venv/bin/" in line and "is not executable" in line for line in complaints), complaints
+    assert all("/opt/lora-training-worker/venv/bin/" in line and "is not executable" in line
+               for line in complaints), complaints

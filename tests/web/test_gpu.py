@@ -154,11 +154,11 @@ def test_another_trainer_holding_the_device_lock_is_a_409(migrated, host, launch
         holder.stdout.close()  # type: ignore[union-attr]
 
 
-def test_too_little_disk_is_a_409(migrated, host, launches):
+def test_too_little_disk_is_a_507_not_to_be_retried(migrated, host, launches):
     greedy = replace(migrated, disk_mib={"fast": 10**12, "balanced": 1, "quality": 1})
-    body = assert_refused(make_client(greedy, launches).post("/train", json=host.payload()), 409,
+    body = assert_refused(make_client(greedy, launches).post("/train", json=host.payload()), 507,
                           "insufficient_disk", migrated, launches)
-    assert body["details"]["need_mib"] == 10**12
+    assert body["details"]["need_mib"] == 10**12 and body["retryable"] is False
 
 
 def test_a_configured_device_missing_from_the_host_is_a_422(migrated, host, launches):
@@ -292,9 +292,11 @@ def test_no_driver_is_nvml_unavailable(monkeypatch):
 
 def test_doctor_reports_each_check_and_fails_on_what_is_missing(migrated, host, capsys, monkeypatch):
     from lora_worker.ops import cli
+    migrated = replace(migrated, arbo_user="root", gpu_lock_group="root")  # this host's names: root's group
     monkeypatch.setattr(cli, "load_settings", lambda: migrated)
     os.chmod(migrated.train_root, 0o2770)
     assert cli.main(["migrate"]) == 0  # creates the state dir's lock folders
+    os.chmod(migrated.gpu_locks, 0o3770)  # as the tmpfiles entry makes it
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "[  ok] nvml: 2 device(s)" in out and "[  ok] device 1 (48g): NVIDIA RTX A6000" in out

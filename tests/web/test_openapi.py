@@ -50,7 +50,8 @@ def test_the_document_is_a_valid_openapi_3_document(document):
 
 def test_every_operation_documents_its_errors_in_the_one_error_shape(document):
     error_ref = {"$ref": "#/components/schemas/Error"}
-    assert set(document["components"]["schemas"]["Error"]["required"]) == {"error", "message", "status"}
+    assert set(document["components"]["schemas"]["Error"]["required"]) == {"error", "message", "status",
+                                                                          "retryable"}
     for (path, method), op in operations(document).items():
         statuses = {int(code) for code in op["responses"]}
         assert any(200 <= s < 300 for s in statuses), (path, method)

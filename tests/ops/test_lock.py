@@ -1,0 +1,63 @@
+"""deploy/requirements.lock: every dependency, transitive ones included, pinned with hashes, and agreeing with the
+pins of setup.cfg, so two installs of one commit are the same."""
+from __future__ import annotations
+
+import configparser
+import re
+import tomllib
+
+from lora_worker.config import REPO_ROOT
+
+LOCK = REPO_ROOT / "deploy" / "requirements.lock"
+ENTRY = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[^\s;\\]+)")
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def lock_entries() -> dict[str, tuple[str, list[str]]]:
+    """name → (version, its sha256 hashes)."""
+    entries: dict[str, tuple[str, list[str]]] = {}
+    current = None
+    for line in LOCK.read_text().splitlines():
+        if match := ENTRY.match(line):
+            current = canonical(match["name"])
+            entries[current] = (match["version"], [])
+        elif current and (digest := re.search(r"--hash=sha256:([0-9a-f]{64})", line)):
+            entries[current][1].append(digest[1])
+    return entries
+
+
+def locked_pins() -> dict[str, str]:
+    return {name: version for name, (version, _) in lock_entries().items()}
+
+
+def setup_cfg_pins() -> dict[str, str]:
+    config = configparser.ConfigParser()
+    config.read(REPO_ROOT / "setup.cfg")
+    pins = {}
+    for line in config["options"]["install_requires"].strip().splitlines():
+        name, version = line.strip().split("==")
+        pins[canonical(name)] = version
+    return pins
+
+
+def test_the_lock_pins_every_install_requires_of_setup_cfg_at_the_same_version():
+    pins = setup_cfg_pins()
+    assert len(pins) >= 10
+    assert {name: locked_pins().get(name) for name in pins} == pins
+
+
+def test_every_locked_package_has_a_hash_and_nothing_is_unpinned():
+    entries = lock_entries()
+    assert all(hashes for _, hashes in entries.values()), [n for n, (_, h) in entries.items() if not h]
+    requirement_lines = [line for line in LOCK.read_text().splitlines() if line and not line[0] in "# "]
+    assert len(requirement_lines) == len(entries)  # every requirement line is a name==version entry
+
+
+def test_the_lock_holds_transitive_dependencies_and_the_build_backend():
+    locked = locked_pins()
+    assert {"jinja2", "markupsafe", "click", "itsdangerous", "blinker", "mako"} <= set(locked)  # flask's, alembic's
+    build = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["build-system"]["requires"]
+    assert build == ["setuptools>=69"] and int(locked["setuptools"].split(".")[0]) >= 69

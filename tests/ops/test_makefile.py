@@ -1,0 +1,76 @@
+"""`make run` serves where the config's `bind` says, and installs only what serving needs; `make test` adds
+the test extras."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from lora_worker.config import REPO_ROOT
+from tests.service import free_port, settings_env
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+
+
+def recipe(target: str, venv: Path, **variables: str) -> list[str]:
+    """The commands `make <target>` would run (a dry run: nothing is executed)."""
+    extra = [f"{key}={value}" for key, value in variables.items()]
+    result = subprocess.run(["make", "--no-print-directory", "-n", target, f"VENV={venv}", *extra], cwd=REPO_ROOT,
+                            capture_output=True, text=True, check=True)
+    return result.stdout.splitlines()
+
+
+def gunicorn_line(lines: list[str]) -> str:
+    (line,) = [line for line in lines if "/gunicorn " in line]
+    return line
+
+
+def test_make_run_installs_the_locked_runtime_only_and_make_test_adds_the_test_extras(tmp_path):
+    run = recipe("run", tmp_path / "venv")
+    installs = [line for line in run if "pip install" in line]
+    assert any("--require-hashes" in line and "-r deploy/requirements.lock" in line for line in installs), installs
+    assert not any("[test]" in line for line in run), run
+    test = recipe("test", tmp_path / "venv")
+    assert any("pip install" in line and "'.[test]'" in line for line in test), test
+    assert any("--require-hashes" in line for line in test)  # the same locked runtime underneath
+
+
+def test_make_run_leaves_bind_to_the_settings_unless_bind_is_given(tmp_path):
+    assert "--bind" not in gunicorn_line(recipe("run", tmp_path / "venv"))
+    assert "--bind 10.1.2.3:9000" in gunicorn_line(recipe("run", tmp_path / "venv", BIND="10.1.2.3:9000"))
+
+
+@pytest.mark.slow
+def test_the_gunicorn_that_make_run_starts_listens_where_the_config_files_bind_says(migrated, tmp_path):
+    port = free_port()
+    config = tmp_path / "worker.toml"
+    config.write_text(f'bind = "127.0.0.1:{port}"\n')
+    env = {key: value for key, value in settings_env(migrated).items() if key != "LORA_WORKER_BIND"}
+    env = {**os.environ, **env, "LORA_WORKER_CONFIG": str(config)}
+    env.pop("LORA_WORKER_BIND", None)
+    # The very line make would run, against this test's venv (sys.prefix) instead of ./.venv.
+    line = gunicorn_line(recipe("run", Path(sys.prefix)))
+    log = (tmp_path / "gunicorn.log").open("wb")
+    proc = subprocess.Popen(["bash", "-c", line], cwd=REPO_ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline, status = time.monotonic() + 30, None
+        while time.monotonic() < deadline and status is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as response:
+                    status = response.status
+            except OSError:
+                assert proc.poll() is None, (tmp_path / "gunicorn.log").read_text()
+                time.sleep(0.2)
+        assert status == 200, (tmp_path / "gunicorn.log").read_text()
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        log.close()

@@ -2,6 +2,12 @@
 
 "succeeded" needs all three: exit status 0, the `model saved.` line, and a LoRA file that verifies. sd-scripts
 exits 0 without writing anything when it finds no images, so exit 0 alone proves nothing.
+
+A failure names its cause first. `error` is, in this order: the line that explains the failure, in full (the
+trainer's exception line; `run/explain.py` finds and classes it), when there is one; the worker's sentence
+(what it makes of it, and the exit status); then the log's last lines up to ERROR_MAX_CHARS, without the
+launcher's traceback and its argv dump. `sentence` is the first two, `log_lines` the last, for a writer that
+lays them out itself.
 """
 from __future__ import annotations
 
@@ -10,10 +16,12 @@ from dataclasses import dataclass
 
 from lora_worker.host.safetensors import ArtifactCheck
 from lora_worker.states import FailureClass, JobState
+from lora_worker.run.explain import explain, quotable
 from lora_worker.run.parser import Progress
 
 ERROR_TAIL_LINES = 25
 ERROR_MAX_CHARS = 4000
+TAIL_HEADING = "--- last lines of the log ---"
 
 
 @dataclass(frozen=True)
@@ -24,17 +32,8 @@ class Outcome:
     exit_code: int | None = None
     signal: int | None = None
     lora_path: str | None = None
-
-
-# Output markers, strongest evidence first: an OOM explains a crash better than the crash does.
-_MARKER_CLASSES = (
-    ("cuda_oom", FailureClass.CUDA_OOM, "CUDA ran out of memory"),
-    ("caption_invalid", FailureClass.DATASET_INVALID, "a caption file is empty or not UTF-8"),
-    ("no_data", FailureClass.DATASET_INVALID, "sd-scripts found no training images (No data found)"),
-    ("model_load_error", FailureClass.MODEL_LOAD_ERROR, "the base model could not be loaded"),
-    ("invalid_arguments", FailureClass.INVALID_ARGUMENTS, "sd-scripts rejected its arguments"),
-    ("tokenizer_missing", FailureClass.TOKENIZER_MISSING, "the CLIP tokenizers could not be loaded offline"),
-)
+    sentence: str | None = None  # the head of `error`: the explaining line (if any) and the worker's sentence
+    log_lines: tuple[str, ...] = ()  # the quotable last lines of the log that follow it
 
 
 def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], cancelled: bool = False,
@@ -42,34 +41,47 @@ def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], c
     exit_code, signal = _split(returncode)
     if signal is None and progress.signal is not None:
         signal = progress.signal  # the launcher survived and reported how the trainer died
-    base = {"exit_code": exit_code, "signal": signal}
-    tail = _tail(log_tail)
     if cancelled:
-        return Outcome(JobState.CANCELLED, error=None, **base)
-    if stalled_in is not None:
-        return Outcome(JobState.FAILED, FailureClass.STALLED,
-                       _message(f"no progress in phase {stalled_in} within its limit; the job was killed", tail),
-                       **base)
+        return Outcome(JobState.CANCELLED, exit_code=exit_code, signal=signal)
     saved = "model_saved" in progress.flags
     if returncode == 0 and saved and artifact is not None and artifact.problem is None:
-        return Outcome(JobState.SUCCEEDED, lora_path=artifact.path, **base)
-    for flag, failure, summary in _MARKER_CLASSES:
-        if flag in progress.flags:
-            return Outcome(JobState.FAILED, failure, _message(f"{summary} ({_status(returncode)})", tail), **base)
+        return Outcome(JobState.SUCCEEDED, lora_path=artifact.path, exit_code=exit_code, signal=signal)
+    failure, summary, cause = _classify(returncode, signal, saved, artifact, stalled_in, log_tail)
+    sentence = (cause + "\n" if cause else "") + summary + "."
+    lines = tuple(quotable(log_tail)[-ERROR_TAIL_LINES:])
+    return Outcome(JobState.FAILED, failure, compose(sentence, lines), exit_code=exit_code, signal=signal,
+                   sentence=sentence, log_lines=lines)
+
+
+def _classify(returncode: int | None, signal: int | None, saved: bool, artifact: ArtifactCheck | None,
+              stalled_in: str | None, log_tail: list[str]) -> tuple[FailureClass, str, str | None]:
+    """(class, the worker's summary, the explaining line or None), strongest evidence first."""
+    if stalled_in is not None:
+        return FailureClass.STALLED, f"No progress in phase {stalled_in} within its limit; the job was killed", None
+    why = explain(log_tail) if not (returncode == 0 and saved) else None
+    if why is not None and why.failure is not None and why.summary is not None:
+        return why.failure, f"{why.summary} ({_status(returncode)})", why.line
+    cause = why.line if why is not None else None
     if signal is not None:
-        name = _signal_name(signal)
-        return Outcome(JobState.FAILED, FailureClass.KILLED_BY_SIGNAL,
-                       _message(f"the trainer was killed by {name}", tail), **base)
+        return FailureClass.KILLED_BY_SIGNAL, f"The trainer was killed by {_signal_name(signal)}", cause
     if returncode != 0:
-        return Outcome(JobState.FAILED, FailureClass.TRAINER_CRASHED,
-                       _message(f"the trainer failed ({_status(returncode)})", tail), **base)
+        return FailureClass.TRAINER_CRASHED, f"The trainer failed ({_status(returncode)})", cause
     if not saved or artifact is None or artifact.missing:
         where = artifact.path if artifact else "the output directory"
-        return Outcome(JobState.FAILED, FailureClass.NO_OUTPUT,
-                       _message(f"exit status 0 but no LoRA was saved to {where}", tail), **base)
+        return FailureClass.NO_OUTPUT, f"Exit status 0 but no LoRA was saved to {where}", cause
     failure = FailureClass.ARTIFACT_MISMATCH if artifact.mismatch else FailureClass.ARTIFACT_INVALID
-    return Outcome(JobState.FAILED, failure, _message(f"the LoRA file failed verification: {artifact.problem}",
-                                                      tail), **base)
+    return failure, f"The LoRA file failed verification: {artifact.problem}", None
+
+
+def compose(sentence: str, log_lines: list[str] | tuple[str, ...]) -> str:
+    """`sentence`, then as many of the last `log_lines` as fit in ERROR_MAX_CHARS. The sentence is kept whole;
+    the log gives way, from its start: its end is nearest the failure."""
+    if not log_lines:
+        return sentence
+    text = f"{sentence}\n{TAIL_HEADING}\n"
+    tail = "\n".join(log_lines)
+    room = max(0, ERROR_MAX_CHARS - len(text))
+    return text + (tail if len(tail) <= room else "…" + tail[len(tail) - room + 1:])
 
 
 def _split(returncode: int | None) -> tuple[int | None, int | None]:
@@ -93,18 +105,3 @@ def _signal_name(signum: int) -> str:
         return signals.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
-
-
-def _tail(lines: list[str]) -> str:
-    kept = [line for line in lines if line.strip()][-ERROR_TAIL_LINES:]
-    return "\n".join(kept)
-
-
-def _message(summary: str, tail: str) -> str:
-    text = summary[0].upper() + summary[1:] + "."
-    if not tail:
-        return text
-    text += "\n--- last lines of the log ---\n"
-    room = max(0, ERROR_MAX_CHARS - len(text))
-    # The end of the log explains the failure; keep the end when the lines are too long.
-    return text + (tail if len(tail) <= room else "…" + tail[len(tail) - room + 1:])

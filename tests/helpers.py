@@ -92,8 +92,9 @@ def install_fake_trainer(root: Path) -> dict[str, Path]:
     sd_scripts = root / "sd-scripts"
     sd_scripts.mkdir()
     shutil.copy(FAKES / "sdxl_train_network.py", sd_scripts / "sdxl_train_network.py")
-    # the fake derives the LoRA it writes from the real run's header (tests/data), as in the capture
-    shutil.copy(DATA / "lora-header-run1_simple.json", sd_scripts / "lora-header-run1_simple.json")
+    # The real headers the fake works from: the LoRA it writes is run1's, the model it "builds" the checkpoint's.
+    for name in ("lora-header-run1_simple.json", "sdxl-checkpoint-header.json"):
+        shutil.copy(DATA / name, sd_scripts / name)
     # What the fingerprint reads: package metadata in the venv and the checkout's HEAD.
     site = root / "venv" / "lib" / "python3.11" / "site-packages"
     for name, version in TRAINER_VERSIONS.items():

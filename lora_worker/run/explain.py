@@ -29,7 +29,7 @@ CHAIN_LINES = ("During handling of the above exception, another exception occurr
 FRAME = re.compile(r'^  File "(?P<path>[^"]*)", line \d+, in (?P<func>\S+)$')
 LAUNCHER_EXCEPTION = "subprocess.CalledProcessError: "
 MAX_LINE_CHARS = 500  # a quoted log line longer than this is shortened (head kept: it says what the line is)
-MAX_EXPLAINING_CHARS = 2000
+MAX_EXPLAINING_CHARS = 800  # room left in a one-line sentence for what the worker makes of it
 
 
 @dataclass(frozen=True)
@@ -181,9 +181,9 @@ def final_chain(blocks: list[Traceback], lines: list[str]) -> list[Traceback]:
 
 
 def explaining_line(tb: Traceback) -> str:
-    """The exception line in full, with its indented detail lines shortened (a key list is counted)."""
-    parts = [tb.exception] + [_detail(line) for line in tb.detail]
-    return _shorten("\n".join(parts), MAX_EXPLAINING_CHARS)
+    """The exception line in full, on one line with its indented detail (shortened: a key list is counted)."""
+    parts = [tb.exception.rstrip()] + [_detail(line).strip() for line in tb.detail]
+    return _shorten(" ".join(parts), MAX_EXPLAINING_CHARS)
 
 
 def quotable(lines: list[str]) -> list[str]:

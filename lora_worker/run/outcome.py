@@ -3,11 +3,10 @@
 "succeeded" needs all three: exit status 0, the `model saved.` line, and a LoRA file that verifies. sd-scripts
 exits 0 without writing anything when it finds no images, so exit 0 alone proves nothing.
 
-A failure names its cause first. `error` is, in this order: the line that explains the failure, in full (the
-trainer's exception line; `run/explain.py` finds and classes it), when there is one; the worker's sentence
-(what it makes of it, and the exit status); then the log's last lines up to ERROR_MAX_CHARS, without the
-launcher's traceback and its argv dump. `sentence` is the first two, `log_lines` the last, for a writer that
-lays them out itself.
+A failure names its cause first. Its `sentence` is one line: the line that explains the failure, in full (the
+trainer's exception line, which `run/explain.py` finds and classes), when there is one, then ` — ` and what the
+worker makes of it, with the exit status. `log_lines` are the log's last lines without the launcher's
+traceback and its argv dump. `error` lays the two out: the sentence, then the lines up to ERROR_MAX_CHARS.
 """
 from __future__ import annotations
 
@@ -28,12 +27,15 @@ TAIL_HEADING = "--- last lines of the log ---"
 class Outcome:
     state: JobState
     failure_class: FailureClass | None = None
-    error: str | None = None
+    sentence: str | None = None  # why it failed, one line, the explaining line first; None unless failed
     exit_code: int | None = None
     signal: int | None = None
     lora_path: str | None = None
-    sentence: str | None = None  # the head of `error`: the explaining line (if any) and the worker's sentence
-    log_lines: tuple[str, ...] = ()  # the quotable last lines of the log that follow it
+    log_lines: tuple[str, ...] = ()  # the log's last lines a failure may quote (no launcher argv dump)
+
+    @property
+    def error(self) -> str | None:
+        return compose(self.sentence, self.log_lines) if self.sentence is not None else None
 
 
 def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], cancelled: bool = False,
@@ -47,10 +49,9 @@ def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], c
     if returncode == 0 and saved and artifact is not None and artifact.problem is None:
         return Outcome(JobState.SUCCEEDED, lora_path=artifact.path, exit_code=exit_code, signal=signal)
     failure, summary, cause = _classify(returncode, signal, saved, artifact, stalled_in, log_tail)
-    sentence = (cause + "\n" if cause else "") + summary + "."
-    lines = tuple(quotable(log_tail)[-ERROR_TAIL_LINES:])
-    return Outcome(JobState.FAILED, failure, compose(sentence, lines), exit_code=exit_code, signal=signal,
-                   sentence=sentence, log_lines=lines)
+    sentence = f"{cause} — {summary[0].lower()}{summary[1:]}." if cause else f"{summary}."
+    return Outcome(JobState.FAILED, failure, sentence, exit_code=exit_code, signal=signal,
+                   log_lines=tuple(quotable(log_tail)[-ERROR_TAIL_LINES:]))
 
 
 def _classify(returncode: int | None, signal: int | None, saved: bool, artifact: ArtifactCheck | None,
@@ -73,7 +74,7 @@ def _classify(returncode: int | None, signal: int | None, saved: bool, artifact:
     return failure, f"The LoRA file failed verification: {artifact.problem}", None
 
 
-def compose(sentence: str, log_lines: list[str] | tuple[str, ...]) -> str:
+def compose(sentence: str, log_lines: list[str] | tuple[str, ...] = ()) -> str:
     """`sentence`, then as many of the last `log_lines` as fit in ERROR_MAX_CHARS. The sentence is kept whole;
     the log gives way, from its start: its end is nearest the failure."""
     if not log_lines:

@@ -75,19 +75,20 @@ def test_a_model_missing_keys_is_a_model_load_error_that_starts_with_the_runtime
     real_keys = next(line for line in tail if "Missing key(s) in state_dict" in line).count('", "') + 1
     failed = decide(returncode=1, progress=progress(), log_tail=tail)
     assert failed.failure_class is FailureClass.MODEL_LOAD_ERROR
-    first, detail, worker = failed.error.split("\n")[:3]
-    assert first == "RuntimeError: Error(s) in loading state_dict for SdxlUNet2DConditionModel:"
-    assert detail.startswith('\tMissing key(s) in state_dict: "output_blocks.8.0.skip_connection.weight", ')
-    assert detail.endswith(f"({real_keys} keys)") and real_keys > 1000
-    assert worker == "sd-scripts could not load the base model (exit status 1)."
+    first = failed.error.split("\n")[0]
+    assert first == failed.sentence
+    assert first.startswith("RuntimeError: Error(s) in loading state_dict for SdxlUNet2DConditionModel: "
+                            'Missing key(s) in state_dict: "output_blocks.8.0.skip_connection.weight", ')
+    assert first.endswith(f"({real_keys} keys) — sd-scripts could not load the base model (exit status 1).")
+    assert real_keys > 1000
     assert len(failed.error) <= ERROR_MAX_CHARS
 
 
 def test_hollow_tokenizers_are_tokenizer_invalid_named_by_the_overflow_error():
     failed = decide(returncode=1, progress=progress(), log_tail=run_log("fail_tokenizer_hollow.log"))
     assert failed.failure_class is FailureClass.TOKENIZER_INVALID
-    assert failed.error.startswith("OverflowError: cannot fit 'int' into an index-sized integer\n"
-                                   "The CLIP tokenizers are broken")
+    assert failed.error.startswith("OverflowError: cannot fit 'int' into an index-sized integer — "
+                                   "the CLIP tokenizers are broken")
 
 
 @pytest.mark.parametrize("name, failure, first_line", [
@@ -106,7 +107,7 @@ def test_each_captured_failure_is_classed_and_starts_with_its_line_in_full(name,
     rc, tail = capture(name)
     failed = decide(returncode=rc, progress=progress(), log_tail=tail)
     assert (failed.state, failed.failure_class) == (JobState.FAILED, failure)
-    assert failed.error.split("\n")[0] == first_line
+    assert failed.error.split("\n")[0].startswith(first_line + " — ")
     assert failed.sentence and failed.error.startswith(failed.sentence)
 
 
@@ -166,7 +167,7 @@ def traceback(*frames: str, exception: str) -> list[str]:
 def test_the_documented_failures_are_classed_from_their_line(lines, failure, first_line):
     failed = decide(returncode=1, progress=progress("inner_exit"), log_tail=["epoch 1/1", *lines, *LAUNCHER])
     assert failed.failure_class is failure
-    assert failed.error.split("\n")[0] == first_line
+    assert failed.error.split("\n")[0].startswith(first_line + " — ")
 
 
 # -- what the error quotes ----------------------------------------------------------------------------------------
@@ -225,7 +226,8 @@ def test_traceback_shaped_text_before_the_real_crash_is_not_its_explanation():
                      exception="RuntimeError: CUDA error: an illegal memory access was encountered")
     crashed = decide(returncode=1, progress=progress(), log_tail=[*injected, "epoch 1/1", *real, *LAUNCHER])
     assert crashed.failure_class is FailureClass.TRAINER_CRASHED
-    assert crashed.error.startswith("RuntimeError: CUDA error: an illegal memory access was encountered\n")
+    assert crashed.error.startswith("RuntimeError: CUDA error: an illegal memory access was encountered — "
+                                    "the trainer failed (exit status 1).\n")
 
 
 def test_a_chained_exception_is_classed_by_its_strongest_link():

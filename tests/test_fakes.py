@@ -227,12 +227,13 @@ def test_a_model_missing_keys_dies_loading_the_unet_as_in_the_real_run_log(rig):
     real = log_lines("fail_model_missing_keys.log")
     missing_line = next(line for line in real if line.startswith("\tMissing key(s) in state_dict: "))
     real_missing = set(re.findall(r'"([^"]+)"', missing_line))
-    unet = {k[len("model.diffusion_model."):]: v for k, v in SDXL_TINY.items() if k.startswith("model.diffusion_model.")}
+    prefix = "model.diffusion_model."
+    unet = {k[len(prefix):]: v for k, v in SDXL_TINY.items() if k.startswith(prefix)}
     [kept] = set(unet) - real_missing  # the real file held one U-Net key, and one of each other family
     others = [next(k for k in SDXL_TINY if k.startswith(p)) for p in
               ("conditioner.embedders.0.", "conditioner.embedders.1.", "first_stage_model.")]
-    write_safetensors(rig["model"], {"model.diffusion_model." + kept: SDXL_TINY["model.diffusion_model." + kept],
-                                     **{k: SDXL_TINY[k] for k in others}}, hollow=True)
+    write_safetensors(rig["model"], {prefix + kept: SDXL_TINY[prefix + kept], **{k: SDXL_TINY[k] for k in others}},
+                      hollow=True)
     result = run_merged(rig, real_argv("fail_model_missing_keys.log", rig), bnb_warning=True)
     assert result.returncode == 1
     fake = merged_lines(result)

@@ -18,7 +18,7 @@ sd-scripts-real-run.md §7 (the failure table), and tests/run/test_outcome.py re
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lora_worker.states import FailureClass
 
@@ -119,7 +119,6 @@ class Explanation:
     line: str
     failure: FailureClass | None = None  # None: a crash of no known kind (still named by its line)
     summary: str | None = None
-    tracebacks: tuple[Traceback, ...] = field(default=(), repr=False)
 
 
 def explain(lines: list[str]) -> Explanation | None:
@@ -130,8 +129,8 @@ def explain(lines: list[str]) -> Explanation | None:
         for rule in RULES:
             for tb in reversed(chain):
                 if rule.matches(tb):
-                    return Explanation(explaining_line(tb), rule.failure, rule.summary, tuple(chain))
-        return Explanation(explaining_line(chain[-1]), tracebacks=tuple(chain))
+                    return Explanation(explaining_line(tb), rule.failure, rule.summary)
+        return Explanation(explaining_line(chain[-1]))
     for line in reversed(lines):
         for pattern, failure, summary in LINE_RULES:
             if pattern.match(line):

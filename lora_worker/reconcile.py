@@ -17,6 +17,7 @@ from lora_worker.config import Settings
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, utcnow
+from lora_worker.run.explain import quotable
 from lora_worker.run.logfile import LogReader
 from lora_worker.states import ACTIVE_STATES, FailureClass, JobState
 from lora_worker.host import processes
@@ -64,7 +65,7 @@ def reconcile_job(db: Database, settings: Settings, job: Job, *, actor: str = "r
         reason = "the supervisor died" + (f"; killed leftover processes {list(killed)}" if killed else "")
         if job.status == JobState.QUEUED.value:
             reason = "the supervisor never started"
-    if not repo.fail_job(db, job.id, actor=actor, failure_class=failure, sentence=reason,
+    if not repo.fail_job(db, job.id, actor=actor, failure_class=failure, sentence=reason[0].upper() + reason[1:],
                          log_lines=log_tail(settings, job.id)):
         return None  # the supervisor's own final write won the race
     log.warning("job %s: %s", job.id, reason, extra={"job": job.id})
@@ -72,9 +73,11 @@ def reconcile_job(db: Database, settings: Settings, job: Job, *, actor: str = "r
 
 
 def log_tail(settings: Settings, job_id: int) -> list[str]:
-    """The last lines of the job's run log (none if the supervisor never opened it)."""
+    """The last lines of the job's run log that a failure may quote (none if the supervisor never opened it):
+    the launcher's traceback and argv dump left out, as the supervisor leaves them out."""
     try:
-        return LogReader(settings.log_dir, job_id).tail_lines(repo.FAILURE_TAIL_LINES).text.splitlines()
+        lines = LogReader(settings.log_dir, job_id).tail_lines(4 * repo.FAILURE_TAIL_LINES).text.splitlines()
+        return quotable(lines)[-repo.FAILURE_TAIL_LINES:]
     except OSError as exc:  # the failure is recorded all the same, without its quote
         log.warning("job %s: cannot read its run log (%s)", job_id, exc)
         return []

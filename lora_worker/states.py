@@ -34,8 +34,9 @@ class FailureClass(str, Enum):
 
     CUDA_OOM = "cuda_oom"
     DATASET_INVALID = "dataset_invalid"  # empty or non-UTF-8 caption, or "No data found"
-    MODEL_LOAD_ERROR = "model_load_error"
-    TOKENIZER_MISSING = "tokenizer_missing"
+    MODEL_LOAD_ERROR = "model_load_error"  # no such model, or sd-scripts' loader refused its tensors
+    TOKENIZER_MISSING = "tokenizer_missing"  # no tokenizer files offline (a TypeError in transformers)
+    TOKENIZER_INVALID = "tokenizer_invalid"  # tokenizer files there but broken (an error while tokenizing)
     INVALID_ARGUMENTS = "invalid_arguments"  # argparse refused the command (exit 2 inside)
     KILLED_BY_SIGNAL = "killed_by_signal"
     TRAINER_CRASHED = "trainer_crashed"

@@ -1,6 +1,7 @@
 """Builders for what the tests need on disk: a fake trainer installation, datasets, models, fake GPUs."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -29,12 +30,16 @@ SD_SCRIPTS_COMMIT = "3265f2ed0000000000000000000000000000beef"
 
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]], metadata: dict[str, str] | None = None,
-                      *, truncate_by: int = 0) -> None:
-    """A well-formed safetensors file (zero data) with the given tensor names, dtypes and shapes."""
+                      *, truncate_by: int = 0, hollow: bool = False) -> None:
+    """A well-formed safetensors file (zero data) with the given tensor names, dtypes and shapes.
+
+    `hollow`: every tensor indexes 0 bytes, so a full SDXL header makes a file of ~200 KB instead of 6.9 GB. The
+    preflight reads names and shapes, never the data; the fake trainer never loads weights (it hashes the file,
+    as sd-scripts does, which is why the tests cannot afford the real size)."""
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, (dtype, shape) in tensors.items():
-        size = DTYPE_BYTES[dtype] * math.prod(shape)
+        size = 0 if hollow else DTYPE_BYTES[dtype] * math.prod(shape)
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header).encode()
@@ -44,13 +49,14 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]], met
         fh.write(struct.pack("<Q", len(raw)) + raw + b"\0" * (offset - truncate_by))
 
 
-SDXL_TINY = {
-    "model.diffusion_model.input_blocks.0.0.weight": ("F16", [4, 4, 3, 3]),
-    "model.diffusion_model.out.2.bias": ("F16", [4]),
-    "conditioner.embedders.0.transformer.text_model.final_layer_norm.weight": ("F16", [8]),
-    "conditioner.embedders.1.model.ln_final.weight": ("F16", [8]),
-    "first_stage_model.decoder.conv_in.bias": ("F16", [8]),
-}
+def sdxl_checkpoint_tensors() -> dict[str, tuple[str, list[int]]]:
+    """Every tensor of the real SDXL checkpoint the sd-scripts captures loaded (tests/data), dtype and shape."""
+    doc = json.loads((DATA / "sdxl-checkpoint-header.json").read_text())
+    return {name: (info["dtype"], info["shape"]) for name, info in doc["tensors"].items()}
+
+
+# The full SDXL key set (2514 tensors), written hollow: what the preflight accepts, in a small file.
+SDXL_TINY = sdxl_checkpoint_tensors()
 
 
 def png_bytes(width: int = 8, height: int = 8) -> bytes:
@@ -85,8 +91,10 @@ def install_fake_trainer(root: Path) -> dict[str, Path]:
     launcher.chmod(0o755)
     sd_scripts = root / "sd-scripts"
     sd_scripts.mkdir()
-    for name in ("sdxl_train_network.py", "sdxl_lora_template.json"):
-        shutil.copy(FAKES / name, sd_scripts / name)
+    shutil.copy(FAKES / "sdxl_train_network.py", sd_scripts / "sdxl_train_network.py")
+    # The real headers the fake works from: the LoRA it writes is run1's, the model it "builds" the checkpoint's.
+    for name in ("lora-header-run1_simple.json", "sdxl-checkpoint-header.json"):
+        shutil.copy(DATA / name, sd_scripts / name)
     # What the fingerprint reads: package metadata in the venv and the checkout's HEAD.
     site = root / "venv" / "lib" / "python3.11" / "site-packages"
     for name, version in TRAINER_VERSIONS.items():
@@ -99,10 +107,31 @@ def install_fake_trainer(root: Path) -> dict[str, Path]:
     (git / "refs" / "heads" / "sd3").write_text(SD_SCRIPTS_COMMIT + "\n")
     tokenizers = root / "tokenizers"
     for name in TOKENIZER_DIRS:
-        (tokenizers / name).mkdir(parents=True)
-        (tokenizers / name / "vocab.json").write_text("{}")
-        (tokenizers / name / "merges.txt").write_text("#version: 0.2\n")
+        write_tokenizer(tokenizers / name)
     return {"accelerate": launcher, "sd_scripts_dir": sd_scripts, "tokenizer_cache_dir": tokenizers}
+
+
+@functools.cache
+def clip_tokenizer_files() -> dict[str, bytes]:
+    """Files shaped like a CLIP BPE tokenizer's: 49408 tokens, the `#version` line and 48894 merges, and
+    model_max_length 77. Generated, not copied: the real ones are 1.5 MB and carry no more for these tests."""
+    vocab = {f"tok{i}</w>": i for i in range(49408)}
+    merges = "#version: 0.2\n" + "".join(f"t{i} ok{i}</w>\n" for i in range(48894))
+    config = {"model_max_length": 77, "tokenizer_class": "CLIPTokenizer", "pad_token": "<|endoftext|>"}
+    return {"vocab.json": json.dumps(vocab).encode(), "merges.txt": merges.encode(),
+            "tokenizer_config.json": json.dumps(config).encode()}
+
+
+def write_tokenizer(folder: Path, **overrides: bytes | None) -> Path:
+    """A tokenizer folder; `overrides` replaces a file's bytes by name, e.g. `vocab_json=b"{}"` (None: left out)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = dict(clip_tokenizer_files())
+    for key, data in overrides.items():
+        files[key.replace("_json", ".json").replace("_txt", ".txt")] = data
+    for name, data in files.items():
+        if data is not None:
+            (folder / name).write_bytes(data)
+    return folder
 
 
 def fake_gpus(path: Path, *, free0: int = 20_000, free1: int = 40_000, processes0: list[dict] | None = None,
@@ -232,7 +261,7 @@ def make_host(root: Path, **settings: Any) -> Host:
     overrides them (the benchmarks run with the production intervals)."""
     install = install_fake_trainer(root / "opt")
     model = root / "models" / "sdxl_tiny.safetensors"
-    write_safetensors(model, SDXL_TINY)
+    write_safetensors(model, SDXL_TINY, hollow=True)
     train_root = root / "train"
     dataset = make_dataset(train_root)
     values: dict[str, Any] = {

@@ -1,7 +1,9 @@
 """The fake trainer and launcher are doubles of real programs: held to the real captures and documented facts."""
 from __future__ import annotations
 
+import ast
 import base64
+import importlib.util
 import json
 import os
 import re
@@ -14,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from lora_worker.host.safetensors import inspect_lora, read_header
-from tests.helpers import DATA, install_fake_trainer, make_dataset, pid_alive, set_modes, wait_for, write_safetensors
+from lora_worker.states import Phase
+from tests.helpers import (DATA, SDXL_TINY, install_fake_trainer, make_dataset, pid_alive, set_modes, wait_for,
+                           write_safetensors, write_tokenizer)
 
 ENV = {"PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "250"}
 
@@ -23,7 +27,7 @@ ENV = {"PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", 
 def rig(tmp_path: Path) -> dict:
     install = install_fake_trainer(tmp_path / "opt")
     model = tmp_path / "models" / "sdxl_random.safetensors"
-    write_safetensors(model, {"model.diffusion_model.x": ("F16", [1])})
+    write_safetensors(model, SDXL_TINY, hollow=True)
     # the capture's dataset: 3 images with captions in "2_ohwx dog"
     dataset = make_dataset(tmp_path / "train", "t1", "2_ohwx dog", images=3)
     return {**install, "model": model, "dataset": dataset, "out": tmp_path / "train" / "t1" / "output" / "run1"}
@@ -178,3 +182,119 @@ def test_modes_reach_the_fake_through_a_file_not_the_environment(rig, tmp_path):
     assert {k: seen["env"][k] for k in ENV} == ENV  # the launcher passed the environment through
     assert seen["env"]["OMP_NUM_THREADS"] == "2"
     assert seen["argv"][0].endswith("sdxl_train_network.py")
+
+
+# -- the two real failures the preflight now refuses: the fake still reproduces them -----------------------------
+
+def real_argv(log_name: str, rig: dict, **paths: Path) -> list[str]:
+    """The worker's argv from the run log's launcher line, pointed at the rig (and at `paths` overrides)."""
+    last = (DATA / log_name).read_text().rstrip("\n").rsplit("\n", 1)[-1]
+    cmd = ast.literal_eval(re.match(r"subprocess\.CalledProcessError: Command '(\[.*\])' returned", last)[1])
+    where = {"pretrained_model_name_or_path": rig["model"], "tokenizer_cache_dir": rig["tokenizer_cache_dir"],
+             "train_data_dir": rig["dataset"], "output_dir": rig["out"], **paths}
+    args = [re.sub(r"^--(\w+)=.*$", lambda m: f"--{m[1]}={where[m[1]]}" if m[1] in where else m[0], a)
+            for a in cmd[2:]]
+    return argv(rig)[:13] + args  # the rig's launcher and script, then the real run's trainer arguments
+
+
+def merged_lines(result: subprocess.CompletedProcess[bytes]) -> list[str]:
+    """One pipe's output as the worker's run log keeps it: each line's last redraw, no blank lines."""
+    lines = (line.rsplit("\r", 1)[-1].rstrip() for line in result.stdout.decode().split("\n"))
+    return [line for line in lines if line.strip()]
+
+
+def log_lines(name: str) -> list[str]:
+    return [line.rstrip() for line in (DATA / name).read_text().split("\n") if line.strip()]
+
+
+def up_to_the_traceback(lines: list[str]) -> list[str]:
+    """The lines before the trainer's traceback, blanked as `shape` does; a bar's padding is not compared."""
+    return [re.sub(" +", " ", line) for line in shape("\n".join(lines[:lines.index(
+        "Traceback (most recent call last):")]))]
+
+
+def launcher_line(line: str) -> str:
+    return re.sub(r"Command '\[.*\]'", "Command '[…]'", line)
+
+
+def run_merged(rig: dict, args: list[str], **modes: object) -> subprocess.CompletedProcess[bytes]:
+    set_modes(rig["sd_scripts_dir"], **modes)
+    return subprocess.run(args, cwd=rig["sd_scripts_dir"], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          timeout=60, start_new_session=True)
+
+
+def test_a_model_missing_keys_dies_loading_the_unet_as_in_the_real_run_log(rig):
+    real = log_lines("fail_model_missing_keys.log")
+    missing_line = next(line for line in real if line.startswith("\tMissing key(s) in state_dict: "))
+    real_missing = set(re.findall(r'"([^"]+)"', missing_line))
+    prefix = "model.diffusion_model."
+    unet = {k[len(prefix):]: v for k, v in SDXL_TINY.items() if k.startswith(prefix)}
+    [kept] = set(unet) - real_missing  # the real file held one U-Net key, and one of each other family
+    others = [next(k for k in SDXL_TINY if k.startswith(p)) for p in
+              ("conditioner.embedders.0.", "conditioner.embedders.1.", "first_stage_model.")]
+    write_safetensors(rig["model"], {prefix + kept: SDXL_TINY[prefix + kept], **{k: SDXL_TINY[k] for k in others}},
+                      hollow=True)
+    result = run_merged(rig, real_argv("fail_model_missing_keys.log", rig), bnb_warning=True)
+    assert result.returncode == 1
+    fake = merged_lines(result)
+    assert up_to_the_traceback(fake) == up_to_the_traceback(real)  # ends "loading U-Net from checkpoint"
+    at = fake.index("RuntimeError: Error(s) in loading state_dict for SdxlUNet2DConditionModel:")
+    assert fake[at + 1].startswith("\tMissing key(s) in state_dict: ")
+    assert set(re.findall(r'"([^"]+)"', fake[at + 1])) == real_missing
+    assert launcher_line(fake[-1]) == launcher_line(real[-1]) == (
+        "subprocess.CalledProcessError: Command '[…]' returned non-zero exit status 1.")
+
+
+def test_hollow_tokenizers_die_caching_text_encoder_outputs_as_in_the_real_run_log(rig, tmp_path):
+    hollow = tmp_path / "tokenizers-hollow"
+    for name in ("openai_clip-vit-large-patch14", "laion_CLIP-ViT-bigG-14-laion2B-39B-b160k"):
+        write_tokenizer(hollow / name, vocab_json=b"{}", merges_txt=b"", tokenizer_config_json=None)
+    result = run_merged(rig, real_argv("fail_tokenizer_hollow.log", rig, tokenizer_cache_dir=hollow),
+                        bnb_warning=True)
+    assert result.returncode == 1
+    fake, real = merged_lines(result), log_lines("fail_tokenizer_hollow.log")
+    assert up_to_the_traceback(fake) == up_to_the_traceback(real)
+    error = "OverflowError: cannot fit 'int' into an index-sized integer"
+    assert error in fake and error in real
+    assert launcher_line(fake[-1]) == launcher_line(real[-1])
+    assert not (rig["out"] / "ohwx_d2.safetensors").exists()
+
+
+def test_real_tokenizers_without_their_config_fail_the_same_way(rig):
+    # the fixture README: real vocab.json and merges.txt without tokenizer_config.json (max_length 10^30)
+    (rig["tokenizer_cache_dir"] / "openai_clip-vit-large-patch14" / "tokenizer_config.json").unlink()
+    result = run_merged(rig, argv(rig))
+    assert result.returncode == 1
+    assert "OverflowError: cannot fit 'int' into an index-sized integer" in merged_lines(result)
+
+
+def test_the_fake_runs_one_function_per_phase():
+    spec = importlib.util.spec_from_file_location("fake_trainer", Path(__file__).parent / "fakes" /
+                                                  "sdxl_train_network.py")
+    assert spec is not None and spec.loader is not None
+    source = Path(spec.origin or "").read_text()
+    tree = ast.parse(source)
+    train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    called = [n.func.id for n in ast.walk(train) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    phases = [p.value for p in Phase]
+    assert [name for name in called if name in phases] == phases
+
+
+@pytest.mark.parametrize("break_it, failure", [
+    (lambda rig: write_safetensors(rig["model"], {"model.diffusion_model.x": ("F16", [1])}), "model_load_error"),
+    (lambda rig: rig["model"].unlink(), "model_load_error"),
+    (lambda rig: (rig["tokenizer_cache_dir"] / "openai_clip-vit-large-patch14" / "tokenizer_config.json").unlink(),
+     "tokenizer_invalid"),
+    (lambda rig: shutil.rmtree(rig["tokenizer_cache_dir"]), "tokenizer_missing"),
+    (lambda rig: (rig["dataset"] / "2_ohwx dog" / "img1.txt").write_bytes(b""), "dataset_invalid"),
+    (lambda rig: (rig["dataset"] / "2_ohwx dog" / "img1.txt").write_bytes(b"\xff\xfe"), "dataset_invalid"),
+])
+def test_the_fakes_failures_are_classed_as_the_real_ones_are(rig, break_it, failure):
+    from lora_worker.run.outcome import decide
+    from lora_worker.run.parser import Progress
+
+    break_it(rig)
+    result = run_merged(rig, argv(rig))
+    outcome = decide(returncode=result.returncode, progress=Progress(), log_tail=merged_lines(result))
+    assert (result.returncode, outcome.failure_class.value if outcome.failure_class else None) == (1, failure), \
+        outcome.error

@@ -1,4 +1,5 @@
-"""Reading safetensors headers without torch: the base model's key families, and the LoRA we produced.
+"""Reading safetensors headers without torch: the base model's (its key set is judged in dispatch/model.py), and
+the LoRA we produced.
 
 Format: 8 bytes little-endian header length N, then N bytes of JSON (`{name: {dtype, shape, data_offsets}}`
 plus an optional `__metadata__` of strings), then the tensor bytes, fully indexed with no holes.
@@ -21,13 +22,6 @@ from typing import Any, BinaryIO
 from lora_worker.host import fs
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit the safetensors reference implementation enforces
-
-# Key prefixes of a single-file SDXL checkpoint (the layout sd-scripts loads when given a file).
-SDXL_FAMILIES = {
-    "U-Net": "model.diffusion_model.",
-    "text encoder 1 (CLIP-L)": "conditioner.embedders.0.transformer.",
-    "text encoder 2 (OpenCLIP bigG)": "conditioner.embedders.1.model.",
-}
 
 
 class HeaderError(ValueError):
@@ -114,12 +108,6 @@ def _check_offsets(name: str, tensors: dict[str, Any], data_bytes: int) -> None:
         end = max(end, stop)
     if end != data_bytes:
         raise HeaderError(f"{name}: {data_bytes} data bytes but tensors index {end} (truncated or padded)")
-
-
-def missing_sdxl_families(header: Header) -> list[str]:
-    """The SDXL component families a checkpoint lacks (empty for a usable SDXL base model)."""
-    return [name for name, prefix in SDXL_FAMILIES.items()
-            if not any(key.startswith(prefix) for key in header.tensors)]
 
 
 def inspect_lora(path: Path) -> LoraInfo:

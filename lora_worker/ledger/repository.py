@@ -156,7 +156,7 @@ def transition_in(s: Session, job_id: int, to: JobState, *, actor: str, reason: 
 
 FAILURE_TAIL_LINES = 25  # the log lines a failure quotes: enough for a Python traceback's end
 FAILURE_MAX_CHARS = 4000  # the whole `error` text, sentence included
-SENTENCE_MAX_CHARS = 1000  # a sentence quoting a long path or message is cut, so the log lines keep their room
+SENTENCE_MAX_CHARS = 2000  # a sentence quoting a long line is cut, so the log lines keep their room
 
 
 def fail_job(db: Database, job_id: int, *, actor: str, failure_class: FailureClass, sentence: str,
@@ -175,7 +175,7 @@ def fail_job(db: Database, job_id: int, *, actor: str, failure_class: FailureCla
 def failure_text(sentence: str, log_lines: Sequence[str] = ()) -> str:
     """The `error` of every failed row, in one shape:
 
-        <one sentence: whitespace collapsed, a capital first, `.` last (unless it ends in . ! ?)>
+        <one sentence, on one line, as the caller wrote it, `.` last (unless it ends in . ! ?)>
         <an empty line>
         <the log's last non-blank lines, right-stripped, at most FAILURE_TAIL_LINES>
 
@@ -184,8 +184,8 @@ def failure_text(sentence: str, log_lines: Sequence[str] = ()) -> str:
     log is what explains a failure. The first line is always the sentence (`v_failures` shows it as the
     summary), and `sentence, _, lines = error.partition("\n\n")` takes the two apart.
     """
+    # Never re-cased: a sentence may begin with the trainer's own line, quoted as it was written.
     text = " ".join(sentence.split()) or "The job failed"
-    text = text[0].upper() + text[1:]
     if len(text) > SENTENCE_MAX_CHARS:
         text = text[:SENTENCE_MAX_CHARS - 2] + "…"
     if text[-1] not in ".!?":

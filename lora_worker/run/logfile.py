@@ -168,7 +168,9 @@ class LogReader:
                 data = tail.read(offset - tail.start, limit - len(out))
                 out += data
                 offset += len(data)
-        return LogChunk(text=out.decode("utf-8", "replace"), offset=offset, skipped=skipped)
+        whole = _whole_characters(out)  # a limit can fall inside a character: leave it to the next read
+        return LogChunk(text=whole.decode("utf-8", "replace"), offset=offset - (len(out) - len(whole)),
+                        skipped=skipped)
 
     def tail_lines(self, lines: int, max_bytes: int = 1 << 20) -> LogChunk:
         size = self.size()
@@ -218,6 +220,16 @@ def _collapse(line: str) -> str:
         if segment.strip():
             return segment.rstrip()
     return ""
+
+
+def _whole_characters(data: bytes) -> bytes:
+    """`data` less a UTF-8 sequence cut short at its end."""
+    for back in range(1, min(4, len(data)) + 1):
+        lead = data[-back]
+        if lead & 0xC0 != 0x80:  # not a continuation byte: where the last character starts
+            length = 1 if lead < 0xC0 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
+            return data if length <= back else data[:-back]
+    return data
 
 
 def _tail_header(start: int) -> bytes:

@@ -2,8 +2,12 @@
 
 "succeeded" needs all three: exit status 0, the `model saved.` line, and a LoRA file that verifies against
 what dispatch recorded in the row (`recorded_lora`). sd-scripts exits 0 without writing anything when it
-finds no images, so exit 0 alone proves nothing. A failure is a sentence and the log's last lines; the
-ledger's `fail_job` puts them into the one shape every failed row has.
+finds no images, so exit 0 alone proves nothing.
+
+A failure names its cause first. Its `sentence` is one line: the line that explains the failure, in full (the
+trainer's exception line, which `run/explain.py` finds and classes), when there is one, then ` — ` and what the
+worker makes of it, with the exit status. `log_lines` are the log's last lines without the launcher's
+traceback and its argv dump. The ledger's `fail_job` lays the two out in the one shape every failed row has.
 """
 from __future__ import annotations
 
@@ -13,19 +17,29 @@ from dataclasses import dataclass
 from lora_worker.host.fs import FileId
 from lora_worker.host.safetensors import ArtifactCheck, ExpectedLora
 from lora_worker.ledger.models import Job
+from lora_worker.ledger.repository import failure_text
+from lora_worker.run.explain import explain, quotable
 from lora_worker.run.parser import Progress
 from lora_worker.states import FailureClass, JobState
+
+ERROR_TAIL_LINES = 25
+CAUSE_MAX_CHARS = 1500  # the explaining line in a sentence; the ledger caps the sentence at 2000
 
 
 @dataclass(frozen=True)
 class Outcome:
     state: JobState
     failure_class: FailureClass | None = None
-    sentence: str | None = None  # why it failed, for `repo.fail_job`; None unless failed
+    sentence: str | None = None  # why it failed, one line, the explaining line first; None unless failed
     exit_code: int | None = None
     signal: int | None = None
     lora_path: str | None = None
-    log_lines: tuple[str, ...] = ()  # the output's last lines, quoted by a failure
+    log_lines: tuple[str, ...] = ()  # the log's last lines a failure may quote (no launcher argv dump)
+
+    @property
+    def error(self) -> str | None:
+        """The `error` the failed row gets: the one shape `fail_job` writes."""
+        return failure_text(self.sentence, self.log_lines) if self.sentence is not None else None
 
 
 def recorded_lora(job: Job) -> ExpectedLora:
@@ -33,17 +47,6 @@ def recorded_lora(job: Job) -> ExpectedLora:
     return ExpectedLora(rank=job.lora_rank, output_name=job.output_name, steps=job.lora_steps, seed=job.seed,
                         dtype=job.lora_dtype,
                         output_dir_id=FileId.parse(job.output_dev_ino) if job.output_dev_ino else None)
-
-
-# Output markers, strongest evidence first: an OOM explains a crash better than the crash does.
-_MARKER_CLASSES = (
-    ("cuda_oom", FailureClass.CUDA_OOM, "CUDA ran out of memory"),
-    ("caption_invalid", FailureClass.DATASET_INVALID, "a caption file is empty or not UTF-8"),
-    ("no_data", FailureClass.DATASET_INVALID, "sd-scripts found no training images (No data found)"),
-    ("model_load_error", FailureClass.MODEL_LOAD_ERROR, "the base model could not be loaded"),
-    ("invalid_arguments", FailureClass.INVALID_ARGUMENTS, "sd-scripts rejected its arguments"),
-    ("tokenizer_missing", FailureClass.TOKENIZER_MISSING, "the CLIP tokenizers could not be loaded offline"),
-)
 
 
 def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], cancelled: bool = False,
@@ -57,26 +60,32 @@ def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], c
     saved = "model_saved" in progress.flags
     if stalled_in is None and returncode == 0 and saved and artifact is not None and artifact.problem is None:
         return Outcome(JobState.SUCCEEDED, lora_path=artifact.path, **base)
-    failure, sentence = _failure(returncode, signal, progress, stalled_in, artifact)
-    return Outcome(JobState.FAILED, failure, sentence, log_lines=tuple(log_tail), **base)
+    failure, summary, cause = _classify(returncode, signal, saved, artifact, stalled_in, log_tail)
+    if cause and len(cause) > CAUSE_MAX_CHARS:  # a 90 KB missing-key list: keep its head and the summary
+        cause = cause[:CAUSE_MAX_CHARS] + "…"
+    sentence = f"{cause} — {summary[0].lower()}{summary[1:]}." if cause else f"{summary}."
+    return Outcome(JobState.FAILED, failure, sentence, log_lines=tuple(quotable(log_tail)[-ERROR_TAIL_LINES:]),
+                   **base)
 
 
-def _failure(returncode: int | None, signal: int | None, progress: Progress, stalled_in: str | None,
-             artifact: ArtifactCheck | None) -> tuple[FailureClass, str]:
+def _classify(returncode: int | None, signal: int | None, saved: bool, artifact: ArtifactCheck | None,
+              stalled_in: str | None, log_tail: list[str]) -> tuple[FailureClass, str, str | None]:
+    """(class, the worker's summary, the explaining line or None), strongest evidence first."""
     if stalled_in is not None:
-        return FailureClass.STALLED, f"no progress in phase {stalled_in} within its limit; the job was killed"
-    for flag, failure, summary in _MARKER_CLASSES:
-        if flag in progress.flags:
-            return failure, f"{summary} ({_status(returncode)})"
+        return FailureClass.STALLED, f"No progress in phase {stalled_in} within its limit; the job was killed", None
+    why = explain(log_tail) if not (returncode == 0 and saved) else None
+    if why is not None and why.failure is not None and why.summary is not None:
+        return why.failure, f"{why.summary} ({_status(returncode)})", why.line
+    cause = why.line if why is not None else None
     if signal is not None:
-        return FailureClass.KILLED_BY_SIGNAL, f"the trainer was killed by {_signal_name(signal)}"
+        return FailureClass.KILLED_BY_SIGNAL, f"The trainer was killed by {_signal_name(signal)}", cause
     if returncode != 0:
-        return FailureClass.TRAINER_CRASHED, f"the trainer failed ({_status(returncode)})"
-    if "model_saved" not in progress.flags or artifact is None or artifact.missing:
+        return FailureClass.TRAINER_CRASHED, f"The trainer failed ({_status(returncode)})", cause
+    if not saved or artifact is None or artifact.missing:
         where = artifact.path if artifact else "the output directory"
-        return FailureClass.NO_OUTPUT, f"exit status 0 but no LoRA was saved to {where}"
+        return FailureClass.NO_OUTPUT, f"Exit status 0 but no LoRA was saved to {where}", cause
     failure = FailureClass.ARTIFACT_MISMATCH if artifact.mismatch else FailureClass.ARTIFACT_INVALID
-    return failure, f"the LoRA file failed verification: {artifact.problem}"
+    return failure, f"The LoRA file failed verification: {artifact.problem}", None
 
 
 def _split(returncode: int | None) -> tuple[int | None, int | None]:

@@ -368,7 +368,7 @@ class Runner:
                                        reason="cancelled; every process of the job is gone", **values)
             return repo.fail_job(self.db, self.job_id, actor="supervisor",
                                  failure_class=outcome.failure_class or FailureClass.SUPERVISOR_LOST,
-                                 sentence=outcome.sentence or "the run failed", log_lines=outcome.log_lines,
+                                 sentence=outcome.sentence or "The run failed", log_lines=outcome.log_lines,
                                  **values)
 
         # The outcome is known and must not be lost: keep trying, holding the job lock meanwhile.

@@ -9,10 +9,19 @@ captures in tests/data/*.jsonl show:
   `print` lines (`epoch N/M`, `saving checkpoint: …`) on stdout too;
 - tqdm bars on stderr, drawn by tqdm itself: `steps` with `avr_loss`, two redraws per step (update, then
   set_postfix), closed after `model saved.`;
-- a missing model file → the diffusers ValueError; missing tokenizers → the TypeError seen offline;
-- a real `.safetensors` LoRA: the 722 U-Net module names of a real SDXL run, shapes for the requested rank,
-  the real run's `ss_*` metadata with this run's values; tensor data left sparse (zeros) so it is cheap; every
+- a missing model file → the diffusers ValueError; a checkpoint that lacks tensors (or has others) → the
+  loader's `RuntimeError: Error(s) in loading state_dict for SdxlUNet2DConditionModel:` with its `Missing
+  key(s)` list, exit 1 while loading (fail_model_missing_keys.log); the expected keys are the real
+  checkpoint's header (tests/data/sdxl-checkpoint-header.json, copied next to this script);
+- tokenizers as transformers loads them from --tokenizer_cache_dir: none → the TypeError seen offline; no
+  tokenizer_config.json → model_max_length 10^30 → `OverflowError: cannot fit 'int' into an index-sized
+  integer` while caching text-encoder outputs, exit 1 (fail_tokenizer_hollow.log);
+- a real `.safetensors` LoRA: the 722 U-Net modules of the real run's LoRA (its header,
+  tests/data/lora-header-run1_simple.json, copied next to this script), shapes for the requested rank, that
+  run's `ss_*` metadata with this run's values; tensor data left sparse (zeros) so it is cheap; every
   tensor in the `--save_precision` dtype (none or float → F32, fp16 → F16, bf16 → BF16), as save_weights casts;
+- the functions on a failure's traceback named as sd-scripts names them (`read_caption`, `load_target_model`,
+  `_load_tokenizer`, `_get_input_ids`), since the worker classes a failure by its frames;
 - no signal handling of its own (SIGTERM kills it; SIGINT raises KeyboardInterrupt), like the real trainer.
 
 Behaviour for a test is read from `fake_trainer.json` in the working directory (the sd-scripts dir), because
@@ -43,6 +52,7 @@ import signal
 import struct
 import sys
 import time
+from dataclasses import dataclass
 
 from tqdm import tqdm
 
@@ -223,24 +233,32 @@ def scan_dataset(args: argparse.Namespace) -> tuple[list[tuple[str, int, list[st
     return subsets, sum(r * len(i) for _, r, i in subsets)
 
 
-def read_captions(args: argparse.Namespace, images: list[str]) -> None:
-    for image in tqdm(images, desc="read caption"):
-        cap = os.path.splitext(image)[0] + args.caption_extension
-        if not os.path.isfile(cap):
-            continue
-        try:
-            with open(cap, encoding="utf-8") as f:
-                lines = f.readlines()
-        except UnicodeDecodeError:
-            log(f"illegal char in file (not UTF-8) / ファイルにUTF-8以外の文字があります: {cap}")
-            raise
-        assert len(lines) > 0, f"caption file is empty / キャプションファイルが空です: {cap}"
+def read_caption(img_path: str, caption_extension: str) -> str | None:
+    """train_util.read_caption: the first line of `<stem><caption_extension>`, if there is one."""
+    cap_path = os.path.splitext(img_path)[0] + caption_extension
+    if not os.path.isfile(cap_path):
+        return None
+    try:
+        with open(cap_path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except UnicodeDecodeError:
+        log(f"illegal char in file (not UTF-8) / ファイルにUTF-8以外の文字があります: {cap_path}")
+        raise
+    assert len(lines) > 0, f"caption file is empty / キャプションファイルが空です: {cap_path}"
+    return lines[0].strip()
+
+
+def load_dreambooth_dir(args: argparse.Namespace, images: list[str]) -> list[str]:
+    return [read_caption(image, args.caption_extension) or "" for image in tqdm(images, desc="read caption")]
 
 
 def dataset_block(args: argparse.Namespace, subsets: list) -> str:
     res = args.resolution.split(",")[0] if args.resolution else "None"
     lines = ["[Dataset 0]", f"  batch_size: {args.train_batch_size}", f"  resolution: ({res}, {res})",
              "  resize_interpolation: None", f"  enable_bucket: {args.enable_bucket}"]
+    if args.enable_bucket:
+        lines += [f"  min_bucket_reso: {args.min_bucket_reso}", f"  max_bucket_reso: {args.max_bucket_reso}",
+                  f"  bucket_reso_steps: {args.bucket_reso_steps}", f"  bucket_no_upscale: {args.bucket_no_upscale}"]
     for i, (path, repeats, images) in enumerate(subsets):
         class_tokens = os.path.basename(path).split("_", 1)[1]
         lines += ["", f"  [Subset {i} of Dataset 0]", f'    image_dir: "{path}"', f"    image_count: {len(images)}",
@@ -255,7 +273,138 @@ def dataset_block(args: argparse.Namespace, subsets: list) -> str:
     return "\n".join(lines + ["", ""])  # two blank lines close the dataset, subsets or none (the capture)
 
 
-def load_model(args: argparse.Namespace) -> None:
+def make_buckets(args: argparse.Namespace, images: list[str], total: int) -> None:
+    """train_util.BaseDataset.make_buckets: what it logs with and without --enable_bucket."""
+    log("loading image sizes.")
+    for _ in tqdm(images):
+        pass
+    if not args.enable_bucket:
+        log("prepare dataset")
+        return
+    log("make buckets")
+    if args.bucket_no_upscale:
+        log("min_bucket_reso and max_bucket_reso are ignored if bucket_no_upscale is set, because bucket reso is "
+            "defined by image size automatically / bucket_no_upscaleが指定された場合は、bucketの解像度は画像サイズから"
+            "自動計算されるため、min_bucket_resoとmax_bucket_resoは無視されます")
+    res = (args.resolution or "1024").split(",")[0]
+    log("number of images (including repeats) / 各bucketの画像枚数（繰り返し回数を含む）")
+    log(f"bucket 0: resolution ({res}, {res}), count: {total}")
+    log("mean ar error (without repeats): 0.0")
+
+
+# -- the tokenizers: strategy_base._load_tokenizer and transformers' CLIPTokenizer, as far as a run shows them ----
+
+VERY_LARGE_INTEGER = int(1e30)  # transformers' model_max_length when tokenizer_config.json does not say
+
+
+class CLIPTokenizer:
+    def __init__(self, vocab_file: str | None, model_max_length: int) -> None:
+        with open(vocab_file, encoding="utf-8") as fh:  # type: ignore[arg-type]  # None: the offline TypeError
+            json.load(fh)
+        self.model_max_length = model_max_length
+
+    @classmethod
+    def from_pretrained(cls, folder: str) -> CLIPTokenizer:
+        vocab = os.path.join(folder, "vocab.json")
+        config_path = os.path.join(folder, "tokenizer_config.json")
+        config = {}
+        if os.path.isfile(config_path):
+            with open(config_path, encoding="utf-8") as fh:
+                config = json.load(fh)
+        return cls(vocab if os.path.isfile(vocab) else None, config.get("model_max_length", VERY_LARGE_INTEGER))
+
+    def __call__(self, text: str, max_length: int) -> list[int]:
+        ids = [49406, 49407]
+        attention_mask = [1] * len(ids)
+        difference = max_length - len(ids)
+        # tokenization_utils_base._pad: with max_length 10^30 this is fail_tokenizer_hollow.log's OverflowError
+        attention_mask = attention_mask + [0] * difference
+        return ids + [49407] * difference
+
+
+def _load_tokenizer(model_id: str, tokenizer_cache_dir: str | None) -> CLIPTokenizer:
+    local = os.path.join(tokenizer_cache_dir or "", model_id.replace("/", "_"))
+    if tokenizer_cache_dir and os.path.exists(local):
+        log(f"load tokenizer from cache: {local}")
+        return CLIPTokenizer.from_pretrained(local)
+    # offline with nothing cached: transformers gets no vocab_file (real-run §7, fail_no_tokenizer_offline)
+    return CLIPTokenizer.from_pretrained(os.path.join(os.sep, "nonexistent", model_id))
+
+
+def _get_input_ids(tokenizer: CLIPTokenizer, text: str, max_length: int) -> list[int]:
+    return tokenizer(text, max_length=max_length)
+
+
+def tokenize(tokenizers: list[CLIPTokenizer], captions: list[str]) -> list[list[int]]:
+    """strategy_sdxl.SdxlTokenizeStrategy.tokenize: max_length is the tokenizer's model_max_length."""
+    return [_get_input_ids(t, text, t.model_max_length) for t in tokenizers for text in captions]
+
+
+# -- the base model: sdxl_model_util.load_models_from_sdxl_checkpoint ----------------------------------------------
+
+# What each model sd-scripts builds expects, by checkpoint prefix; the keys and shapes come from the real
+# checkpoint's header (copied next to this script by the test install, from tests/data).
+MODELS = [("SdxlUNet2DConditionModel", "model.diffusion_model.", True), ("CLIPTextModel",
+           "conditioner.embedders.0.transformer.", True), ("CLIPTextModelWithProjection",
+           "conditioner.embedders.1.model.", True), ("AutoencoderKL", "first_stage_model.", False)]
+DROPPED = {"conditioner.embedders.1.model.logit_scale", "conditioner.embedders.0.transformer.text_model.embeddings."
+           "position_ids"}
+VAE_LINEAR_ATTENTION = tuple(f"mid.attn_1.{n}.weight" for n in ("q", "k", "v", "proj_out"))  # conv_attn_to_linear
+
+
+def read_safetensors_header(path: str) -> dict:
+    with open(path, "rb") as fh:
+        (length,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(length))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _load_state_dict_on_device(model: str, expected: dict[str, list[int]], state_dict: dict[str, dict],
+                               strict: bool) -> str:
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected] if strict else []
+    if missing and not strict:
+        raise KeyError(missing[0])  # model_util.convert_ldm_vae_checkpoint indexes the keys it needs
+    if missing or unexpected:
+        error_msgs: list[str] = []
+        if missing:
+            error_msgs.insert(0, "Missing key(s) in state_dict: {}. ".format(", ".join(f'"{k}"' for k in missing)))
+        if unexpected:
+            error_msgs.insert(0, "Unexpected key(s) in state_dict: {}. ".format(
+                ", ".join(f'"{k}"' for k in unexpected)))
+        raise RuntimeError("Error(s) in loading state_dict for {}:\n\t{}".format(model, "\n\t".join(error_msgs)))
+    for key, want in expected.items():
+        have = list(state_dict[key]["shape"])
+        if have != want and not (key.endswith(VAE_LINEAR_ATTENTION) and have == want[:2]):
+            # accelerate's set_module_tensor_to_device
+            raise ValueError(f'Trying to set a tensor of shape torch.Size({have}) in "{key.rsplit(".", 1)[-1]}" '
+                             f"(which has shape torch.Size({want})), this looks incorrect.")
+    return "<All keys matched successfully>"
+
+
+def load_models_from_sdxl_checkpoint(path: str) -> None:
+    with open(os.path.join(HERE, "sdxl-checkpoint-header.json")) as fh:
+        reference = json.load(fh)["tensors"]
+    state_dict = read_safetensors_header(path)
+    steps = {"SdxlUNet2DConditionModel": ("building U-Net", "loading U-Net from checkpoint", "U-Net"),
+             "CLIPTextModel": ("building text encoders", "loading text encoders from checkpoint", "text encoder 1"),
+             "CLIPTextModelWithProjection": (None, None, "text encoder 2"),
+             "AutoencoderKL": ("building VAE", "loading VAE from checkpoint", "VAE")}
+    for model, prefix, strict in MODELS:
+        building, loading, name = steps[model]
+        for line in (building, loading):
+            if line:
+                log(line)
+        if loading:
+            sleep("load_s", 0.02)
+        expected = {k[len(prefix):]: v["shape"] for k, v in reference.items() if k.startswith(prefix)
+                    and k not in DROPPED}
+        part = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix) and k not in DROPPED}
+        log(f"{name}: {_load_state_dict_on_device(model, expected, part, strict)}")
+
+
+def load_target_model(args: argparse.Namespace) -> None:
     log("loading model for process 0/1")
     path = args.pretrained_model_name_or_path
     if path is None or not os.path.isfile(path):
@@ -265,18 +414,10 @@ def load_model(args: argparse.Namespace) -> None:
                          "a valid repo id. Please check the parameter.")
     log(f"load StableDiffusion checkpoint: {path}")
     phase("loading_model")
-    for part in ("U-Net", "text encoders", "VAE"):
-        log(f"building {part}")
-        log(f"loading {part} from checkpoint")
-        sleep("load_s", 0.02)
-        if part == "text encoders":
-            log("text encoder 1: <All keys matched successfully>")
-            log("text encoder 2: <All keys matched successfully>")
-        else:
-            log(f"{part}: <All keys matched successfully>")
+    load_models_from_sdxl_checkpoint(path)
 
 
-def cache(args: argparse.Namespace, images: list[str]) -> None:
+def caching_latents(images: list[str]) -> None:
     log("[Dataset 0]")
     log("caching latents with caching strategy.")
     log("caching latents...")
@@ -284,16 +425,21 @@ def cache(args: argparse.Namespace, images: list[str]) -> None:
     for _ in tqdm(images):
         sleep("cache_s", 0.002)
     log("move vae and unet to cpu to save memory")
+
+
+def caching_text_encoder_outputs(tokenizers: list[CLIPTokenizer], captions: list[str]) -> None:
     log("[Dataset 0]")
     log("caching Text Encoder outputs with caching strategy.")
     log("checking cache validity...")
-    for _ in tqdm(images):
+    for _ in tqdm(captions):
         pass
     log("caching Text Encoder outputs...")
     phase("caching_text_encoder_outputs")
-    for _ in tqdm(images):
+    for caption in tqdm(captions):
+        tokenize(tokenizers, [caption])
         sleep("cache_s", 0.002)
     log("move vae and unet back to original device")
+
 
 
 def sha256_of(path: str) -> str:
@@ -314,8 +460,7 @@ def legacy_model_hash(path: str) -> str:
 
 def lora_metadata(args: argparse.Namespace, rank: int, steps: int, epoch: int, total_images: int,
                   subsets: list, started: float) -> dict[str, str]:
-    with open(os.path.join(HERE, "sdxl_lora_template.json")) as fh:
-        metadata = dict(json.load(fh)["metadata"])
+    metadata = dict(lora_reference()["__metadata__"])
     res = (args.resolution or "1024").split(",")[0]
     metadata.update({
         "ss_network_dim": str(rank), "ss_network_alpha": str(float(args.network_alpha)),
@@ -361,8 +506,7 @@ def save_lora(path: str, rank: int, alpha: float, metadata: dict[str, str], part
               precision: str | None = None) -> None:
     """A safetensors file as safetensors' serializer lays it out; tensor bytes left sparse (zeros)."""
     dtype = SAVE_DTYPES[precision]
-    with open(os.path.join(HERE, "sdxl_lora_template.json")) as fh:
-        modules = json.load(fh)["modules"]
+    modules = lora_modules()
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     alphas = []
@@ -385,6 +529,20 @@ def save_lora(path: str, rank: int, alpha: float, metadata: dict[str, str], part
         fh.truncate(data_start + (offset // 2 if partial else offset))
 
 
+def lora_modules() -> list[tuple[str, int, int]]:
+    """(module, in_features, out_features) of the 722 U-Net modules of the real run's LoRA (its header, copied
+    next to this script by the test install from tests/data/lora-header-run1_simple.json)."""
+    tensors = lora_reference()["tensors"]
+    return [(name[:-len(".lora_down.weight")], info["shape"][1],
+             tensors[name[:-len(".lora_down.weight")] + ".lora_up.weight"]["shape"][0])
+            for name, info in tensors.items() if name.endswith(".lora_down.weight")]
+
+
+def lora_reference() -> dict:
+    with open(os.path.join(HERE, "lora-header-run1_simple.json")) as fh:
+        return json.load(fh)
+
+
 class OutOfMemoryError(RuntimeError):
     """Shown in tracebacks as `torch.OutOfMemoryError: CUDA out of memory. …`, as current torch does."""
 
@@ -392,58 +550,91 @@ class OutOfMemoryError(RuntimeError):
 OutOfMemoryError.__module__ = "torch"
 
 
+@dataclass
+class Dataset:
+    subsets: list[tuple[str, int, list[str]]]
+    images: list[str]
+    captions: list[str]
+    total: int  # images with repeats
+
+
+@dataclass
+class Plan:
+    rank: int
+    steps: int
+    epochs: int
+    batches: int  # per epoch
+
+
 def train(args: argparse.Namespace) -> int:
+    """train_network.NetworkTrainer.train, one function per phase (named as lora_worker's Phase names them)."""
     started = time.time()
     if MODES.get("bnb_warning"):
         sys.stderr.write("Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'. "
                          "Please make sure you already `pip install kernels` and the kernels >= 0.11.1\n")
+    tokenizers, dataset = launching(args)
+    if dataset is None:
+        return 0  # "No data found": sd-scripts returns, exit status 0, no file
+    loading_model(args)
+    caching_latents(dataset.images)
+    caching_text_encoder_outputs(tokenizers, dataset.captions)
+    plan = preparing_training(args, dataset)
+    bar = tqdm(range(plan.steps), smoothing=0, desc="steps")
+    step = training(args, dataset, plan, bar, started)
+    if MODES.get("skip_save"):
+        bar.close()
+        return 0
+    saving(args, dataset, plan, step, started)
+    bar.close()
+    sleep("teardown_s", 0.0)
+    return 0
+
+
+def launching(args: argparse.Namespace) -> tuple[list[CLIPTokenizer], Dataset | None]:
     phase("launching")
-    for model_id in TOKENIZERS:
-        local = os.path.join(args.tokenizer_cache_dir or "", model_id.replace("/", "_"))
-        if args.tokenizer_cache_dir and os.path.exists(local):
-            log(f"load tokenizer from cache: {local}")
-        else:
-            # transformers offline with nothing cached: vocab_file is None (real-run §7, fail_no_tokenizer_offline)
-            open(None)  # type: ignore[call-overload]  # TypeError: expected str, bytes or os.PathLike …
+    tokenizers = [_load_tokenizer(model_id, args.tokenizer_cache_dir) for model_id in TOKENIZERS]
     log("Using DreamBooth method.")
     log("prepare images.")
     found, _ = scan_dataset(args)
+    captions: list[str] = []
     for path, _, imgs in found:  # train_util load_dreambooth_dir, then the subset loop, per subset
         log("get image size from name of cache files")
         for _ in tqdm(imgs):
             pass
         log(f"set image size from cache files: 0/{len(imgs)}")
         log(f"found directory {path} contains {len(imgs)} image files")
-        read_captions(args, imgs)
+        captions += load_dreambooth_dir(args, imgs)
         if not imgs:
             log(f"ignore subset with image_dir='{path}': no images found / 画像が見つからないためサブセットを無視します")
     subsets = [subset for subset in found if subset[2]]
-    images = [img for _, _, imgs in subsets for img in imgs]
-    total = sum(r * len(i) for _, r, i in subsets)
-    log(f"{total} train images with repeats.")
+    dataset = Dataset(subsets, [img for _, _, imgs in subsets for img in imgs], captions,
+                      sum(r * len(i) for _, r, i in subsets))
+    log(f"{dataset.total} train images with repeats.")
     log("0 reg images with repeats.")
     log("no regularization images / 正則化画像が見つかりませんでした")
     log(dataset_block(args, subsets))
     log("[Prepare dataset 0]")
-    log("loading image sizes.")
-    for _ in tqdm(images):
-        pass
-    log("prepare dataset")
-    if total == 0:
+    make_buckets(args, dataset.images, dataset.total)
+    if dataset.total == 0:
         log("No data found. Please verify arguments (train_data_dir must be the parent of folders with images) / "
             "画像がありません。引数指定を確認してください（train_data_dirには画像があるフォルダではなく、"
             "画像があるフォルダの親フォルダを指定する必要があります）")
-        return 0
+        return tokenizers, None
     assert args.network_train_unet_only or not args.cache_text_encoder_outputs, \
         "network for Text Encoder cannot be trained with caching Text Encoder outputs / " \
         "Text Encoderの出力をキャッシュしながらText Encoderのネットワークを学習することはできません"
+    return tokenizers, dataset
+
+
+def loading_model(args: argparse.Namespace) -> None:
     log("preparing accelerator")
     print("accelerator device: cuda", flush=True)
-    load_model(args)
+    load_target_model(args)
     if args.sdpa:
         log("Enable SDPA for U-Net")
-    cache(args, images)
 
+
+def preparing_training(args: argparse.Namespace, dataset: Dataset) -> Plan:
     rank = int(MODES.get("rank_override", args.network_dim or 4))
     print(f"import network module: {args.network_module}", flush=True)
     phase("preparing_training")
@@ -457,7 +648,7 @@ def train(args: argparse.Namespace) -> int:
     print("prepare optimizer, data loader etc.", flush=True)
     eight_bit = args.optimizer_type.lower() == "adamw8bit"
     log(f"use {'8-bit AdamW' if eight_bit else 'AdamW'} optimizer | {{}}")
-    batches = sum(math.ceil(r * len(i) / args.train_batch_size) for _, r, i in subsets)
+    batches = sum(math.ceil(r * len(i) / args.train_batch_size) for _, r, i in dataset.subsets)
     steps = args.max_train_steps
     if args.max_train_epochs:
         steps = args.max_train_epochs * batches
@@ -465,7 +656,7 @@ def train(args: argparse.Namespace) -> int:
         log(f"override steps. steps for {args.max_train_epochs} epochs is / 指定エポックまでのステップ数: {steps}")
     epochs = math.ceil(steps / batches)
     print("running training / 学習開始", flush=True)
-    print(f"  num train images * repeats / 学習画像の数×繰り返し回数: {total}", flush=True)
+    print(f"  num train images * repeats / 学習画像の数×繰り返し回数: {dataset.total}", flush=True)
     print("  num validation images * repeats / 学習画像の数×繰り返し回数: 0", flush=True)
     print("  num reg images / 正則化画像の数: 0", flush=True)
     print(f"  num batches per epoch / 1epochのバッチ数: {batches}", flush=True)
@@ -478,68 +669,73 @@ def train(args: argparse.Namespace) -> int:
     log(f"unet dtype: {dtype}, device: cuda:0")
     log("text_encoder [0] dtype: torch.float32, device: cpu")
     log("text_encoder [1] dtype: torch.float32, device: cpu")
+    return Plan(rank, steps, epochs, batches)
 
-    out_dir = args.output_dir
-    name = args.output_name or "last"
-    bar = tqdm(range(steps), smoothing=0, desc="steps")
+
+def training(args: argparse.Namespace, dataset: Dataset, plan: Plan, bar: tqdm, started: float) -> int:
     phase("training")
     rng = random.Random(args.seed)
     losses: list[float] = []
     step = 0
-    for epoch in range(epochs):
-        print(f"\nepoch {epoch + 1}/{epochs}\n", flush=True)
+    for epoch in range(plan.epochs):
+        print(f"\nepoch {epoch + 1}/{plan.epochs}\n", flush=True)
         log(f"epoch is incremented. current_epoch: {epoch}, epoch: {epoch + 1}")
-        for _ in range(batches):
+        for _ in range(plan.batches):
             sleep("step_s", 0.005)
             step += 1
-            if step == MODES.get("oom_at_step"):
-                raise OutOfMemoryError(
-                    "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 23.57 GiB of "
-                    "which 11.06 MiB is free. Including non-PyTorch memory, this process has 23.55 GiB memory in use.")
-            if step == MODES.get("crash_at_step"):
-                raise RuntimeError("CUDA error: an illegal memory access was encountered")
-            if step == MODES.get("hold_at_step"):
-                while not os.path.exists(MODES["release_file"]):
-                    time.sleep(0.02)
+            fail_at(step)
             bar.update(1)
             if MODES.get("flood_bytes") and step == 1:
                 flood(bar, int(MODES["flood_bytes"]))
-            if args.save_every_n_steps and step % args.save_every_n_steps == 0 and step < steps:
-                ckpt = os.path.join(out_dir, f"{name}-step{step:08d}.safetensors")
-                os.makedirs(out_dir, exist_ok=True)  # save_model: the directory first, then the line
-                print(f"\nsaving checkpoint: {ckpt}", flush=True)
-                save_lora(ckpt, rank, args.network_alpha, lora_metadata(args, rank, step, epoch, total, subsets,
-                                                                         started), precision=args.save_precision)
+            if args.save_every_n_steps and step % args.save_every_n_steps == 0 and step < plan.steps:
+                save_checkpoint(args, dataset, plan, f"-step{step:08d}", step, epoch, started)
             nan = MODES.get("nan_from_step") is not None and step >= MODES["nan_from_step"]
-            losses.append(float("nan") if nan else 1.1 * math.exp(-step / max(steps, 1)) + rng.random() * 0.05)
-            window = losses[-batches:]
+            losses.append(float("nan") if nan else 1.1 * math.exp(-step / max(plan.steps, 1)) + rng.random() * 0.05)
+            window = losses[-plan.batches:]
             bar.set_postfix(avr_loss=sum(window) / len(window))
-            if step >= steps:
+            if step >= plan.steps:
                 break
-        if args.save_every_n_epochs and (epoch + 1) % args.save_every_n_epochs == 0 and epoch + 1 < epochs:
-            ckpt = os.path.join(out_dir, f"{name}-{epoch + 1:06d}.safetensors")
-            os.makedirs(out_dir, exist_ok=True)  # save_model: the directory first, then the line
-            print(f"\nsaving checkpoint: {ckpt}", flush=True)
-            save_lora(ckpt, rank, args.network_alpha, lora_metadata(args, rank, step, epoch + 1, total, subsets,
-                                                                     started), precision=args.save_precision)
-        if step >= steps:
+        if args.save_every_n_epochs and (epoch + 1) % args.save_every_n_epochs == 0 and epoch + 1 < plan.epochs:
+            save_checkpoint(args, dataset, plan, f"-{epoch + 1:06d}", step, epoch + 1, started)
+        if step >= plan.steps:
             break
-    if MODES.get("skip_save"):
-        bar.close()
-        return 0
-    os.makedirs(out_dir, exist_ok=True)  # only now: sd-scripts creates the output dir at the first save
-    final = os.path.join(out_dir, f"{name}.safetensors")
+    return step
+
+
+def fail_at(step: int) -> None:
+    if step == MODES.get("oom_at_step"):
+        raise OutOfMemoryError(
+            "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 23.57 GiB of "
+            "which 11.06 MiB is free. Including non-PyTorch memory, this process has 23.55 GiB memory in use.")
+    if step == MODES.get("crash_at_step"):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    if step == MODES.get("hold_at_step"):
+        while not os.path.exists(MODES["release_file"]):
+            time.sleep(0.02)
+
+
+def save_checkpoint(args: argparse.Namespace, dataset: Dataset, plan: Plan, suffix: str, step: int, epoch: int,
+                    started: float) -> None:
+    ckpt = os.path.join(args.output_dir, f"{args.output_name or 'last'}{suffix}.safetensors")
+    os.makedirs(args.output_dir, exist_ok=True)  # save_model: the directory first, then the line
+    print(f"\nsaving checkpoint: {ckpt}", flush=True)
+    save_lora(ckpt, plan.rank, args.network_alpha, lora_metadata(args, plan.rank, step, epoch, dataset.total,
+                                                                 dataset.subsets, started),
+              precision=args.save_precision)
+
+
+def saving(args: argparse.Namespace, dataset: Dataset, plan: Plan, step: int, started: float) -> None:
+    os.makedirs(args.output_dir, exist_ok=True)  # only now: sd-scripts creates the output dir at the first save
+    final = os.path.join(args.output_dir, f"{args.output_name or 'last'}.safetensors")
     print(f"\nsaving checkpoint: {final}", flush=True)
-    metadata = lora_metadata(args, rank, step, epochs, total, subsets, started)
+    metadata = lora_metadata(args, plan.rank, step, plan.epochs, dataset.total, dataset.subsets, started)
     if MODES.get("partial_save_then_hang"):
-        save_lora(final, rank, args.network_alpha, metadata, partial=True, precision=args.save_precision)
+        save_lora(final, plan.rank, args.network_alpha, metadata, partial=True, precision=args.save_precision)
         phase_hang()
     phase("saving")
-    save_lora(final, rank, args.network_alpha, metadata, precision=args.save_precision)
+    save_lora(final, plan.rank, args.network_alpha, metadata, precision=args.save_precision)
     log("model saved.")
-    bar.close()
-    sleep("teardown_s", 0.0)
-    return 0
+
 
 
 def phase_hang() -> None:

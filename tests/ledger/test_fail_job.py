@@ -30,13 +30,15 @@ SENTENCE = re.compile(r"[A-Z][^\n]*[.!?]")
 # -- the shape ----------------------------------------------------------------------------------------------------
 
 def test_a_failure_without_a_log_is_one_sentence():
-    assert failure_text("the supervisor never started") == "The supervisor never started."
+    assert failure_text("The supervisor never started") == "The supervisor never started."
+    # never re-cased: a sentence may start with the trainer's own line, as it wrote it
+    assert failure_text("sdxl_train_network.py: error: x.") == "sdxl_train_network.py: error: x."
     assert failure_text("  GPU 1 is locked\nby another trainer.  ") == "GPU 1 is locked by another trainer."
 
 
 def test_a_failure_with_a_log_is_the_sentence_an_empty_line_and_the_last_non_blank_lines():
     lines = [f"line {i}" for i in range(40)] + ["", "   ", "Traceback (most recent call last):", "boom   "]
-    text = failure_text("the trainer failed (exit status 1)", lines)
+    text = failure_text("The trainer failed (exit status 1)", lines)
     sentence, blank, tail = text.partition("\n\n")
     assert (sentence, blank) == ("The trainer failed (exit status 1).", "\n\n")
     kept = tail.split("\n")
@@ -46,7 +48,7 @@ def test_a_failure_with_a_log_is_the_sentence_an_empty_line_and_the_last_non_bla
 
 def test_a_long_failure_keeps_the_sentence_and_the_end_of_the_log_within_the_cap():
     lines = [f"line {i} " + "x" * 400 for i in range(30)]
-    text = failure_text("x" * 5000, lines)
+    text = failure_text("X" * 5000, lines)
     sentence, _, tail = text.partition("\n\n")
     assert len(text) <= FAILURE_MAX_CHARS and len(sentence) <= SENTENCE_MAX_CHARS
     assert SENTENCE.fullmatch(sentence) and "…" in sentence

@@ -105,3 +105,17 @@ def test_a_compaction_that_fails_on_a_full_disk_leaves_the_log_writable(tmp_path
     reader = LogReader(tmp_path, 4)
     assert reader.size() == 2 * 1000
     assert reader.tail_lines(3).text == "".join(written[-3:])
+
+
+def test_a_read_limit_inside_a_character_never_splits_it(tmp_path):
+    log = JobLog(tmp_path, 1, head_bytes=1 << 20, tail_bytes=1 << 20)
+    log.feed("stdout", "steps: 100%|██████████| 3/3\n")
+    log.close()
+    reader, offset, text = LogReader(tmp_path, 1), 0, ""
+    while True:
+        chunk = reader.read_from(offset, 14)  # "steps: 100%|" is 12 bytes; each "█" is 3
+        if not chunk.text:
+            break
+        assert "\ufffd" not in chunk.text and chunk.offset == offset + len(chunk.text.encode())
+        offset, text = chunk.offset, text + chunk.text
+    assert text == "steps: 100%|██████████| 3/3\n"

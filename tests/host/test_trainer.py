@@ -1,0 +1,90 @@
+"""The trainer check refuses tokenizers that exist but would kill the run after the model has loaded."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from lora_worker.errors import TrainerUnavailable
+from lora_worker.host.trainer import TOKENIZER_DIRS, missing_trainer_parts, require_trainer, tokenizer_problems
+from tests.helpers import clip_tokenizer_files, job_rows, write_tokenizer
+
+GOOD = clip_tokenizer_files()
+
+
+def test_the_generated_clip_tokenizer_passes(tmp_path):
+    assert tokenizer_problems(write_tokenizer(tmp_path / "tok")) == []
+
+
+@pytest.mark.parametrize("name, data, says", [
+    # fail_tokenizer_hollow.log: `{}` and an empty merges.txt, no tokenizer_config.json
+    ("vocab.json", b"{}", "0 tokens"),
+    ("vocab.json", b"[1, 2]", "not a JSON object"),
+    ("vocab.json", b'{"a": 0', "not JSON"),
+    ("vocab.json", json.dumps({f"t{i}": i for i in range(49407)}).encode(), "49407 tokens"),
+    ("vocab.json", b"\xff\xfe{}", "not UTF-8"),
+    ("merges.txt", b"", "'#version'"),
+    ("merges.txt", GOOD["merges.txt"].split(b"\n", 1)[1], "'#version'"),
+    ("merges.txt", b"#version: 0.2\na b\n", "1 merges"),
+    ("tokenizer_config.json", None, "missing"),  # sd-scripts' max_length becomes 10^30
+    ("tokenizer_config.json", b"{}", "model_max_length is None"),
+    ("tokenizer_config.json", json.dumps({"model_max_length": 1e30}).encode(), "model_max_length is 1e+30"),
+    ("tokenizer_config.json", json.dumps({"model_max_length": 77.0}).encode(), "model_max_length is 77.0"),
+])
+def test_a_broken_tokenizer_file_is_named_with_what_is_wrong(tmp_path, name, data, says):
+    folder = write_tokenizer(tmp_path / "tok", **{name.replace(".", "_"): data})
+    problems = tokenizer_problems(folder)
+    assert len(problems) == 1 and str(folder / name) in problems[0] and says in problems[0], problems
+
+
+def test_more_merges_than_the_tokenizer_reads_are_fine(tmp_path):
+    folder = write_tokenizer(tmp_path / "tok", merges_txt=GOOD["merges.txt"] + b"extra merge\n")
+    assert tokenizer_problems(folder) == []
+
+
+def test_a_fifo_in_place_of_a_tokenizer_file_is_refused_without_blocking(tmp_path):
+    folder = write_tokenizer(tmp_path / "tok", vocab_json=None)
+    os.mkfifo(folder / "vocab.json")
+    result: list[list[str]] = []
+    worker = threading.Thread(target=lambda: result.append(tokenizer_problems(folder)), daemon=True)
+    worker.start()
+    worker.join(5)
+    assert result, "reading the tokenizer blocked on a FIFO"
+    assert "not a regular file" in result[0][0]
+
+
+def test_a_directory_or_a_huge_file_in_place_of_a_tokenizer_file_is_refused(tmp_path):
+    folder = write_tokenizer(tmp_path / "tok", merges_txt=None, tokenizer_config_json=None)
+    (folder / "merges.txt").mkdir()
+    with (folder / "tokenizer_config.json").open("wb") as fh:
+        fh.truncate(64 * 1024 * 1024)  # sparse: the check must refuse it by size, not read it
+    problems = tokenizer_problems(folder)
+    assert any("merges.txt" in p and "not a regular file" in p for p in problems)
+    assert any("tokenizer_config.json" in p and "more than a tokenizer file ever has" in p for p in problems)
+
+
+def test_the_install_check_names_every_broken_file_of_both_tokenizers(settings):
+    first, second = (settings.tokenizer_cache_dir / name for name in TOKENIZER_DIRS)
+    (first / "vocab.json").write_bytes(b"{}")
+    (second / "tokenizer_config.json").unlink()
+    missing = missing_trainer_parts(settings)
+    assert [p.split(":")[0] for p in missing] == [f"tokenizer file {first / 'vocab.json'}",
+                                                   f"tokenizer file {second / 'tokenizer_config.json'}"]
+    with pytest.raises(TrainerUnavailable) as caught:
+        require_trainer(settings)
+    assert str(first / "vocab.json") in caught.value.message and caught.value.details["missing"] == missing
+
+
+def test_hollow_tokenizers_are_a_503_that_changes_nothing(api, host, launches):
+    folder = host.settings.tokenizer_cache_dir / TOKENIZER_DIRS[1]
+    write_tokenizer(folder, vocab_json=b"{}", merges_txt=b"")
+    (folder / "tokenizer_config.json").unlink()
+    response = api.post("/train", json=host.payload())
+    body = response.get_json()
+    assert response.status_code == 503 and body["error"] == "trainer_unavailable"
+    for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
+        assert str(Path(folder, name)) in body["message"]
+    assert job_rows(host.settings) == 0 and launches == []

@@ -18,6 +18,7 @@
      │    └── OutputExists            409: the LoRA file to be written already exists
      └── Unavailable                  503
           ├── TrainerUnavailable      503: the sd-scripts installation is incomplete
+          ├── SandboxUnavailable      503: sandbox = "bwrap" but bubblewrap is not installed
           ├── NvmlUnavailable         503: no NVIDIA driver / NVML on this host
           ├── LedgerBusy              503: the ledger stayed locked past the busy timeout
           ├── LedgerUnwritable        503: the ledger's disk is full or failing
@@ -145,6 +146,12 @@ class TrainerUnavailable(Unavailable):
     """The trainer installation is incomplete."""
 
     code = "trainer_unavailable"
+
+
+class SandboxUnavailable(Unavailable):
+    """The trainer's sandbox (bubblewrap) is configured but not installed."""
+
+    code = "sandbox_unavailable"
 
 
 class NvmlUnavailable(Unavailable):

@@ -11,6 +11,7 @@ from lora_worker.config import Settings
 from lora_worker.errors import LoraWorkerError, NvmlUnavailable
 from lora_worker.host.nvml import Nvml
 from lora_worker.ledger.migrate import current_revision, head_revision, verify_integrity
+from lora_worker.host import sandbox
 from lora_worker.host.trainer import missing_trainer_parts
 
 
@@ -52,6 +53,8 @@ def _gpu_checks(settings: Settings, nvml: Nvml) -> Iterator[Check]:
 
 def _trainer_checks(settings: Settings) -> Iterator[Check]:
     missing = missing_trainer_parts(settings)
+    problem = sandbox.unavailable(settings)
+    yield Check("sandbox", problem is None, sandbox.describe(settings))
     yield Check("trainer", not missing, "accelerate, sdxl_train_network.py and both CLIP tokenizers present"
                 if not missing else "missing " + "; ".join(missing))
     for directory in settings.model_dirs:

@@ -244,6 +244,8 @@ class HealthSchema(Schema):
     status = fields.String()
     active_job_id = fields.Integer(allow_none=True)
     nvml = fields.String()
+    sandbox = fields.String(metadata={"description": "the trainer's sandbox in force: `bwrap (<path>)`, `none …`, "
+                                                     "or `unavailable: …` (then POST /train is a 503)"})
 
 
 class ErrorSchema(Schema):

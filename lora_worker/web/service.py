@@ -11,6 +11,7 @@ from typing import Any
 
 from lora_worker.config import Settings
 from lora_worker.errors import JobNotFound, NvmlUnavailable
+from lora_worker.host import sandbox
 from lora_worker.host.nvml import Nvml
 from lora_worker.web.gpu_status import gpu_status
 from lora_worker.dispatch.dispatcher import Dispatcher
@@ -112,7 +113,8 @@ class Worker:
             nvml = "ok"
         except NvmlUnavailable as exc:
             nvml = f"unavailable: {exc.message}"
-        return {"status": "ok", "active_job_id": active.id if active else None, "nvml": nvml}
+        return {"status": "ok", "active_job_id": active.id if active else None, "nvml": nvml,
+                "sandbox": sandbox.describe(self.settings)}
 
     def reconcile_active(self) -> None:
         reconcile(self.db, self.settings, actor="api")

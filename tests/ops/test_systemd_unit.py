@@ -73,7 +73,8 @@ def test_the_unit_can_write_exactly_where_the_deployed_config_points():
 def test_gunicorn_is_one_gthread_worker_without_preload_that_stops_before_systemd_kills_it(monkeypatch):
     monkeypatch.setenv("LORA_WORKER_BIND", "127.0.0.1:1,[::1]:2")
     conf = runpy.run_path(str(GUNICORN_CONF))
-    assert (conf["workers"], conf["worker_class"], conf["preload_app"]) == (1, "gthread", False)
+    assert (conf["workers"], conf["worker_class"], conf["preload_app"]) == (
+        1, "lora_worker.web.buffered_worker.BufferingThreadWorker", False)  # gthread, buffering whole requests
     assert conf["threads"] >= 4  # a slow client never holds the only thread a cancel needs
     assert conf["bind"] == ["127.0.0.1:1", "[::1]:2"]  # the `bind` setting
     assert conf["graceful_timeout"] < int(directives(UNIT)["TimeoutStopSec"][0].rstrip("s"))

@@ -22,6 +22,7 @@
           ├── NvmlUnavailable         503: no NVIDIA driver / NVML on this host
           ├── LedgerBusy              503: the ledger stayed locked past the busy timeout
           ├── LedgerUnwritable        503: the ledger's disk is full or failing
+          ├── LedgerReplaced          503: the ledger file was deleted or replaced under the service
           └── LaunchFailed            503: the supervisor process could not be started
 
 HTTP statuses are assigned in `lora_worker.web.errors`; nothing here knows about HTTP.
@@ -164,6 +165,12 @@ class LedgerBusy(Unavailable):
     """The job ledger is locked by another process; retry shortly."""
 
     code = "ledger_busy"
+
+
+class LedgerReplaced(Unavailable):
+    """The file at the ledger path is no longer the ledger the service opened (deleted or replaced)."""
+
+    code = "ledger_replaced"
 
 
 class LedgerUnwritable(Unavailable):

@@ -106,6 +106,11 @@ class Worker:
         return gpu_status(self.nvml.read(), self.settings, repo.active_job(self.db))
 
     def health(self) -> dict[str, Any]:
+        problem = self.db.identity_problem()
+        if problem is not None:
+            # Not the ledger we opened: nothing about jobs can be said, and nothing must be written.
+            return {"status": "failing", "ledger": problem, "active_job_id": None, "nvml": "not checked",
+                    "sandbox": sandbox.describe(self.settings)}
         self.reconcile_active()
         active = repo.active_job(self.db)
         try:
@@ -113,7 +118,7 @@ class Worker:
             nvml = "ok"
         except NvmlUnavailable as exc:
             nvml = f"unavailable: {exc.message}"
-        return {"status": "ok", "active_job_id": active.id if active else None, "nvml": nvml,
+        return {"status": "ok", "ledger": "ok", "active_job_id": active.id if active else None, "nvml": nvml,
                 "sandbox": sandbox.describe(self.settings)}
 
     def reconcile_active(self) -> None:

@@ -6,6 +6,11 @@ BIND ?= 127.0.0.1:8203
 
 .PHONY: run test chaos bench install clean
 
+# The trainer's sandbox is bubblewrap (`sandbox` setting, README "The sandbox"). Without it, say so first.
+NO_BWRAP_NOTICE = command -v bwrap >/dev/null || [ -n "$$LORA_WORKER_SANDBOX" ] || printf '%s %s\n%s\n' \
+	"lora-worker: bubblewrap (bwrap) is not installed:" "$(1)" \
+	"lora-worker: install it with: sudo apt-get install bubblewrap"
+
 $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -e '.[test]'
@@ -17,9 +22,12 @@ install: $(VENV)/.installed
 run: $(VENV)/.installed
 	$(BIN)/lora-worker migrate
 	$(BIN)/lora-worker reconcile
+	@$(call NO_BWRAP_NOTICE,the trainer runs WITHOUT its sandbox here (sandbox = none).); \
+	[ -n "$$LORA_WORKER_SANDBOX" ] || command -v bwrap >/dev/null || export LORA_WORKER_SANDBOX=none; \
 	exec $(BIN)/gunicorn -c systemd/gunicorn.conf.py --bind $(BIND) 'lora_worker.wsgi:app'
 
 test: $(VENV)/.installed
+	@$(call NO_BWRAP_NOTICE,the sandbox tests are skipped.)
 	$(BIN)/python -m pytest
 
 # The fault suite at length: hundreds of random kills, a longer contention window, more lifecycle sequences.

@@ -21,7 +21,7 @@ from lora_worker.ledger import repository as repo
 from lora_worker.states import TERMINAL_STATES
 from tests.helpers import make_host, pid_alive, wait_for
 
-pytestmark = pytest.mark.skipif(sandbox.bwrap_executable() is None,
+needs_bwrap = pytest.mark.skipif(sandbox.bwrap_executable() is None,
                                 reason="bubblewrap is not installed (apt-get install bubblewrap)")
 TERMINAL = {s.value for s in TERMINAL_STATES}
 
@@ -50,6 +50,7 @@ def hostile_trainer(host, body: str) -> None:
 
 # -- a real run ------------------------------------------------------------------------------------------------
 
+@needs_bwrap
 @pytest.mark.slow
 def test_the_fake_trainer_succeeds_inside_the_sandbox(client, host):
     job_id = submit(client, host)
@@ -60,6 +61,7 @@ def test_the_fake_trainer_succeeds_inside_the_sandbox(client, host):
 
 # -- what the trainer can reach --------------------------------------------------------------------------------
 
+@needs_bwrap
 @pytest.mark.slow
 def test_a_hostile_trainer_reads_and_writes_nothing_outside_the_jobs_paths(client, host, migrated):
     settings: Settings = migrated
@@ -77,7 +79,8 @@ def test_a_hostile_trainer_reads_and_writes_nothing_outside_the_jobs_paths(clien
                  "host_root_dir": str(Path.home())},
         "write": {"other_train_id": str(other.parent / "evil.txt"),
                   "dataset": str(host.dataset / "evil.txt"), "sd_scripts": str(host.sd_scripts / "evil.txt"),
-                  "state_dir": str(settings.state_dir / "evil.txt"), "tmp": "/tmp/lora-worker-sandbox-evil.txt",
+                  "state_dir": str(settings.state_dir / "evil.txt"),
+                  "tmp": f"/tmp/lora-worker-sandbox-evil-{os.getpid()}-{time.time_ns()}.txt",
                   "train_root": str(host.settings.train_root / "evil.txt")},
         "port": listener.getsockname()[1],
     }
@@ -139,6 +142,7 @@ def test_a_hostile_trainer_reads_and_writes_nothing_outside_the_jobs_paths(clien
 ESCAPEE = "lora-worker-escapee-{}"
 
 
+@needs_bwrap
 @pytest.mark.slow
 def test_a_process_that_left_the_group_and_renamed_itself_dies_with_the_supervisor(client, host, db):
     marker = ESCAPEE.format(os.getpid())
@@ -254,6 +258,7 @@ def test_without_bubblewrap_post_train_is_a_503_naming_it_and_changes_nothing(ap
     assert health["sandbox"].startswith("unavailable") and "bubblewrap" in health["sandbox"]
 
 
+@needs_bwrap
 def test_healthz_and_doctor_say_which_sandbox_is_in_force(api, migrated):
     from lora_worker.host.nvml import FakeNvml
     from lora_worker.ops.doctor import run_checks
@@ -265,3 +270,13 @@ def test_healthz_and_doctor_say_which_sandbox_is_in_force(api, migrated):
     loose = migrated.with_overrides(sandbox="none")
     lines = [c.line() for c in run_checks(loose, FakeNvml.from_file(migrated.nvml_fake_file))]
     assert any(line.startswith("[  ok] sandbox: none") for line in lines), lines
+
+
+def test_the_deployed_unit_requires_the_sandbox_whatever_the_config_file_says():
+    from lora_worker.config import REPO_ROOT
+
+    unit = (REPO_ROOT / "systemd" / "lora-worker.service").read_text()
+    lines = [line.strip() for line in unit.splitlines() if not line.lstrip().startswith("#")]
+    assert "Environment=LORA_WORKER_SANDBOX=bwrap" in lines
+    # bwrap makes its namespaces as the service's unprivileged user: the unit must not forbid them.
+    assert not any(line.startswith(("RestrictNamespaces=", "PrivateUsers=")) for line in lines)

@@ -47,7 +47,7 @@ def test_the_unit_migrates_and_reconciles_before_serving_gunicorn_with_the_shipp
                                     "/opt/lora-worker/venv/bin/lora-worker reconcile"]
     assert unit["ExecStart"] == ["/opt/lora-worker/venv/bin/gunicorn -c /opt/lora-worker/systemd/gunicorn.conf.py "
                                  "lora_worker.wsgi:app"]
-    assert unit["Environment"] == ["LORA_WORKER_CONFIG=/etc/lora-worker/worker.toml"]
+    assert unit["Environment"] == ["LORA_WORKER_CONFIG=/etc/lora-worker/worker.toml", "LORA_WORKER_SANDBOX=bwrap"]
     assert unit["LoadCredential"] == ["api_token:/etc/lora-worker/api_token"]
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,6 +134,31 @@ def wrap(argv: list[str], job: JobPaths, settings: Settings, facts: HostFacts) -
         cmd += [how, str(path), str(path)]
     cmd += ["--chdir", str(settings.sd_scripts_dir), "--"]
     return cmd + list(argv)
+
+
+def wait_status(returncode: int | None, settings: Settings) -> int | None:
+    """The launcher's own wait status. bwrap exits with its command's code, or 128 + N when a signal N killed
+    the command; as Popen would report it, that is -N. (bwrap killed itself is negative already.)"""
+    if settings.sandbox == BWRAP and returncode is not None and 128 < returncode < 128 + 65:
+        return -(returncode - 128)
+    return returncode
+
+
+def probe(settings: Settings, timeout_s: float = 10.0) -> str | None:
+    """For `doctor`: whether bwrap can make its namespaces here (unprivileged user namespaces, no seccomp or
+    AppArmor rule against them); None when `true` runs in a sandbox, else what went wrong."""
+    problem = unavailable(settings)
+    if problem or settings.sandbox == NONE:
+        return problem
+    cmd = [str(bwrap_executable()), "--unshare-pid", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc",
+           "--dev", "/dev", "--", "true"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, timeout=timeout_s, check=False)  # noqa: S603 - fixed argv
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bwrap cannot run: {exc}"
+    if done.returncode != 0:
+        return f"bwrap cannot make its namespaces: {done.stderr.decode(errors='replace').strip()[:300]}"
+    return None
 
 
 def _venv_of(launcher: Path) -> Path:

@@ -53,8 +53,8 @@ def _gpu_checks(settings: Settings, nvml: Nvml) -> Iterator[Check]:
 
 def _trainer_checks(settings: Settings) -> Iterator[Check]:
     missing = missing_trainer_parts(settings)
-    problem = sandbox.unavailable(settings)
-    yield Check("sandbox", problem is None, sandbox.describe(settings))
+    problem = sandbox.probe(settings)
+    yield Check("sandbox", problem is None, sandbox.describe(settings) + (f"; {problem}" if problem else ""))
     yield Check("trainer", not missing, "accelerate, sdxl_train_network.py and both CLIP tokenizers present"
                 if not missing else "missing " + "; ".join(missing))
     for directory in settings.model_dirs:

@@ -153,7 +153,7 @@ class Runner:
         while not self._flush(force=True):  # the last loss points land before the terminal state does
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
-        rc = proc.returncode
+        rc = sandbox.wait_status(proc.returncode, self.settings)  # the launcher's, through bwrap
         self.output.note(f"trainer ended: {processes.decode_wait_status(rc)}")
         return self._outcome(job, rc, started)
 

@@ -280,3 +280,25 @@ def test_the_deployed_unit_requires_the_sandbox_whatever_the_config_file_says():
     assert "Environment=LORA_WORKER_SANDBOX=bwrap" in lines
     # bwrap makes its namespaces as the service's unprivileged user: the unit must not forbid them.
     assert not any(line.startswith(("RestrictNamespaces=", "PrivateUsers=")) for line in lines)
+
+
+def test_a_launcher_killed_by_a_signal_reads_as_killed_through_bwrap():
+    assert sandbox.wait_status(137, Settings(sandbox="bwrap")) == -9  # bwrap: 128 + SIGKILL
+    assert sandbox.wait_status(1, Settings(sandbox="bwrap")) == 1
+    assert sandbox.wait_status(-15, Settings(sandbox="bwrap")) == -15  # bwrap itself terminated
+    assert sandbox.wait_status(137, Settings(sandbox="none")) == 137
+
+
+@needs_bwrap
+def test_doctor_finds_a_bwrap_that_cannot_make_its_namespaces(migrated, monkeypatch, tmp_path):
+    from lora_worker.host.nvml import FakeNvml
+    from lora_worker.ops.doctor import run_checks
+
+    broken = tmp_path / "bwrap"
+    broken.write_text("#!/bin/sh\necho 'bwrap: setting up uid map: Permission denied' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(sandbox, "bwrap_executable", lambda: str(broken))
+    assert migrated.nvml_fake_file is not None
+    (check,) = [c for c in run_checks(migrated.with_overrides(sandbox="bwrap"),
+                                      FakeNvml.from_file(migrated.nvml_fake_file)) if c.name == "sandbox"]
+    assert not check.ok and "Permission denied" in check.detail

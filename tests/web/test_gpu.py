@@ -291,7 +291,7 @@ def test_no_driver_is_nvml_unavailable(monkeypatch):
 
 
 def test_doctor_reports_each_check_and_fails_on_what_is_missing(migrated, host, capsys, monkeypatch):
-    from lora_worker import cli
+    from lora_worker.ops import cli
     monkeypatch.setattr(cli, "load_settings", lambda: migrated)
     os.chmod(migrated.train_root, 0o2770)
     assert cli.main(["migrate"]) == 0  # creates the state dir's lock folders

@@ -42,22 +42,27 @@ class BufferingThreadWorker(ThreadWorker):
     def init_process(self) -> None:
         self.max_body_bytes = load_settings().max_body_bytes
         self.buffering: deque[TConn] = deque()  # oldest deadline first
+        # With TLS the bytes on the socket are records, not a request: buffer only plain HTTP (this service
+        # serves plain HTTP; TLS would be a front proxy's, which buffers requests itself).
+        self.buffer_requests = not self.cfg.is_ssl
         super().init_process()
 
     # -- where connections come from --------------------------------------------------------------------
 
     def accept(self, listener: socket.socket) -> None:
+        if not self.buffer_requests:
+            return super().accept(listener)
         try:
             client, address = listener.accept()
-        except BlockingIOError:
-            return
-        except OSError:
-            return
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return  # as gthread: another worker took it, or the client left
         self.nr_conns += 1
         self._buffer(TConn(self.cfg, client, address, listener.getsockname()))  # TConn makes it non-blocking
 
     def on_client_socket_readable(self, conn: TConn, client: socket.socket) -> None:
         """A kept-alive connection has a next request: buffer it like a new one."""
+        if not self.buffer_requests:
+            return super().on_client_socket_readable(conn, client)
         self.poller.unregister(client)
         self.keepalived_conns.remove(conn)
         self._buffer(conn)

@@ -9,6 +9,11 @@ LOCK := deploy/requirements.lock
 
 .PHONY: run test demo chaos bench install lock clean
 
+# The trainer's sandbox is bubblewrap (`sandbox` setting, README "The sandbox"). Without it, say so first.
+NO_BWRAP_NOTICE = command -v bwrap >/dev/null || [ -n "$$LORA_WORKER_SANDBOX" ] || printf '%s %s\n%s\n' \
+	"lora-worker: bubblewrap (bwrap) is not installed:" "$(1)" \
+	"lora-worker: install it with: sudo apt-get install bubblewrap"
+
 # What the service needs and nothing more, from the lock with its hashes (as the installer does); then the
 # worker itself, editable, built with the locked setuptools.
 $(VENV)/.runtime: setup.cfg pyproject.toml $(LOCK)
@@ -29,6 +34,8 @@ run: $(VENV)/.runtime
 	$(BIN)/lora-worker config $(if $(BIND),--bind $(BIND))
 	$(BIN)/lora-worker migrate
 	$(BIN)/lora-worker reconcile
+	@$(call NO_BWRAP_NOTICE,the trainer runs WITHOUT its sandbox here (sandbox = none).); \
+	[ -n "$$LORA_WORKER_SANDBOX" ] || command -v bwrap >/dev/null || export LORA_WORKER_SANDBOX=none; \
 	exec $(BIN)/gunicorn -c systemd/gunicorn.conf.py $(if $(BIND),--bind $(BIND)) 'lora_worker.wsgi:app'
 
 # Re-lock every dependency, transitive ones included, with hashes, after a pin in setup.cfg changed.
@@ -38,6 +45,7 @@ lock: $(VENV)/.runtime
 		--generate-hashes -o $(LOCK)
 
 test: $(VENV)/.installed
+	@$(call NO_BWRAP_NOTICE,the sandbox tests are skipped.)
 	$(BIN)/python -m pytest
 
 # No GPU, no sd-scripts: a simulated host under ./var/demo (the test suite's fake trainer, a 24 GB card running

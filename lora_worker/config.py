@@ -18,6 +18,7 @@ from lora_worker.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENV_PREFIX = "LORA_WORKER_"
+SANDBOXES = ("bwrap", "none")
 
 
 @dataclass(frozen=True)
@@ -169,8 +170,15 @@ class Settings:
     api_token_file: Path | None = None  # without systemd; `$CREDENTIALS_DIRECTORY/api_token` wins when present
     max_body_bytes: int = 64 * 1024
     long_poll_slots: int = 4  # below gunicorn's 8 threads: waiting clients never starve a cancel
+    # The trainer's sandbox (lora_worker.host.sandbox): "bwrap" (bubblewrap; only the job's paths exist for the
+    # trainer, and its PID namespace dies with the supervisor) or "none". bwrap is the default and what the
+    # deployed unit insists on; "none" is only ever set explicitly (`make run` does, and says so, on a machine
+    # without bubblewrap).
+    sandbox: str = "bwrap"
 
     def __post_init__(self) -> None:
+        if self.sandbox not in SANDBOXES:
+            raise ConfigError(f"setting 'sandbox': {self.sandbox!r} is not one of {', '.join(SANDBOXES)}")
         if self.trainer_kind not in TRAINER_KINDS:
             raise ConfigError(f"setting 'trainer_kind': {self.trainer_kind!r} is not one of {list(TRAINER_KINDS)}")
 

@@ -19,9 +19,11 @@
      │    └── InsufficientDisk        507: the output volume is too full for the tier
      └── Unavailable                  503
           ├── TrainerUnavailable      503: the sd-scripts installation is incomplete
+          ├── SandboxUnavailable      503: sandbox = "bwrap" but bubblewrap is not installed
           ├── NvmlUnavailable         503: no NVIDIA driver / NVML on this host
           ├── LedgerBusy              503: the ledger stayed locked past the busy timeout
           ├── LedgerUnwritable        503: the ledger's disk is full or failing
+          ├── LedgerReplaced          503: the ledger file was deleted or replaced under the service
           └── LaunchFailed            503: the supervisor process could not be started
 
 HTTP statuses are assigned in `lora_worker.web.errors`; nothing here knows about HTTP. What a client may do is
@@ -167,6 +169,12 @@ class TrainerUnavailable(Unavailable):
     code = "trainer_unavailable"
 
 
+class SandboxUnavailable(Unavailable):
+    """The trainer's sandbox (bubblewrap) is configured but not installed."""
+
+    code = "sandbox_unavailable"
+
+
 class NvmlUnavailable(Unavailable):
     """NVML (the NVIDIA driver's management library) is not available on this host."""
 
@@ -179,6 +187,12 @@ class LedgerBusy(Unavailable):
     code = "ledger_busy"
     retryable = True
     retry_after_s = 1.0
+
+
+class LedgerReplaced(Unavailable):
+    """The file at the ledger path is no longer the ledger the service opened (deleted or replaced)."""
+
+    code = "ledger_replaced"
 
 
 class LedgerUnwritable(Unavailable):

@@ -62,7 +62,8 @@ def reconcile_job(db: Database, settings: Settings, job: Job, *, actor: str = "r
         reason = "the host rebooted while the job was running"
     else:
         failure, killed = FailureClass.SUPERVISOR_LOST, tuple(kill_leftovers(job))
-        reason = "the supervisor died" + (f"; killed leftover processes {list(killed)}" if killed else "")
+        reason = "the supervisor died; " + (f"killed its leftover processes {list(killed)}" if killed
+                                             else "no process of the job was left")
         if job.status == JobState.QUEUED.value:
             reason = "the supervisor never started"
     if not repo.fail_job(db, job.id, actor=actor, failure_class=failure, sentence=reason[0].upper() + reason[1:],
@@ -84,7 +85,13 @@ def log_tail(settings: Settings, job_id: int) -> list[str]:
 
 
 def kill_leftovers(job: Job) -> list[int]:
-    """SIGKILL what is left of the job's trainer, if and only if it is provably ours."""
+    """SIGKILL what is left of the job's processes, if and only if they are provably ours; returns the pids
+    that were alive and got the signal (nothing else: a claim of "killed" must be true).
+
+    Under the sandbox the job is a PID namespace whose init dies with the supervisor, so normally nothing is
+    left. Its leader (bwrap) may still be alive if the supervisor died in the instant after starting it: then the
+    namespace's init is killed too, and the kernel takes every process in the namespace with it.
+    """
     if not job.trainer_pid or job.boot_id != processes.boot_id():
         return []
     leader = processes.Identity(job.boot_id, job.trainer_pid, job.trainer_start_ticks or -1)
@@ -92,14 +99,26 @@ def kill_leftovers(job: Job) -> list[int]:
     # group's leader (the launcher) is gone. A reused pid cannot lead a group while our group still exists.
     token = next((a for a in job.argv if a.startswith("--output_dir=")), None)
     members = processes.group_members(job.trainer_pid)
-    ours = processes.matches(leader) or any(token and processes.cmdline_contains(pid, token) for pid in members)
+    leader_alive = processes.matches(leader)
+    ours = leader_alive or any(token and processes.cmdline_contains(pid, token) for pid in members)
     if not ours:
         return []
-    processes.signal_group(job.trainer_pid, signal.SIGKILL)
-    # A grandchild that started its own session escaped the group; its argv still names our output dir.
-    escaped = [pid for pid in processes.processes_with_arg(token) if pid not in members] if token else []
+    namespace_init = processes.sandbox_init(job.trainer_pid) if leader_alive else None
+    namespace = processes.pid_namespace(namespace_init) if namespace_init else None
+    in_namespace = processes.namespace_members(namespace) if namespace else []
+    killed = [pid for pid in dict.fromkeys([*members, *in_namespace]) if _kill(pid)]
+    processes.signal_group(job.trainer_pid, signal.SIGKILL)  # anything forked while we looked
+    # Without the sandbox, a grandchild that started its own session escaped the group; its argv may still
+    # name our output dir (one that re-exec'd itself under another name is only caught by the sandbox).
+    escaped = [pid for pid in processes.processes_with_arg(token) if pid not in killed] if token else []
     for pid in escaped:
         ident = processes.identity_of(pid)
-        if ident is not None and ident.start_ticks >= (job.trainer_start_ticks or 0):
-            processes.signal_identity(ident, signal.SIGKILL)
-    return members + escaped
+        if ident is not None and ident.start_ticks >= (job.trainer_start_ticks or 0) \
+                and processes.signal_identity(ident, signal.SIGKILL):
+            killed.append(pid)
+    return killed
+
+
+def _kill(pid: int) -> bool:
+    ident = processes.identity_of(pid)
+    return ident is not None and processes.signal_identity(ident, signal.SIGKILL)

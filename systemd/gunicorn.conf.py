@@ -1,7 +1,9 @@
 """gunicorn settings for lora-worker (the dev `make run` and the systemd unit use this same file).
 
 One worker process: the one-active-job rule lives in SQLite, but a single process keeps the ledger engine and
-NVML handle simple. gthread with several threads so a slow or long-polling client never blocks a cancel.
+NVML handle simple. gthread with several threads so a long-polling client never blocks a cancel, in the
+variant that reads each request whole on its event loop before a thread takes it: a client that drips its
+headers or body holds a socket, never a thread (lora_worker/web/buffered_worker.py).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from lora_worker.config import load_settings
 # The `bind` setting (config file or LORA_WORKER_BIND); a --bind on the command line still wins.
 bind = [address.strip() for address in load_settings().bind.split(",") if address.strip()]
 workers = 1
-worker_class = "gthread"
+worker_class = "lora_worker.web.buffered_worker.BufferingThreadWorker"
 threads = 8
 # No preload: the app (and its SQLite engine) is built in the worker after fork, never in the master.
 preload_app = False

@@ -267,6 +267,9 @@ def make_host(root: Path, **settings: Any) -> Host:
     values: dict[str, Any] = {
         "state_dir": root / "state", "train_root": train_root, "model_dirs": (root / "models",),
         "nvml_fake_file": fake_gpus(root / "gpus.json"), "progress_interval_s": 0.1, "cancel_grace_s": 1.0,
-        "launch_grace_s": 2.0, **install, **settings,
+        "launch_grace_s": 2.0,
+        # Explicitly without the sandbox: these tests read the trainer's host pids and record files outside its
+        # paths. tests/host/test_sandbox.py runs jobs with sandbox = "bwrap".
+        "sandbox": "none", **install, **settings,
     }
     return Host(root=root, settings=Settings(**values), dataset=dataset, model=model)

@@ -125,3 +125,67 @@ def test_gpu_status_never_shows_a_dead_supervisors_job_as_active(db, migrated):
         assert repo.get_job(db, job_id).failure_class == "supervisor_lost"
     finally:
         app.extensions["lora_worker"].db.dispose()
+
+
+# -- it says what it killed, and only that ------------------------------------------------------------------------
+
+def test_a_job_with_nothing_left_says_so_and_claims_no_kill(db, migrated):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
+    ticks = processes.start_ticks(gone.pid)
+    gone.wait()
+    job_id = running_job(db, boot_id=processes.boot_id(), trainer_pid=gone.pid, trainer_start_ticks=ticks)
+    (action,) = reconcile(db, migrated)
+    error = repo.get_job(db, job_id).error or ""
+    assert action.killed == () and "no process of the job was left" in error and "killed" not in error
+
+
+def test_a_process_it_did_not_kill_is_never_reported_as_killed(db, migrated):
+    # Shows our output dir in its argv, but started before the trainer: not provably ours, so not signalled,
+    # and so not in the list of what was killed.
+    older = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--output_dir=/train/t1/output"],
+                             start_new_session=True)
+    try:
+        time.sleep(0.05)  # a few clock ticks: the trainer below starts later
+        leader = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+        job_id = running_job(db, boot_id=processes.boot_id(), trainer_pid=leader.pid,
+                             trainer_start_ticks=processes.start_ticks(leader.pid))
+        with db.write() as s:  # the argv that names the output dir
+            s.get(type(repo.get_job(db, job_id)), job_id).argv = ["accelerate", "--output_dir=/train/t1/output"]
+        (action,) = reconcile(db, migrated)
+        assert action.killed == (leader.pid,) and leader.wait(5) == -signal.SIGKILL
+        assert pid_alive(older.pid)
+        assert f"killed its leftover processes [{leader.pid}]" in (repo.get_job(db, job_id).error or "")
+    finally:
+        older.kill()
+        older.wait()
+
+
+@pytest.mark.skipif(__import__("shutil").which("bwrap") is None, reason="bubblewrap is not installed")
+def test_a_sandboxed_job_whose_launcher_outlived_its_supervisor_is_killed_namespace_and_all(db, migrated):
+    # The instant between bwrap's start and its parent-death signal: the supervisor is gone, bwrap is not.
+    marker = f"lora-worker-reconcile-escapee-{id(db)}"
+    hider = (f"import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    os.execv(sys.executable, "
+             f"[sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\ntime.sleep(60)\n")
+    bwrap = subprocess.Popen(["bwrap", "--unshare-pid", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc",
+                              "--dev", "/dev", "--", sys.executable, "-c", hider], start_new_session=True)
+    try:
+        def escapee() -> int | None:
+            return next((p for p in processes.psutil.pids() if marker in " ".join(_cmdline(p))), None)
+        from tests.helpers import wait_for
+        hidden = wait_for(escapee, what="the escapee")
+        job_id = running_job(db, boot_id=processes.boot_id(), trainer_pid=bwrap.pid,
+                             trainer_start_ticks=processes.start_ticks(bwrap.pid))
+        (action,) = reconcile(db, migrated)
+        assert hidden in action.killed and bwrap.pid in action.killed
+        wait_for(lambda: not pid_alive(hidden), timeout=5, what="the escapee gone")
+        assert str(hidden) in (repo.get_job(db, job_id).error or "")
+    finally:
+        bwrap.kill()
+        bwrap.wait()
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return processes.psutil.Process(pid).cmdline()
+    except processes.psutil.Error:
+        return []

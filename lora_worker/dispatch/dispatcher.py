@@ -29,6 +29,7 @@ from lora_worker.dispatch.request import ResolvedRequest, TrainRequest, check_de
 from lora_worker.errors import IdempotencyKeyReused, JobActive, LaunchFailed
 from lora_worker.host.fingerprint import sd_scripts_commit, trainer_versions
 from lora_worker.host.nvml import Nvml
+from lora_worker.host.sandbox import require_sandbox
 from lora_worker.host.trainer import require_trainer
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
@@ -87,6 +88,7 @@ class Dispatcher:
             raise JobActive(f"Job {active.id} is already active; one training runs at a time.",
                             active_job_id=active.id, retry_after_s=active.eta_s)
         require_trainer(self.settings)
+        require_sandbox(self.settings)
         admit(request.tier.name, request.device_index, self.settings, self.nvml)
         require_free_space(request.output_dir, self.settings.disk_mib[request.tier.name])
         columns = {**self._columns(request, manifest), "idempotency_key": idempotency_key,

@@ -194,3 +194,30 @@ def describe_process(pid: int) -> tuple[str | None, str]:
         return proc.name(), " ".join(proc.cmdline())
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
         return None, ""
+
+
+def pid_namespace(pid: int) -> str | None:
+    """The pid namespace a process lives in (`pid:[4026532281]`), None if it is gone."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+
+
+def sandbox_init(launcher_pid: int) -> int | None:
+    """The init of the PID namespace a sandbox launcher (bwrap) started: its child in another namespace."""
+    own = pid_namespace(launcher_pid)
+    try:
+        children = psutil.Process(launcher_pid).children()
+    except psutil.NoSuchProcess:
+        return None
+    return next((c.pid for c in children if (ns := pid_namespace(c.pid)) and ns != own), None)
+
+
+def namespace_members(namespace: str) -> list[int]:
+    """Live processes whose PID namespace is `namespace` (those of a nested one die with it as well)."""
+    members = []
+    for pid in psutil.pids():
+        if pid_namespace(pid) == namespace and state_of(pid) not in (None, "Z", "X"):
+            members.append(pid)
+    return members

@@ -1,6 +1,8 @@
 """Schema migrations (alembic, from the repository's `migrations/`) and the start-up checks of the ledger."""
 from __future__ import annotations
 
+import os
+import re
 import sqlite3
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from lora_worker.config import REPO_ROOT, Settings
 from lora_worker.errors import ConfigError, LedgerCorrupt
 
 MIGRATIONS_DIR = REPO_ROOT / "migrations"
+RUN_LOG_NAME = re.compile(r"job-([0-9]+)\.")  # job-<id>.log, job-<id>.tail.log, and logs moved aside
 
 
 def alembic_config(db_path: Path) -> Config:
@@ -67,6 +70,36 @@ def verify_integrity(db_path: Path) -> None:
     if rows != [("ok",)]:
         detail = "; ".join(str(r[0]) for r in rows[:5])
         raise LedgerCorrupt(f"ledger {db_path} failed PRAGMA quick_check: {detail}")
+
+
+def migrate(settings: Settings) -> int:
+    """`lora-worker migrate`: the state dir, the schema, then the job ids; returns the highest id ever given."""
+    prepare_state_dir(settings)
+    upgrade(settings.database_path)
+    return seed_job_ids(settings)
+
+
+def seed_job_ids(settings: Settings) -> int:
+    """Make the next job id higher than any job this host ever ran, even if the ledger was recreated.
+
+    AUTOINCREMENT (migration 0007) keeps ids unique within one ledger file. A new, empty ledger would start at 1
+    again, and arbo would take job 1 for the one it knew; every job that ran left a run log named by its id,
+    so the sequence is raised to the highest of those. Idempotent: it only ever raises it."""
+    try:
+        names = os.listdir(settings.log_dir)
+    except FileNotFoundError:
+        names = []
+    highest_log = max((int(m[1]) for name in names if (m := RUN_LOG_NAME.match(name))), default=0)
+    conn = sqlite3.connect(settings.database_path, isolation_level=None, timeout=settings.busy_timeout_s)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("UPDATE sqlite_sequence SET seq = max(seq, ?, (SELECT coalesce(max(id), 0) FROM jobs)) "
+                     "WHERE name = 'jobs'", (highest_log,))
+        (seq,) = conn.execute("SELECT seq FROM sqlite_sequence WHERE name = 'jobs'").fetchone()
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+    return int(seq)
 
 
 def prepare_state_dir(settings: Settings) -> None:

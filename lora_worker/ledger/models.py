@@ -144,6 +144,7 @@ class Job(Base):
         Index("ix_jobs_idempotency_key", "idempotency_key", unique=True,
               sqlite_where=text("idempotency_key IS NOT NULL")),
         Index("ix_jobs_history", "tier", "device_index", "image_count", "status"),
+        {"sqlite_autoincrement": True},  # ids are never reused, not even after prune (migration 0007)
     )
 
 

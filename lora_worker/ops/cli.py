@@ -19,12 +19,11 @@ log = logging.getLogger("lora_worker.ops.cli")
 
 
 def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
-    from lora_worker.ledger.migrate import prepare_state_dir
-    from lora_worker.ledger.migrate import current_revision, upgrade
+    from lora_worker.ledger.migrate import current_revision, migrate
 
-    prepare_state_dir(settings)
-    upgrade(settings.database_path)
-    print(f"ledger {settings.database_path} at schema {current_revision(settings.database_path)}")
+    highest = migrate(settings)  # state dir, schema, and job ids above any this host ever ran
+    print(f"ledger {settings.database_path} at schema {current_revision(settings.database_path)}; "
+          f"next job id above {highest}")
     return 0
 
 

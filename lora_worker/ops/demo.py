@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -105,9 +106,15 @@ def prepare_host(root: Path, bind: str, tts_pid: int, step_s: float, out: TextIO
     simulated.write_base_model(root / "models" / "sdxl_base_simulated.safetensors")
     simulated.make_shared_dir(root / "train")
     simulated.write_gpus(root / "gpus.json", tts_pid)
+    # The trainer runs in its bubblewrap sandbox where bubblewrap is installed, as deployed; without it the
+    # demo still runs, and says so.
+    sandbox = "bwrap" if shutil.which("bwrap") else "none"
+    if sandbox == "none":
+        _say(out, "bubblewrap (bwrap) is not installed: the trainer runs WITHOUT its sandbox here "
+                  "(install it with: sudo apt-get install bubblewrap)")
     values: dict[str, Any] = {
         "state_dir": root, "train_root": root / "train", "model_dirs": [root / "models"],
-        "nvml_fake_file": root / "gpus.json", "bind": bind, **trainer,
+        "nvml_fake_file": root / "gpus.json", "bind": bind, "sandbox": sandbox, **trainer,
     }
     config = root / "worker.toml"
     # JSON strings and lists of them are valid TOML for these plain values.

@@ -19,6 +19,7 @@ from lora_worker.errors import LoraWorkerError, NvmlUnavailable
 from lora_worker.host.locks import gpu_lock_dir_mode
 from lora_worker.host.nvml import Nvml
 from lora_worker.ledger.migrate import current_revision, head_revision, verify_integrity
+from lora_worker.host import sandbox
 from lora_worker.host.trainer import missing_trainer_parts
 
 
@@ -67,6 +68,8 @@ def _gpu_checks(settings: Settings, nvml: Nvml) -> Iterator[Check]:
 
 def _trainer_checks(settings: Settings) -> Iterator[Check]:
     missing = missing_trainer_parts(settings)
+    problem = sandbox.probe(settings)
+    yield Check("sandbox", problem is None, sandbox.describe(settings) + (f"; {problem}" if problem else ""))
     kind = "simulated (the test double: no GPU, nothing learned); " if settings.simulated else ""
     yield Check("trainer", not missing, kind + ("accelerate, sdxl_train_network.py and both CLIP tokenizers present"
                 if not missing else "missing " + "; ".join(missing)))

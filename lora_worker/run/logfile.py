@@ -24,15 +24,34 @@ def log_paths(log_dir: Path, job_id: int) -> tuple[Path, Path]:
     return log_dir / f"job-{job_id}.log", log_dir / f"job-{job_id}.tail.log"
 
 
+def _create_new(head: Path, tail: Path):  # type: ignore[no-untyped-def]
+    """The head file, created by us now (O_EXCL, no link followed): a run log never receives a second job's
+    output. Job ids are never reused (migration 0007, `seed_job_ids`); should a log of the same name exist
+    anyway, it belongs to another run and is moved aside with its tail, kept, and never written again."""
+    while True:
+        try:
+            fd = os.open(head, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
+                         0o640)
+            return os.fdopen(fd, "ab")
+        except FileExistsError:
+            suffix = f".replaced-{time.time_ns()}"
+            for path in (head, tail):
+                try:
+                    os.rename(path, path.with_name(path.name + suffix))
+                except FileNotFoundError:
+                    pass
+
+
 class JobLog:
-    """Append-only writer used by the supervisor. Write errors (a full disk) never stop supervision."""
+    """Append-only writer used by the supervisor, of a log file it created itself. Write errors (a full disk)
+    never stop supervision."""
 
     def __init__(self, log_dir: Path, job_id: int, *, head_bytes: int, tail_bytes: int) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         self.head_path, self.tail_path = log_paths(log_dir, job_id)
         self.head_bytes, self.tail_bytes = head_bytes, tail_bytes
-        self._head = self.head_path.open("ab")
-        self._head_size = self._head.tell()
+        self._head = _create_new(self.head_path, self.tail_path)
+        self._head_size = 0
         self._tail = None
         self._tail_start = 0
         self._tail_size = 0

@@ -2,7 +2,8 @@
 
 The trainer's progress is tqdm's `steps` bar on stderr, redrawn with `\\r` even off a TTY; log lines arrive on
 stdout with --console_log_simple. Chunks are cut anywhere, a log line may be glued onto a redraw, and a redraw
-may end in pad spaces. So each stream is split on `\\r` and `\\n`, and matching is by `search`, never anchored.
+may end in pad spaces. So each stream is split on `\\r` and `\\n`. A marker (a phase, `model saved.`, a failure)
+counts only where it begins a line's message (MARKERS, LINE_PREFIX): the trainer echoes paths and captions.
 
 Cost: the parser works on whole chunks with C-level scans (a marker search over the complete text, skipped when
 it cannot hold one; one `rfind` + `match` for the newest redraw), never a Python loop per redraw; the Decoder
@@ -26,24 +27,41 @@ BAR = re.compile(
 LOSS = re.compile(r"avr_loss=([-+0-9.eE]+|nan|-?inf)")
 
 # Phase markers and the lines that decide an outcome, in one alternation so a chunk is scanned once.
+# The trainer's text is data: it echoes paths, captions and train ids, which anyone who writes a dataset
+# chooses. So a marker counts only as a whole line that sd-scripts itself writes: it must begin the line's
+# message (see LINE_PREFIX: after nothing but a glued tqdm redraw, indentation or a rich logger's time and
+# level), and the fixed messages must also end it (END: nothing after them but a rich logger's `file.py:NN`).
+# Exceptions count as their traceback's own `Type: message` line, never as text quoted inside another one.
+END = r"(?=[ \t]*(?:[\w.-]+\.py:\d+[ \t]*)?(?:[\r\n]|\Z))"
 MARKERS = re.compile(
-    r"(?P<loading_model>loading model for process|load StableDiffusion checkpoint|load Diffusers pretrained models)"
-    r"|(?P<caching_latents>caching latents)"
-    r"|(?P<caching_text_encoder_outputs>caching Text Encoder outputs)"
-    r"|(?P<preparing_training>import network module)"
+    r"(?P<loading_model>loading model for process \d+/\d+" + END +
+    r"|load StableDiffusion checkpoint: |load Diffusers pretrained models)"
+    r"|(?P<caching_latents>caching latents(?:\.\.\.| with caching strategy\.)" + END + ")"
+    r"|(?P<caching_text_encoder_outputs>caching Text Encoder outputs(?:\.\.\.| with caching strategy\.)" + END + ")"
+    r"|(?P<preparing_training>import network module: )"
     r"|(?P<saving>saving checkpoint: (?P<checkpoint>[^\r\n]*))"
-    r"|(?P<model_saved>model saved\.)"
-    r"|(?P<total>total optimization steps[^:\r\n]*: (?P<total_steps>\d+))"
+    r"|(?P<model_saved>model saved\." + END + ")"
+    r"|(?P<total>total optimization steps[^:\r\n]*: (?P<total_steps>\d+)" + END + ")"
     r"|(?P<no_data>No data found\. Please verify arguments)"
-    r"|(?P<cuda_oom>CUDA out of memory|CUDA error: out of memory|CUBLAS_STATUS_ALLOC_FAILED)"
-    r"|(?P<caption_invalid>caption file is empty|illegal char in file \(not UTF-8\))"
-    r"|(?P<model_load_error>is neither a valid local path nor a valid repo id"
-    r"|model is not found as a file or in Hugging Face|HFValidationError|OfflineModeIsEnabled)"
-    r"|(?P<tokenizer_missing>couldn't connect to 'https://huggingface\.co'"
-    r"|expected str, bytes or os\.PathLike object, not NoneType)"
-    r"|(?P<invalid_arguments>error: unrecognized arguments|error: argument )"
-    r"|(?P<died>died with <Signals\.SIG[A-Z0-9]+: (?P<signum>\d+)>)"
-    r"|(?P<inner_exit>returned non-zero exit status (?P<inner_rc>\d+))"
+    r"|(?P<cuda_oom>(?:torch\.(?:cuda\.)?OutOfMemoryError|RuntimeError): CUDA (?:out of memory|error: out of memory"
+    r"|error: CUBLAS_STATUS_ALLOC_FAILED))"
+    r"|(?P<caption_invalid>AssertionError: caption file is empty|illegal char in file \(not UTF-8\))"
+    r"|(?P<model_load_error>ValueError: The provided pretrained_model_name_or_path \"[^\r\n]*\" is neither a valid local"
+    r" path nor a valid repo id|ValueError: model is not found as a file or in Hugging Face"
+    r"|(?:[\w.]+\.)?(?:HFValidationError|OfflineModeIsEnabled): )"
+    r"|(?P<tokenizer_missing>(?:[\w.]+: )?We couldn't connect to 'https://huggingface\.co'"
+    r"|TypeError: expected str, bytes or os\.PathLike object, not NoneType)"
+    r"|(?P<invalid_arguments>[\w.-]+: error: (?:unrecognized arguments|argument ))"
+    r"|(?P<died>subprocess\.CalledProcessError: Command [^\r\n]* died with <Signals\.SIG[A-Z0-9]+: (?P<signum>\d+)>\."
+    + END + ")"
+    r"|(?P<inner_exit>subprocess\.CalledProcessError: Command [^\r\n]* returned non-zero exit status"
+    r" (?P<inner_rc>\d+)\." + END + ")"
+)
+# What may stand before a marker on its line: a tqdm redraw the next line was glued onto (the streams share one
+# pipe, and a redraw ends in no newline), indentation, and a rich logger's `2026-11-30 03:36:26 INFO     `.
+LINE_PREFIX = re.compile(
+    r"(?:(?:[^\r\n|]{0,64}\d+%\|[^|\r\n]*\|[^\[\r\n]*|\d+it )\[[^\]\r\n]*\])?[ \t]*"
+    r"(?:(?:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[ \t]+)?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)[ \t]+)?"
 )
 # The same pattern without its named groups, to search with: each branch then starts with a literal that the
 # regex engine rejects in one comparison (a branch that starts with a group is entered and left at every
@@ -164,20 +182,33 @@ class Parser:
         p = self.progress
         pos = 0
         while (hit := MARKER_SEARCH.search(text, pos)) is not None:
-            m = MARKERS.match(text, hit.start())
+            start = hit.start()
+            line_start = max(text.rfind("\n", 0, start), text.rfind("\r", 0, start)) + 1
+            if not LINE_PREFIX.fullmatch(text, line_start, start):
+                # Quoted inside another line (a path, a caption, an exception's message): data, not a marker.
+                # Nothing later on this line can begin its message either.
+                pos = _line_end(text, start)
+                continue
+            m = MARKERS.match(text, start)
             assert m is not None  # the same language: MARKER_SEARCH is MARKERS without names
-            pos = m.end()
+            pos = _line_end(text, m.end())  # the rest of the line is the marker's argument, never another one
             kind = m.lastgroup
-            if kind in PHASE_GROUPS and "model_saved" not in p.flags:
-                p.phase = PHASE_GROUPS[kind]
-                last_phase_at = m.start()
+            if kind in PHASE_GROUPS:
+                if "model_saved" not in p.flags:
+                    p.phase = PHASE_GROUPS[kind]
+                    last_phase_at = start
                 if kind == "saving":
                     p.checkpoints.append(m["checkpoint"].strip())
             elif kind == "total":
                 p.total_steps = int(m["total_steps"])
             elif kind in FLAG_GROUPS:
                 p.flags.add(kind)
-                if kind == "died":
+                if kind == "model_saved":
+                    # The final save is done. Under rich logging without PYTHONUNBUFFERED its `saving
+                    # checkpoint:` print can reach the pipe after this line: the phase is `saving` either way.
+                    p.phase = Phase.SAVING
+                    last_phase_at = start
+                elif kind == "died":
                     p.signal = int(m["signum"])
                 elif kind == "inner_exit":
                     p.inner_exit = int(m["inner_rc"])
@@ -219,6 +250,12 @@ class Parser:
         loss = None if p.loss is None or math.isnan(p.loss) else p.loss
         return (p.phase, p.step, p.total_steps, loss, p.loss is not None and math.isnan(p.loss), p.rate,
                 p.eta_s, len(p.flags), len(p.checkpoints))
+
+
+def _line_end(text: str, pos: int) -> int:
+    """Where the line (or the redraw segment) holding `pos` ends."""
+    ends = [e for e in (text.find("\n", pos), text.find("\r", pos)) if e >= 0]
+    return min(ends) if ends else len(text)
 
 
 def _seconds(clock: str) -> float | None:

@@ -30,7 +30,7 @@ from lora_worker.states import FailureClass, JobState, Phase
 from lora_worker.run.eta import EtaClock, estimate_tail
 from lora_worker.run.logfile import JobLog
 from lora_worker.run.outcome import Outcome, decide, recorded_lora
-from lora_worker.host import processes
+from lora_worker.host import processes, sandbox
 from lora_worker.host.locks import gpu_lock_path, take_lock
 from lora_worker.run.output import STREAM, TrainerOutput
 from lora_worker.run.prelaunch import what_moved
@@ -126,14 +126,18 @@ class Runner:
 
     def _run_trainer(self, job: Job) -> Outcome:
         self.output.note(("SIMULATED trainer (a test double: no GPU, nothing learned); " if self.settings.simulated else "") + f"job {job.id}: {shlex.join(job.argv)}")
+        self.output.note(f"sandbox: {sandbox.describe(self.settings)}")
         processes.set_child_subreaper()
         self._activity_at = time.monotonic()  # the watchdog counts from the trainer's start, not the supervisor's
         if (moved := what_moved(job)) is not None:  # the last look, right before exec
             self.output.note(f"refusing to start the trainer: {moved}")
             return Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR, f"Refusing to start the trainer: {moved}.")
         try:
+            # The stored argv, run inside the job's sandbox (host/sandbox.py): only the job's paths exist there.
+            command = sandbox.wrap(job.argv, sandbox.JobPaths(Path(job.dataset_dir), Path(job.base_model_path),
+                                   Path(job.output_dir)), self.settings, sandbox.host_facts(self.settings))
             proc = subprocess.Popen(  # noqa: S603 - argv is the stored list; no shell
-                job.argv, cwd=self.settings.sd_scripts_dir, env=job.env, stdin=subprocess.DEVNULL,
+                command, cwd=self.settings.sd_scripts_dir, env=job.env, stdin=subprocess.DEVNULL,
                 # One pipe for both streams: the kernel keeps the trainer's writes in the order they were made,
                 # which two pipes cannot (a "saving checkpoint:" line must follow the redraw before it).
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
@@ -156,7 +160,7 @@ class Runner:
         while not self._flush(force=True):  # the last loss points land before the terminal state does
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
-        rc = proc.returncode
+        rc = sandbox.wait_status(proc.returncode, self.settings)  # the launcher's, through bwrap
         self.output.note(f"trainer ended: {processes.decode_wait_status(rc)}")
         return self._outcome(job, rc)
 

@@ -1,4 +1,7 @@
-"""GET /healthz: liveness and the active job id. Open without a token; it carries no job data."""
+"""GET /healthz: liveness and the active job id. Open without a token; it carries no job data.
+
+200 with `status: ok`, or 503 with `status: failing` when the service cannot work as it claims (the ledger
+file deleted or replaced under it): the install script's health gate and any monitor see the difference."""
 from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify
@@ -11,4 +14,7 @@ bp = Blueprint("health", __name__)
 
 @bp.get("/healthz")
 def healthz() -> Response:
-    return jsonify(HealthSchema().dump(worker().health()))
+    health = worker().health()
+    response = jsonify(HealthSchema().dump(health))
+    response.status_code = 200 if health["status"] == "ok" else 503
+    return response

@@ -348,10 +348,14 @@ class GpuStatusSchema(Schema):
 
 
 class HealthSchema(Schema):
-    status = fields.String()
+    status = fields.String(metadata={"description": "`ok`, or `failing` (with a 503) when the ledger is not the "
+                                                    "file the service opened"})
+    ledger = fields.String(metadata={"description": "`ok`, or why the ledger file is not the one opened"})
     active_job_id = fields.Integer(allow_none=True)
     nvml = fields.String()
     trainer = fields.String(metadata={"description": "sd-scripts, or simulated: the test double, which trains nothing"})
+    sandbox = fields.String(metadata={"description": "the trainer's sandbox in force: `bwrap (<path>)`, `none …`, "
+                                                     "or `unavailable: …` (then POST /train is a 503)"})
 
 
 class ErrorSchema(Schema):

@@ -11,6 +11,7 @@ from typing import Any
 
 from lora_worker.config import Settings
 from lora_worker.errors import JobNotFound, NvmlUnavailable
+from lora_worker.host import sandbox
 from lora_worker.host.nvml import Nvml
 from lora_worker.web.gpu_status import gpu_status
 from lora_worker.dispatch.dispatcher import Dispatcher
@@ -113,6 +114,11 @@ class Worker:
         return gpu_status(self.nvml.read(), self.settings, repo.active_job(self.db))
 
     def health(self) -> dict[str, Any]:
+        problem = self.db.identity_problem()
+        if problem is not None:
+            # Not the ledger we opened: nothing about jobs can be said, and nothing must be written.
+            return {"status": "failing", "ledger": problem, "active_job_id": None, "nvml": "not checked",
+                    "sandbox": sandbox.describe(self.settings)}
         self.reconcile_active()
         active = repo.active_job(self.db)
         try:
@@ -120,8 +126,8 @@ class Worker:
             nvml = "ok"
         except NvmlUnavailable as exc:
             nvml = f"unavailable: {exc.message}"
-        return {"status": "ok", "active_job_id": active.id if active else None, "nvml": nvml,
-                "trainer": self.settings.trainer_kind}
+        return {"status": "ok", "ledger": "ok", "active_job_id": active.id if active else None, "nvml": nvml,
+                "trainer": self.settings.trainer_kind, "sandbox": sandbox.describe(self.settings)}
 
     def reconcile_active(self) -> None:
         reconcile(self.db, self.settings, actor="api")

@@ -1,4 +1,4 @@
-"""Every failure class the code can write is one the ledger's CHECK accepts (migration 0007 added one)."""
+"""Every failure class the code can write is one the ledger's CHECK accepts (migration 0006 added one)."""
 from __future__ import annotations
 
 import sqlite3

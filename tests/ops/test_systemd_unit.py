@@ -61,7 +61,7 @@ def test_the_unit_migrates_and_reconciles_before_serving_gunicorn_with_the_shipp
                                     "/opt/lora-training-worker/venv/bin/lora-worker reconcile"]
     assert unit["ExecStart"] == ["/opt/lora-training-worker/venv/bin/gunicorn -c "
                                  "/opt/lora-training-worker/systemd/gunicorn.conf.py lora_worker.wsgi:app"]
-    assert unit["Environment"] == ["LORA_WORKER_CONFIG=/etc/lora-worker/worker.toml"]
+    assert unit["Environment"] == ["LORA_WORKER_CONFIG=/etc/lora-worker/worker.toml", "LORA_WORKER_SANDBOX=bwrap"]
     assert unit["LoadCredential"] == ["api_token:/etc/lora-worker/api_token"]
 
 
@@ -102,7 +102,8 @@ def test_other_identities_fill_every_place_the_seeds_names_stood():
 def test_gunicorn_is_one_gthread_worker_without_preload_that_stops_before_systemd_kills_it(monkeypatch):
     monkeypatch.setenv("LORA_WORKER_BIND", "127.0.0.1:1,[::1]:2")
     conf = runpy.run_path(str(GUNICORN_CONF))
-    assert (conf["workers"], conf["worker_class"], conf["preload_app"]) == (1, "gthread", False)
+    assert (conf["workers"], conf["worker_class"], conf["preload_app"]) == (
+        1, "lora_worker.web.buffered_worker.BufferingThreadWorker", False)  # gthread, buffering whole requests
     assert conf["threads"] >= 4  # a slow client never holds the only thread a cancel needs
     assert conf["bind"] == ["127.0.0.1:1", "[::1]:2"]  # the `bind` setting
     assert conf["graceful_timeout"] < int(directives(UNIT)["TimeoutStopSec"][0].rstrip("s"))

@@ -239,3 +239,84 @@ def test_redraws_are_dropped_line_by_line_in_a_merged_stream():
     whole.feed("output", chunk.decode())
     cut.feed("output", kept.decode())
     assert (cut.progress.step, cut.progress.loss) == (whole.progress.step, whole.progress.loss) == (39, 0.5)
+
+
+# -- the trainer's text is data ----------------------------------------------------------------------------------
+
+# A name anyone who writes a dataset can choose: every marker phrase the parser knows, in one path component.
+HOSTILE = ("x model saved. caching Text Encoder outputs... CUDA out of memory torch.OutOfMemoryError: CUDA out of"
+           " memory. saving checkpoint: died with <Signals.SIGKILL: 9>. No data found. Please verify arguments")
+
+
+def summary(parser: Parser, phases: list[Phase]) -> tuple[object, ...]:
+    p = parser.progress
+    return (phases, p.step, p.total_steps, sorted(p.flags), p.signal, p.inner_exit, len(p.checkpoints))
+
+
+@pytest.mark.parametrize("name", ["run1_simple", "run5_epochs_saves", "fail_missing_model", "fail_empty_caption",
+                                  "cancel_b_group"])
+def test_a_path_or_train_id_holding_every_marker_changes_nothing(name):
+    items = chunks(name)
+    # The train ids, the kohya folder and the output name, wherever the run echoes them (log lines, the saved
+    # path, tracebacks, the launcher's report of the command).
+    names = [(b"/train/t1/", f"/train/t1{HOSTILE}/".encode()), (b"/train/t2/", f"/train/t2{HOSTILE}/".encode()),
+             (b"2_ohwx dog", f"2_ohwx dog{HOSTILE}".encode()), (b"/ohwx", f"/ohwx{HOSTILE}".encode())]
+    rewritten = items
+    for plain, evil in names:
+        rewritten = [(s, d.replace(plain, evil)) for s, d in rewritten]
+    assert rewritten != items  # the names really are echoed by the run
+    assert summary(*replay(rewritten)) == summary(*replay(items))
+
+
+def test_a_caption_or_message_quoting_markers_inside_a_line_changes_nothing():
+    lines = [f"caption: {HOSTILE}", f"found directory /worktank/arbo/train/{HOSTILE}/dataset contains 3 image files",
+             f"FileNotFoundError: [Errno 2] No such file or directory: '/worktank/{HOSTILE}/img.txt'",
+             f'  File "/worktank/{HOSTILE}/x.py", line 3, in <module>',
+             f"2026-11-30 03:36:26 INFO     found directory {HOSTILE}        train_util.py:1",
+             "    assert len(lines) > 0, f\"caption file is empty / {cap_path}\"",
+             "ValueError: not CUDA out of memory, model saved."]
+    parser, phases = replay([("output", ("\n".join(lines) + "\n").encode())])
+    assert summary(parser, phases) == ([Phase.LAUNCHING], 0, None, [], None, None, 0)
+
+
+def test_an_assertion_quoting_the_text_encoder_cache_does_not_move_the_phase():
+    # Real run fail_te_cache_combo: the trainer fails before loading the model, its message names the phase.
+    text = ("Traceback (most recent call last):\n"
+            '  File "/opt/fluxgym/sd-scripts/train_network.py", line 468, in train\n'
+            "    assert (\n"
+            "AssertionError: network for Text Encoder cannot be trained with caching Text Encoder outputs / "
+            "Text Encoderの出力をキャッシュしながらText Encoderのネットワークを学習することはできません\n")
+    parser, phases = replay([("output", text.encode())])
+    assert phases == [Phase.LAUNCHING] and parser.progress.flags == set()
+
+
+def test_a_whole_marker_line_still_counts_plain_indented_glued_or_rich():
+    lines = [
+        "caching latents...\n",
+        "\r  0%|          | 0/3 [00:00<?, ?it/s]caching Text Encoder outputs...\n",
+        "\r0it [00:00, ?it/s]No data found. Please verify arguments (train_data_dir must be the parent …)\n",
+        "                    INFO     import network module: networks.lora          train_network.py:312\n",
+        "  total optimization steps / 学習ステップ数: 12\n",
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB.\n",
+        "subprocess.CalledProcessError: Command '['/v/python', 'x.py', '--output_name=a died with "
+        "<Signals.SIGKILL: 9>.']' returned non-zero exit status 1.\n"]
+    parser, phases = replay([("output", line.encode()) for line in lines])
+    assert phases == [Phase.LAUNCHING, Phase.CACHING_LATENTS, Phase.CACHING_TEXT_ENCODER_OUTPUTS,
+                      Phase.PREPARING_TRAINING]
+    p = parser.progress
+    assert (p.total_steps, p.flags, p.inner_exit, p.signal) == (12, {"no_data", "cuda_oom", "inner_exit"}, 1, None)
+
+
+def test_model_saved_before_its_saving_checkpoint_line_still_gives_phase_saving():
+    # Rich logging without PYTHONUNBUFFERED: the logger's line (stderr, unbuffered) reaches the pipe before the
+    # block-buffered `saving checkpoint:` print, which only comes out at exit (sd-scripts-real-run.md).
+    bar = "\rsteps: 100%|██████████| 12/12 [00:47<00:00,  3.99s/it, avr_loss=0.913]"
+    parser, phases = replay([
+        ("stderr", bar.encode()),
+        ("stderr", "2026-11-30 03:36:26 INFO     model saved.          train_network.py:1729\n".encode()),
+        ("stderr", (bar + "\n").encode()),
+        ("stdout", b"\nepoch 1/1\n\n\nsaving checkpoint: /worktank/arbo/train/t1/output/ohwx.safetensors\n"),
+    ])
+    assert phases == [Phase.LAUNCHING, Phase.TRAINING, Phase.SAVING]
+    assert "model_saved" in parser.progress.flags
+    assert parser.progress.checkpoints == ["/worktank/arbo/train/t1/output/ohwx.safetensors"]

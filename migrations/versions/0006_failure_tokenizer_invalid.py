@@ -3,7 +3,7 @@
 The allowed values are a CHECK constraint, so the table is rebuilt (batch mode) with the new list. The lists
 are written out here rather than taken from FailureClass, so this revision stays what it was.
 
-Revision ID: 0007
+Revision ID: 0006
 Revises: 0005
 Create Date: 2026-12-01
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from alembic import op
 
-revision = "0007"
+revision = "0006"
 down_revision = "0005"
 branch_labels = None
 depends_on = None

@@ -1,0 +1,217 @@
+"""The trainer's sandbox: bubblewrap, so that only the job's paths exist for it.
+
+The train root is shared with a party we do not trust, and the trainer opens what its argv names hours after
+dispatch checked it. Inside the sandbox the host is reduced to: read-only the dataset, the base model,
+sd-scripts, the trainer's venv (and the interpreter it runs on), the tokenizers and /usr; read-write the output
+dir; the GPU device nodes, a fresh /proc, the /sys parts CUDA and NVML read, and private tmpfs for /tmp,
+/dev/shm and HOME. No home directory, other train id, state dir (ledger, logs, token) or network exists in it.
+
+It is also how every process of a job can be found and killed: `--unshare-pid` puts the job in its own PID
+namespace, whose init is bwrap; `--die-with-parent` makes bwrap die with the supervisor, and when the
+namespace's init dies the kernel kills every process in it. A grandchild that called setsid and re-exec'd
+itself under another name is still in the namespace, so it dies with it, supervisor or not.
+
+`wrap` is pure: what it needs from the host (the interpreter's prefix, which device nodes exist) is read by
+`host_facts` first, so the command can be tested for any host.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from lora_worker.config import Settings
+from lora_worker.errors import SandboxUnavailable
+
+BWRAP = "bwrap"
+NONE = "none"
+SANDBOXES = (BWRAP, NONE)  # the values of the `sandbox` setting
+INSTALL_HINT = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap)"
+
+# /lib, /bin, … are symlinks into /usr on merged-/usr distributions (Debian 12); real directories elsewhere.
+USR_ALIASES = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+# Read by the dynamic loader (libcuda.so.1 is found through ld.so.cache: /usr/lib/<triplet> is not a default
+# path), by Python's pwd/locale/time modules, and by /usr/bin links that go through /etc/alternatives.
+ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "passwd", "group", "nsswitch.conf",
+             "alternatives")
+# What the CUDA runtime and NVML read in sysfs: PCI devices and their driver, NUMA topology, CPU lists, the
+# nvidia module's parameters. Not /sys/fs (cgroups) or /sys/kernel.
+SYS_PARTS = ("/sys/devices", "/sys/bus", "/sys/class", "/sys/dev", "/sys/module")
+DEVICE_GLOBS = ("/dev/nvidia*", "/dev/dri")  # nvidia0…N, nvidiactl, nvidia-uvm(-tools), nvidia-modeset, nvidia-caps
+
+
+@dataclass(frozen=True)
+class JobPaths:
+    """The paths of one job, as dispatch resolved and stored them."""
+
+    dataset_dir: Path
+    base_model_path: Path
+    output_dir: Path
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What the sandbox command depends on besides the job and the settings."""
+
+    bwrap: str | None  # the bwrap executable, None when not installed
+    interpreter_dirs: tuple[Path, ...]  # the launcher's interpreter: its venv and its installation prefix
+    device_nodes: tuple[Path, ...]  # GPU device nodes present on this host
+    usr_aliases: tuple[tuple[str, str | None], ...]  # ("lib", "usr/lib") for a symlink, ("lib", None) for a dir
+    etc_files: tuple[Path, ...]
+    sys_parts: tuple[Path, ...]
+
+
+def bwrap_executable() -> str | None:
+    return shutil.which(BWRAP, path="/usr/bin:/bin:/usr/local/bin")
+
+
+def unavailable(settings: Settings) -> str | None:
+    """Why the configured sandbox cannot be used (a sentence), or None when it can."""
+    if settings.sandbox == NONE:
+        return None
+    if bwrap_executable() is None:
+        return f"the trainer sandbox ({BWRAP}) is not installed: {INSTALL_HINT}"
+    return None
+
+
+def require_sandbox(settings: Settings) -> None:
+    """Refuse a job (503) that would run without the sandbox the settings ask for."""
+    problem = unavailable(settings)
+    if problem:
+        raise SandboxUnavailable(problem[0].upper() + problem[1:] + ".", sandbox=settings.sandbox)
+
+
+def describe(settings: Settings) -> str:
+    """For /healthz and doctor: which sandbox is in force."""
+    if settings.sandbox == NONE:
+        return "none (the trainer sees the whole host; set sandbox = \"bwrap\")"
+    problem = unavailable(settings)
+    return f"unavailable: {problem}" if problem else f"{BWRAP} ({bwrap_executable()})"
+
+
+def host_facts(settings: Settings) -> HostFacts:
+    return HostFacts(
+        bwrap=bwrap_executable(),
+        interpreter_dirs=_interpreter_dirs(settings.accelerate),
+        device_nodes=tuple(Path(p) for pattern in DEVICE_GLOBS for p in sorted(glob.glob(pattern))),
+        usr_aliases=tuple(_usr_alias(name) for name in USR_ALIASES if os.path.lexists(f"/{name}")),
+        etc_files=tuple(Path("/etc", name) for name in ETC_FILES if os.path.exists(f"/etc/{name}")),
+        sys_parts=tuple(Path(p) for p in SYS_PARTS if os.path.isdir(p)),
+    )
+
+
+def wrap(argv: list[str], job: JobPaths, settings: Settings, facts: HostFacts) -> list[str]:
+    """The command that runs `argv` in the job's sandbox (or `argv` itself with sandbox = "none")."""
+    if settings.sandbox == NONE:
+        return list(argv)
+    if facts.bwrap is None:
+        raise FileNotFoundError(f"no {BWRAP} executable: {INSTALL_HINT}")
+    cmd = [facts.bwrap,
+           "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--unshare-cgroup-try",
+           "--die-with-parent", "--cap-drop", "ALL",
+           "--ro-bind", "/usr", "/usr"]
+    for name, target in facts.usr_aliases:
+        cmd += ["--symlink", target, f"/{name}"] if target else ["--ro-bind", f"/{name}", f"/{name}"]
+    for path in facts.etc_files:
+        cmd += ["--ro-bind", str(path), str(path)]
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm"]
+    for node in facts.device_nodes:
+        cmd += ["--dev-bind", str(node), str(node)]
+    for part in facts.sys_parts:
+        cmd += ["--ro-bind", str(part), str(part)]
+    # Private and empty: scratch space, and HOME/HF_HOME (the state dir's path, none of its files).
+    for scratch in _unique([Path("/tmp"), settings.state_dir, settings.hf_home_dir]):
+        cmd += ["--tmpfs", str(scratch)]
+    binds = [(p, "--ro-bind") for p in (*facts.interpreter_dirs, _venv_of(settings.accelerate),
+                                         settings.sd_scripts_dir, settings.tokenizer_cache_dir,
+                                         job.dataset_dir, job.base_model_path)]
+    binds.append((job.output_dir, "--bind"))
+    # Shallow paths first, so a deeper bind (the output dir inside a read-only tree) is mounted over them.
+    for path, how in sorted(_unique_binds(binds), key=lambda b: (len(b[0].parts), str(b[0]))):
+        cmd += [how, str(path), str(path)]
+    cmd += ["--chdir", str(settings.sd_scripts_dir), "--"]
+    return cmd + list(argv)
+
+
+def wait_status(returncode: int | None, settings: Settings) -> int | None:
+    """The launcher's own wait status. bwrap exits with its command's code, or 128 + N when a signal N killed
+    the command; as Popen would report it, that is -N. (bwrap killed itself is negative already.)"""
+    if settings.sandbox == BWRAP and returncode is not None and 128 < returncode < 128 + 65:
+        return -(returncode - 128)
+    return returncode
+
+
+def probe(settings: Settings, timeout_s: float = 10.0) -> str | None:
+    """For `doctor`: whether bwrap can make its namespaces here (unprivileged user namespaces, no seccomp or
+    AppArmor rule against them); None when `true` runs in a sandbox, else what went wrong."""
+    problem = unavailable(settings)
+    if problem or settings.sandbox == NONE:
+        return problem
+    cmd = [str(bwrap_executable()), "--unshare-pid", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc",
+           "--dev", "/dev", "--", "true"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, timeout=timeout_s, check=False)  # noqa: S603 - fixed argv
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bwrap cannot run: {exc}"
+    if done.returncode != 0:
+        return f"bwrap cannot make its namespaces: {done.stderr.decode(errors='replace').strip()[:300]}"
+    return None
+
+
+def _venv_of(launcher: Path) -> Path:
+    """`<venv>/bin/accelerate` → `<venv>`."""
+    return launcher.parent.parent
+
+
+def _interpreter_dirs(launcher: Path) -> tuple[Path, ...]:
+    """The venv and installation prefix of the interpreter on the launcher's `#!` line, when outside /usr.
+
+    A venv's python is a symlink to its base interpreter (`home` in pyvenv.cfg), whose standard library lives
+    beside it; both must exist in the sandbox or the launcher cannot start."""
+    try:
+        with open(launcher, "rb") as fh:
+            first = fh.readline(4096)
+    except OSError:
+        return ()
+    if not first.startswith(b"#!"):
+        return ()
+    parts = first[2:].decode(errors="replace").split()
+    if not parts:
+        return ()
+    interpreter = Path(parts[0])
+    found: list[Path] = []
+    venv = interpreter.parent.parent
+    cfg = venv / "pyvenv.cfg"
+    if cfg.is_file():
+        found.append(venv)
+        for line in cfg.read_text(errors="replace").splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "home" and value.strip():
+                found.append(Path(value.strip()).parent)
+    real = Path(os.path.realpath(interpreter))
+    found.append(real.parent.parent)
+    return tuple(p for p in _unique(found) if not _under(p, Path("/usr")) and p != Path("/"))
+
+
+def _usr_alias(name: str) -> tuple[str, str | None]:
+    path = f"/{name}"
+    return (name, os.readlink(path)) if os.path.islink(path) else (name, None)
+
+
+def _under(path: Path, base: Path) -> bool:
+    return path == base or base in path.parents
+
+
+def _unique(paths: list[Path]) -> list[Path]:
+    return list(dict.fromkeys(paths))
+
+
+def _unique_binds(binds: list[tuple[Path, str]]) -> list[tuple[Path, str]]:
+    chosen: dict[Path, str] = {}
+    for path, how in binds:
+        if chosen.get(path) != "--bind":  # the same path both ways: writable wins (only the output dir is)
+            chosen[path] = how
+    return list(chosen.items())

@@ -1,4 +1,5 @@
-"""Benchmark 4, scale of history: start-up and listing with 100,000 finished jobs, and one job's ledger growth.
+"""Benchmark 4, scale of history: start-up, listing and /metrics with 100,000 finished jobs, and one job's
+ledger growth.
 
 The history is one real job, dispatched through the app (so its row has a real argv and environment), copied
 100,000 times with sqlite3 `executemany` into the migrated ledger: 70 % succeeded, 20 % failed (with a
@@ -114,6 +115,16 @@ class Ledger:
             create_app(self.host.settings).extensions["lora_worker"].db.dispose()
         return timed(build, max(1, self.repeats // 4))
 
+    def metrics_s(self) -> float:
+        app = create_app(self.host.settings)
+        client = app.test_client()
+        try:
+            def scrape() -> None:
+                assert client.get("/metrics").status_code == 200
+            return timed(scrape, self.repeats * 5)
+        finally:
+            app.extensions["lora_worker"].db.dispose()
+
     def list_s(self) -> float:
         app = create_app(self.host.settings)
         client = app.test_client()
@@ -173,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                 fill(host.settings.database_path, dispatch_one(host), count)
             ledger = Ledger(host, args.repeats)
             results[name] = {"reconcile": ledger.reconcile_s(), "cli": ledger.cli_reconcile_s(),
-                             "startup": ledger.startup_s(), "list": ledger.list_s()}
+                             "startup": ledger.startup_s(), "list": ledger.list_s(),
+                             "metrics": ledger.metrics_s()}
             sizes[name] = file_bytes(host.settings.database_path)
     empty, page, history = results["empty"], results["page"], results["history"]
     n = f"{args.jobs:,}"
@@ -192,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         Row("… against one page of jobs (same response)", f"{history['list'] * 1e3:.2f} ms",
             f"{page['list'] * 1e3:.2f} ms (250 jobs, 50 failed)", history["list"] / page["list"], "≤ 2×",
             history["list"] / page["list"] <= 2),
+        Row("GET /metrics", f"{history['metrics'] * 1e3:.2f} ms", f"{empty['metrics'] * 1e3:.2f} ms (empty)",
+            history["metrics"] / empty["metrics"], "≤ 2×", history["metrics"] / empty["metrics"] <= 2),
         Row("ledger size", f"{sizes['history'] / 1e6:.1f} MB", f"{sizes['empty'] / 1e6:.2f} MB (empty)"),
     ]
     grown, points, events, filled = growth(0 if args.quick else 1)

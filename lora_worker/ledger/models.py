@@ -173,3 +173,14 @@ class ProgressPoint(Base):
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
     loss: Mapped[float | None] = mapped_column(Float)
     at: Mapped[datetime] = mapped_column(UtcTimestamp)
+
+
+class JobCount(Base):
+    """An aggregate /metrics serves (jobs by status, failures by class, run-time buckets, reconcile actions),
+    kept by triggers as rows change (migration 0009), so a scrape does not scan the history."""
+
+    __tablename__ = "job_counts"
+
+    metric: Mapped[str] = mapped_column(String(32), primary_key=True)
+    label: Mapped[str] = mapped_column(String(96), primary_key=True)
+    n: Mapped[float] = mapped_column(Float, server_default="0")

@@ -7,6 +7,7 @@ A row becomes `failed` through `fail_job` only, so every failure reads the same 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -16,8 +17,8 @@ from sqlalchemy.orm import Session, defer
 
 from lora_worker.errors import JobActive, JobFinished, JobNotFound
 from lora_worker.ledger.db import Database
-from lora_worker.ledger.models import Job, JobEvent, ProgressPoint, UtcTimestamp, utcnow
-from lora_worker.states import ACTIVE_STATES, TERMINAL_STATES, TRANSITIONS, FailureClass, JobState
+from lora_worker.ledger.models import Job, JobCount, JobEvent, ProgressPoint, UtcTimestamp, utcnow
+from lora_worker.states import ACTIVE_STATES, TERMINAL_STATES, TRANSITIONS, JobState
 
 
 def create_job(db: Database, columns: dict[str, Any], *, actor: str = "api") -> Job:
@@ -300,39 +301,39 @@ def delete_jobs(db: Database, job_ids: Sequence[int]) -> int:
 
 # -- for operators: metrics and retention ---------------------------------------------------------------------
 
-RECONCILED = (FailureClass.SUPERVISOR_LOST.value, FailureClass.HOST_REBOOTED.value)  # what reconcile decides
+@dataclass(frozen=True)
+class Counts:
+    """What /metrics serves, read from `job_counts` (kept by triggers; migration 0009): constant work per
+    scrape, however long the history."""
+
+    by_status: dict[str, int]
+    failures_by_class: dict[str, int]
+    # status -> ([(upper bound in seconds, jobs in that bucket alone)], jobs, seconds in all); +Inf last
+    durations: dict[str, tuple[list[tuple[float, int]], int, float]]
+    reconcile_actions: dict[tuple[str, str], int]  # (actor, failure class) -> jobs
 
 
-def jobs_by_status(db: Database) -> dict[str, int]:
+def counts(db: Database) -> Counts:
     with db.read() as s:
-        return {status: int(n) for status, n in s.execute(select(Job.status, func.count()).group_by(Job.status))}
-
-
-def failures_by_class(db: Database) -> dict[str, int]:
-    query = (select(Job.failure_class, func.count()).where(Job.status == JobState.FAILED.value)
-             .group_by(Job.failure_class))
-    with db.read() as s:
-        return {str(failure): int(n) for failure, n in s.execute(query)}
-
-
-def finished_durations(db: Database) -> list[tuple[str, float]]:
-    """(final status, seconds) of every finished job: from its start, or its acceptance if it never started."""
-    began = func.julianday(func.coalesce(Job.started_at, Job.created_at))
-    seconds = (func.julianday(Job.finished_at) - began) * 86400.0
-    query = select(Job.status, seconds).where(Job.status.in_(_values(TERMINAL_STATES)), Job.finished_at.is_not(None))
-    with db.read() as s:
-        return [(status, max(0.0, float(secs))) for status, secs in s.execute(query)]
-
-
-def reconcile_actions(db: Database) -> dict[tuple[str, str], int]:
-    """Jobs reconcile marked failed (a dead supervisor, a reboot), by (actor, failure class). A supervisor that
-    failed its own job after an internal error also writes `supervisor_lost`; it is not a reconcile."""
-    query = (select(JobEvent.actor, Job.failure_class, func.count()).join(Job, Job.id == JobEvent.job_id)
-             .where(JobEvent.to_status == JobState.FAILED.value, Job.failure_class.in_(RECONCILED),
-                    JobEvent.actor != "supervisor")
-             .group_by(JobEvent.actor, Job.failure_class))
-    with db.read() as s:
-        return {(actor, failure): int(n) for actor, failure, n in s.execute(query)}
+        rows = [(metric, label, n) for metric, label, n in s.execute(select(JobCount.metric, JobCount.label,
+                                                                            JobCount.n)) if n]
+    buckets: dict[str, list[tuple[float, int]]] = {}
+    sums: dict[str, float] = {}
+    for metric, label, n in rows:
+        if metric == "duration_bucket":
+            status, bound = label.rsplit("|", 1)
+            buckets.setdefault(status, []).append((float(bound), int(n)))
+        elif metric == "duration_sum":
+            sums[label] = n
+    durations = {status: (sorted(pairs), sum(c for _, c in pairs), sums.get(status, 0.0))
+                 for status, pairs in buckets.items()}
+    return Counts(
+        by_status={label: int(n) for metric, label, n in rows if metric == "status"},
+        failures_by_class={label: int(n) for metric, label, n in rows if metric == "failure"},
+        durations=durations,
+        reconcile_actions={tuple(label.split("|", 1)): int(n)  # type: ignore[misc]
+                           for metric, label, n in rows if metric == "reconcile"},
+    )
 
 
 def finished_before(db: Database, cutoff: datetime) -> list[int]:

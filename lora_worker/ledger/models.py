@@ -177,7 +177,7 @@ class ProgressPoint(Base):
 
 class JobCount(Base):
     """An aggregate /metrics serves (jobs by status, failures by class, run-time buckets, reconcile actions),
-    kept by triggers as rows change (migration 0009), so a scrape does not scan the history."""
+    kept by triggers as rows change (migration 0008), so a scrape does not scan the history."""
 
     __tablename__ = "job_counts"
 

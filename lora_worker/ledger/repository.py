@@ -303,7 +303,7 @@ def delete_jobs(db: Database, job_ids: Sequence[int]) -> int:
 
 @dataclass(frozen=True)
 class Counts:
-    """What /metrics serves, read from `job_counts` (kept by triggers; migration 0009): constant work per
+    """What /metrics serves, read from `job_counts` (kept by triggers; migration 0008): constant work per
     scrape, however long the history."""
 
     by_status: dict[str, int]

@@ -23,7 +23,7 @@ bp = Blueprint("metrics", __name__)
 
 MIB = 1024 * 1024
 # Seconds: the fast tier takes minutes, quality on the small card a few hours. The ledger's triggers count
-# finished jobs into these same buckets (migration 0009 writes them out; a test holds the two equal).
+# finished jobs into these same buckets (migration 0008 writes them out; a test holds the two equal).
 DURATION_BUCKETS = (60.0, 300.0, 600.0, 900.0, 1200.0, 1800.0, 2700.0, 3600.0, 5400.0, 7200.0, 10800.0, 14400.0)
 
 

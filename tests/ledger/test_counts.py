@@ -147,8 +147,8 @@ def test_the_migration_counts_the_history_it_finds(settings: Settings):
 
 
 def test_the_metrics_buckets_are_the_ones_the_migration_counts_into():
-    path = REPO_ROOT / "migrations" / "versions" / "0009_job_counts.py"
-    spec = importlib.util.spec_from_file_location("migration_0009", path)
+    path = REPO_ROOT / "migrations" / "versions" / "0008_job_counts.py"
+    spec = importlib.util.spec_from_file_location("migration_0008", path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -11,11 +11,12 @@ Each row is (metric, label, n):
   because their supervisor was gone (supervisor_lost) or the host rebooted (host_rebooted).
 Counts cover the rows the ledger holds: `jobs prune` lowers them (the delete trigger), as before.
 
-The SQL is written out here, bucket bounds included, so this revision stays what it was; /metrics reads the
-bounds from the rows. A backfill counts what the ledger already holds.
+The SQL is written out here, bucket bounds included, so this revision stays what it was (a test holds the
+bounds equal to /metrics'). A backfill counts what the ledger already holds. Triggers go with their table:
+a later migration that rebuilds `jobs` or `job_events` (batch mode's copy and rename) must create them again.
 
-Revision ID: 0009
-Revises: 0003
+Revision ID: 0008
+Revises: 0007
 Create Date: 2026-12-01
 """
 from __future__ import annotations
@@ -23,8 +24,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0009"
-down_revision = "0003"
+revision = "0008"
+down_revision = "0007"
 branch_labels = None
 depends_on = None
 

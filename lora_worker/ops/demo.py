@@ -31,8 +31,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 from lora_worker.errors import LoraWorkerError
-from lora_worker.config import (ENV_PREFIX, LORA_DTYPE, REPO_ROOT, SIMULATED, SIMULATED_ENV, TIERS, Settings,
-                                load_settings)
+from lora_worker.config import ENV_PREFIX, REPO_ROOT, SIMULATED, SIMULATED_ENV, Settings, load_settings
 from lora_worker.host.nvml import make_nvml
 from lora_worker.host.safetensors import ExpectedLora, verify_lora
 from lora_worker.ledger import repository as repo
@@ -41,6 +40,7 @@ from lora_worker.ledger.migrate import current_revision, prepare_state_dir, upgr
 from lora_worker.ops import simulated
 from lora_worker.ops.doctor import run_checks
 from lora_worker.ops.watch import watch
+from lora_worker.run.outcome import recorded_lora
 from lora_worker.states import ACTIVE_STATES, JobState
 
 DEFAULT_DIR = REPO_ROOT / "var" / "demo"
@@ -175,7 +175,12 @@ def _show(host: Host, url: str, started: float, out: TextIO) -> int:
     _, job = _request(url, "GET", f"/train/{job_id}")
     if job["status"] != JobState.SUCCEEDED.value:
         raise DemoError(f"job {job_id} ended {job['status']}: {job.get('failure_class')}: {job.get('error')}")
-    _verify(job, body, out)
+    db = Database.open(settings.database_path, busy_timeout_s=settings.busy_timeout_s)
+    try:
+        expected = recorded_lora(repo.get_job(db, job_id))
+    finally:
+        db.dispose()
+    _verify(job, expected, out)
     _say(out, f"a verified LoRA {time.monotonic() - started:.1f} s after the demo started")
     again = {**body, "output_name": f"{TRIGGER}_lora_again"}  # a new name: the first output exists now
     (host.root / "next-request.json").write_text(json.dumps(again, indent=2) + "\n")
@@ -183,11 +188,10 @@ def _show(host: Host, url: str, started: float, out: TextIO) -> int:
     return job_id
 
 
-def _verify(job: Mapping[str, Any], body: Mapping[str, Any], out: TextIO) -> None:
-    """Read the LoRA ourselves, as a client would: the worker's verdict is not taken on trust."""
+def _verify(job: Mapping[str, Any], expected: ExpectedLora, out: TextIO) -> None:
+    """Read the LoRA ourselves against what dispatch recorded: the worker's verdict is not taken on trust."""
     path = Path(job["lora_path"])
-    check = verify_lora(path, ExpectedLora(rank=TIERS[TIER].network_dim, output_name=body["output_name"],
-                                           steps=TIERS[TIER].max_train_steps, seed=SEED, dtype=LORA_DTYPE))
+    check = verify_lora(path, expected)
     if check.problem:
         raise DemoError(f"the LoRA at {path} is not the one asked for: {check.problem}")
     digest = check.sha256

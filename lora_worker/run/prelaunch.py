@@ -35,7 +35,7 @@ def what_moved(job: Job) -> str | None:
                 return f"{label} {path} is not the directory that was checked (was {recorded}, now {now})"
         try:
             return (_new_subset(fds["dataset_dir"], folder) or _unsafe_entry(fds["the kohya folder"], folder)
-                    or _lora_present(fds["output_dir"], job.output_name))
+                    or _lora_present(fds["output_dir"], os.path.basename(job.lora_file)))
         except OSError as exc:  # made unreadable meanwhile: as good as moved
             return f"the dataset or output_dir can no longer be listed ({exc.strerror or exc})"
     finally:
@@ -61,8 +61,8 @@ def _unsafe_entry(folder_fd: int, folder: str) -> str | None:
     return None
 
 
-def _lora_present(output_fd: int, output_name: str) -> str | None:
-    name = f"{output_name}.safetensors"
+def _lora_present(output_fd: int, name: str) -> str | None:
+    """`name` is the recorded LoRA file's (dispatch built its path once; it lies in output_dir)."""
     found = fs.entry_at(output_fd, name)
     if found is not None:
         return f"{name} appeared in output_dir after the job was accepted (a {fs.kind_of(found.st_mode)})"

@@ -72,6 +72,10 @@ _ADVICE: dict[str, tuple[str, str]] = {  # domain code → (Retry-After in words
     "ledger_busy": ("1", "Retry after `Retry-After` seconds."),
     "ledger_unwritable": ("10", "Retry after `Retry-After` seconds; an operator should check the state disk."),
     "launch_failed": ("", "Retry once; if it fails again an operator should read the worker's log."),
+    "sandbox_unavailable": ("", "An operator must install bubblewrap (`apt-get install bubblewrap`; "
+                                "`lora-worker doctor`)."),
+    "ledger_replaced": ("", "An operator must restart the service: the ledger file was deleted or replaced "
+                            "under it (`/healthz` says `failing`)."),
 }
 
 # Errors that stop the service at start-up or name a family; none reaches a client.

@@ -32,7 +32,7 @@ bp = Blueprint("openapi", __name__)
 OPENAPI_VERSION = "3.0.3"
 JSON = "application/json"
 METRICS_MEDIA_TYPE = "text/plain"
-LEDGER = ("ledger_busy", "ledger_unwritable")  # any route that reads the ledger
+LEDGER = ("ledger_busy", "ledger_unwritable", "ledger_replaced")  # any route that reads the ledger
 PATH_PARAMETER_TYPES = {"int": {"type": "integer", "minimum": 0}, "float": {"type": "number"}}
 RULE_ARGUMENT = re.compile(r"<(?:(?P<converter>[^:<>(]+)(?:\([^)]*\))?:)?(?P<name>[^<>]+)>")
 
@@ -62,7 +62,7 @@ IDEMPOTENCY_KEY = {
 
 SUBMIT_ERRORS = ("bad_request", "request_entity_too_large", "validation_failed", "dataset_invalid",
                  "base_model_invalid", "idempotency_key_reused", "output_exists", "job_active", "insufficient_vram",
-                 "gpu_busy", "gpu_locked", "insufficient_disk", "trainer_unavailable", "nvml_unavailable",
+                 "gpu_busy", "gpu_locked", "insufficient_disk", "trainer_unavailable", "sandbox_unavailable", "nvml_unavailable",
                  *LEDGER, "launch_failed")
 JOB_READ_ERRORS = ("job_not_found", "validation_failed", *LEDGER)
 

@@ -57,7 +57,7 @@ def test_the_row_records_the_resolved_request_and_the_lora_it_must_produce(api, 
     real_out = host.dataset.parent / "output" / "run1"
     assert (row["dataset_dir"], row["output_dir"], row["train_id"]) == (str(host.dataset), str(real_out), "t1")
     assert (row["lora_file"], row["lora_rank"], row["lora_steps"], row["lora_dtype"]) == (
-        str(real_out / "ohwx_lora.safetensors"), 32, 1500, "F32")
+        str(real_out / "ohwx_lora.safetensors"), 32, 1500, "F16")
     assert (row["output_name"], row["seed"], row["total_steps"]) == ("ohwx_lora", 7, 1500)
     argv = json.loads(row["argv"])
     assert f"--output_dir={real_out}" in argv and "--network_dim=32" in argv and "--max_train_steps=1500" in argv
@@ -67,7 +67,7 @@ def test_a_dangling_link_where_the_lora_goes_is_output_exists(api, host, launche
     out = host.dataset.parent / "output"
     out.mkdir()
     (out / "ohwx_lora.safetensors").symlink_to(host.root / "elsewhere.safetensors")  # sd-scripts would follow it
-    assert_refused(api.post("/train", json=host.payload()), 409, "output_exists", host.settings, launches)
+    assert_refused(api.post("/train", json=host.payload()), 422, "output_exists", host.settings, launches)
     assert not (host.root / "elsewhere.safetensors").exists()
 
 

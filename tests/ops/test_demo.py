@@ -181,7 +181,7 @@ def test_the_simulated_trainer_is_refused_under_systemd_or_with_a_token(deployed
 def test_the_installed_unit_with_its_config_refuses_to_start_a_simulated_worker(tmp_path: Path, monkeypatch):
     # The deployed worker.toml as install.py writes it, under the environment systemd gives the unit.
     config = tmp_path / "worker.toml"
-    config.write_text(install_script().config_text())
+    config.write_text((mod := install_script()).config_text(mod.Identities()))
     for name, value in clean_env(LORA_WORKER_CONFIG=str(config), LORA_WORKER_TRAINER_KIND="simulated",
                                  INVOCATION_ID="5f1c", CREDENTIALS_DIRECTORY=str(tmp_path)).items():
         monkeypatch.setenv(name, value)

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session, defer
 from lora_worker.errors import JobActive, JobFinished, JobNotFound
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, JobCount, JobEvent, ProgressPoint, UtcTimestamp, utcnow
-from lora_worker.states import ACTIVE_STATES, TERMINAL_STATES, TRANSITIONS, JobState
+from lora_worker.states import ACTIVE_STATES, TERMINAL_STATES, TRANSITIONS, FailureClass, JobState
 
 
 def create_job(db: Database, columns: dict[str, Any], *, actor: str = "api") -> Job:

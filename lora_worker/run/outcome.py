@@ -5,9 +5,9 @@ exits 0 without writing anything when it finds no images, so exit 0 alone proves
 """
 from __future__ import annotations
 
-import signal as signals
 from dataclasses import dataclass
 
+from lora_worker.host.processes import decode_wait_status, signal_name, split_wait_status
 from lora_worker.host.safetensors import ArtifactCheck
 from lora_worker.states import FailureClass, JobState
 from lora_worker.run.parser import Progress
@@ -39,7 +39,7 @@ _MARKER_CLASSES = (
 
 def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], cancelled: bool = False,
            stalled_in: str | None = None, artifact: ArtifactCheck | None = None) -> Outcome:
-    exit_code, signal = _split(returncode)
+    exit_code, signal = split_wait_status(returncode)
     if signal is None and progress.signal is not None:
         signal = progress.signal  # the launcher survived and reported how the trainer died
     base = {"exit_code": exit_code, "signal": signal}
@@ -55,14 +55,15 @@ def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], c
         return Outcome(JobState.SUCCEEDED, lora_path=artifact.path, **base)
     for flag, failure, summary in _MARKER_CLASSES:
         if flag in progress.flags:
-            return Outcome(JobState.FAILED, failure, _message(f"{summary} ({_status(returncode)})", tail), **base)
+            return Outcome(JobState.FAILED, failure, _message(f"{summary} ({decode_wait_status(returncode)})", tail),
+                           **base)
     if signal is not None:
-        name = _signal_name(signal)
+        name = signal_name(signal)
         return Outcome(JobState.FAILED, FailureClass.KILLED_BY_SIGNAL,
                        _message(f"the trainer was killed by {name}", tail), **base)
     if returncode != 0:
         return Outcome(JobState.FAILED, FailureClass.TRAINER_CRASHED,
-                       _message(f"the trainer failed ({_status(returncode)})", tail), **base)
+                       _message(f"the trainer failed ({decode_wait_status(returncode)})", tail), **base)
     if not saved or artifact is None or artifact.missing:
         where = artifact.path if artifact else "the output directory"
         return Outcome(JobState.FAILED, FailureClass.NO_OUTPUT,
@@ -70,29 +71,6 @@ def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], c
     failure = FailureClass.ARTIFACT_MISMATCH if artifact.mismatch else FailureClass.ARTIFACT_INVALID
     return Outcome(JobState.FAILED, failure, _message(f"the LoRA file failed verification: {artifact.problem}",
                                                       tail), **base)
-
-
-def _split(returncode: int | None) -> tuple[int | None, int | None]:
-    if returncode is None:
-        return None, None
-    if returncode < 0:
-        return None, -returncode
-    return returncode, None
-
-
-def _status(returncode: int | None) -> str:
-    if returncode is None:
-        return "no exit status"
-    if returncode < 0:
-        return f"killed by {_signal_name(-returncode)}"
-    return f"exit status {returncode}"
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signals.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 def _tail(lines: list[str]) -> str:

@@ -143,7 +143,7 @@ def test_a_corrupt_ledger_stops_start_up_loudly_and_is_left_untouched(host, migr
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     with pytest.raises(LedgerCorrupt, match="not a readable SQLite database"):
         create_app(migrated)
-    from lora_worker import cli
+    from lora_worker.ops import cli
     monkeypatch.setattr(cli, "load_settings", lambda: migrated)
     for command in ("reconcile", "migrate"):
         assert cli.main([command]) == 1

@@ -25,6 +25,7 @@ SUPERVISOR_PID = 4100
 class FakeProcess:
     pid: int
     in_group: bool = True
+    holds_pipe: bool = True  # False: it closed its stdout (a daemon), so the pipe's EOF says nothing of it
     ignores_term: bool = False
     term_delay_s: float = 0.1
     unkillable_until: float = 0.0
@@ -261,4 +262,4 @@ class FakeJob:
         self.host.record("pipe_closed")
 
     def _pipe_open(self) -> bool:
-        return any(p.alive for p in self.processes)
+        return any(p.alive and p.holds_pipe for p in self.processes)

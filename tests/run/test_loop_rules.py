@@ -172,6 +172,16 @@ def test_a_grandchild_in_its_own_session_is_killed_though_the_group_is_gone(host
     assert repo.get_job(client_db, job_id).status == "cancelled"
 
 
+def test_a_grandchild_that_closed_the_pipe_is_killed_before_the_job_ends(host, settings, db, client_db,
+                                                                         ledger):
+    job = hanging_in_training().exit(3.0, 1)
+    job.grandchild = FakeProcess(LAUNCHER_PID + 2, in_group=False, holds_pipe=False, ignores_term=True)
+    job_id = supervise(host, settings, db, job)
+    assert not job.grandchild.alive
+    assert host.first("all_gone").at <= host.first("release_lock", "gpu-1.lock").at
+    assert repo.get_job(client_db, job_id).failure_class == "trainer_crashed"
+
+
 def test_sigterm_to_the_supervisor_stops_the_job_as_cancelled(host, settings, db, client_db):
     host.at(T0 + 2.0, lambda: host.deliver(TERM))
     job_id = supervise(host, settings, db, hanging_in_training())

@@ -9,9 +9,8 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.models import utcnow
 from lora_worker.states import JobState, Phase
 from lora_worker.run.eta import EtaClock, estimate_duration
-from tests.helpers import wait_for
 from tests.ledger.test_ledger import columns
-from tests.run.test_supervisor import TERMINAL, job, modes, submit, wait_phase, wait_state
+from tests.run.test_supervisor import TERMINAL, modes, wait_state
 
 
 def test_the_measured_rate_leaves_the_warm_up_out():
@@ -63,34 +62,21 @@ def test_with_no_history_the_estimate_is_null(client, host):
     wait_state(client, response.get_json()["worker_job_id"], *TERMINAL)
 
 
-@pytest.mark.slow
-def test_the_running_eta_is_history_before_training_then_measured(client, host, db):
-    seed_history(db, [120.0], tier="fast", device_index=1, image_count=3)
-    modes(host, load_s=1.0, step_s=0.02)
-    job_id = submit(client, host)
-    loading = wait_phase(client, job_id, "loading_model")
-    assert loading["eta_basis"] == "history" and 100 < loading["eta_s"] <= 120
-    later = wait_for(lambda: (j := job(client, job_id))["eta_s"] < loading["eta_s"] and j, what="countdown")
-    assert later["eta_basis"] == "history"
-    training = wait_for(lambda: (j := job(client, job_id))["eta_basis"] == "measured" and j, what="measured eta")
-    assert training["phase"] in ("training", "saving") and training["rate"] > 10  # 0.02 s a step
-    remaining = training["total_steps"] - training["step"]
-    assert training["eta_s"] == pytest.approx(remaining / training["rate"], rel=0.05)
-    done = wait_state(client, job_id, *TERMINAL)
-    assert done["status"] == "succeeded" and done["training_started_at"] >= done["started_at"]
-
-
-def test_the_loss_curve_is_served_thinned_to_the_points_asked(client, host):
-    modes(host, step_s=0.02)  # the newest loss is sampled about 4 times a second: 8 s give some 30 points
-    job_id = submit(client, host)
-    wait_state(client, job_id, *TERMINAL)
-    full = client.get(f"/train/{job_id}/progress?points=5000").get_json()
+def test_the_loss_curve_is_served_thinned_to_the_points_asked(client, db):
+    # The points as the supervisor writes them (test_loop_rules: none lost; test_supervisor: a real run's).
+    job = repo.create_job(db, columns())
+    start = utcnow() - timedelta(minutes=10)
+    repo.transition(db, job.id, JobState.RUNNING, actor="supervisor", started_at=start)
+    for first in range(1, 401, 40):
+        points = [(s, 1.0 / s, start + timedelta(seconds=s)) for s in range(first, first + 40)]
+        assert repo.update_running(db, job.id, points=points, step=first + 39)
+    repo.transition(db, job.id, JobState.FAILED, actor="supervisor", failure_class="trainer_crashed")
+    full = client.get(f"/train/{job.id}/progress?points=5000").get_json()
     steps = [p["step"] for p in full["points"]]
-    assert full["total_steps"] == 400 and steps == sorted(steps) and steps[-1] == 400
+    assert full["total_steps"] == 400 and steps == list(range(1, 401))
     ts = [p["t"] for p in full["points"]]
     assert ts == sorted(ts) and ts[0] >= 0
-    assert len(steps) > 20
-    thin = client.get(f"/train/{job_id}/progress?points=20").get_json()["points"]
+    thin = client.get(f"/train/{job.id}/progress?points=20").get_json()["points"]
     assert len(thin) == 20 and thin[0] == full["points"][0] and thin[-1] == full["points"][-1]
-    assert client.get(f"/train/{job_id}/progress?points=0").status_code == 422
+    assert client.get(f"/train/{job.id}/progress?points=0").status_code == 422
     assert client.get("/train/999/progress").status_code == 404

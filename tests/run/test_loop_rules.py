@@ -17,6 +17,7 @@ from lora_worker.ledger.db import Database
 from lora_worker.run import runner
 from lora_worker.run.runner import attend
 from lora_worker.states import TERMINAL_STATES, JobState, Phase
+from tests.ledger.test_ledger import columns
 from tests.run.fake_host import LAUNCHER_PID, FakeHost, FakeJob, FakeProcess
 
 TERM, KILL = signal.SIGTERM, signal.SIGKILL
@@ -96,6 +97,8 @@ class Ledger:
             raise sqlalchemy.exc.OperationalError(statement, params, sqlite3.OperationalError("database is locked"))
         if "INSERT INTO job_events" in statement:
             self.host.record("state_written", params[3])  # (job_id, at, from_status, to_status, …)
+        if statement.startswith("UPDATE jobs"):
+            self.host.record("row_written")
         if "INSERT OR REPLACE INTO job_progress" in statement:
             rows = params if executemany else [params]
             self.host.record("points_written", *(row[1] for row in rows))  # (job_id, step, loss, at)
@@ -106,23 +109,20 @@ def ledger(db, host) -> Ledger:
     return Ledger(db, host)
 
 
-def queued_job(settings: Settings) -> int:
+def queued_job(settings: Settings, **overrides: object) -> int:
     """The API's INSERT, through a connection of its own (the supervisor's is the one under test)."""
-    columns = dict(train_id="t1", dataset_dir=str(settings.train_root / "t1" / "dataset"),
-                   base_model_path="/models/sdxl.safetensors", output_dir=str(settings.train_root / "t1" / "output"),
-                   output_name="ohwx_lora", trigger="ohwx", subject_class="woman", repeats=10, tier="fast",
-                   device_index=1, seed=42, image_count=3, argv=["accelerate", "launch", "sdxl_train_network.py"],
-                   env={}, total_steps=100)
+    output_dir = str(settings.train_root / "t1" / "output")
+    values = columns(output_dir=output_dir, output_name="ohwx_lora", total_steps=100, **overrides)
     api = Database.open(settings.database_path)
     try:
-        return repo.create_job(api, columns).id
+        return repo.create_job(api, values).id
     finally:
         api.dispose()
 
 
-def supervise(host: FakeHost, settings: Settings, db: Database, job: FakeJob | None = None) -> int:
+def supervise(host: FakeHost, settings: Settings, db: Database, job: FakeJob | None = None, **row: object) -> int:
     """Run a queued job to its end under the fake host, holding its job lock as main.serve does."""
-    job_id = queued_job(settings)
+    job_id = queued_job(settings, **row)
     host.job = job
     assert attend(job_id, settings, host, db, host.hold(f"job-{job_id}.lock")) == 0
     return job_id
@@ -198,6 +198,54 @@ def test_a_second_reason_to_stop_changes_neither_the_signals_nor_the_outcome(hos
     job_id = supervise(host, replace(settings, stall_limits_s={**DEFAULT_STALL_LIMITS_S, "training": 2.0}), db, job)
     assert len(host.signals(TERM)) == 1 and len(host.signals(KILL)) == 1
     assert repo.get_job(client_db, job_id).status == "cancelled"
+
+
+@pytest.mark.parametrize("phase", list(Phase))
+def test_a_cancel_works_in_every_phase_and_leaves_nothing_alive(host, settings, db, client_db, phase):
+    job = FakeJob()
+    if phase is Phase.TRAINING:
+        training(job, steps=2, every_s=0.5)
+    elif phase is not Phase.LAUNCHING:
+        job.say(0.5, PHASE_LINES[phase])
+    lora = settings.train_root / "t1" / "output" / "ohwx_lora.safetensors"
+    lora.parent.mkdir(parents=True)
+    lora.write_bytes(b"\0" * 64)  # a save cut short by the cancel: never reported
+    cancel_at(host, client_db, 3.0)
+    job_id = supervise(host, settings, db, job)
+    assert not any(p.alive for p in job.processes) and len(host.signals(TERM)) == 1
+    done = repo.get_job(client_db, job_id)
+    assert (done.status, done.phase, done.lora_path, done.lora_sha256) == ("cancelled", phase.value, None, None)
+
+
+# -- the ledger while it runs ------------------------------------------------------------------------------
+
+def test_the_ledger_is_written_about_once_an_interval_not_once_a_step(host, settings, db, client_db, ledger):
+    interval = 2.0
+    job = training(FakeJob(), steps=400, every_s=0.02).exit(9.0, 1)  # 400 steps, 800 redraws a second… in 8 s
+    job_id = supervise(host, replace(settings, progress_interval_s=interval), db, job)
+    writes = [e for e in host.events if e.kind == "row_written"]
+    span = writes[-1].at - writes[0].at
+    # the start, the trainer's pid, two phase changes (preparing, training), one an interval, the last
+    # flush, the end
+    assert span / interval - 1 <= len(writes) <= 2 + 2 + (span / interval + 1) + 2
+    assert repo.get_job(client_db, job_id).step == 400
+
+
+def test_the_eta_is_history_before_training_then_measured(host, settings, db, client_db):
+    job = training(FakeJob().say(0.1, PHASE_LINES[Phase.LOADING_MODEL]), steps=100, every_s=0.5, start_s=10.0)
+    job.exit(70.0, 1)
+    rows = []
+    for at in (2.0, 5.0, 30.0):
+        host.at(T0 + at, lambda: rows.append(repo.get_job(client_db, 1)))
+    supervise(host, settings, db, job, estimated_duration_s=120.0)
+    loading, later, trained = rows
+    assert (loading.phase, loading.eta_basis, later.eta_basis) == ("loading_model", "history", "history")
+    # the estimate less the time since the run began, as of the last write (at most an interval ago)
+    assert 120.0 - 2.0 <= loading.eta_s <= 120.0 - 2.0 + settings.progress_interval_s
+    assert later.eta_s < loading.eta_s
+    assert (trained.phase, trained.eta_basis) == ("training", "measured")
+    assert trained.rate == pytest.approx(2.0, rel=0.05)  # 0.5 s a step
+    assert trained.eta_s == pytest.approx((100 - trained.step) / trained.rate, rel=0.05)
 
 
 # -- the stall watchdog ------------------------------------------------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -32,6 +31,7 @@ from lora_worker.host.trainer import require_trainer
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, utcnow
+from lora_worker.run.backend import Backend
 from lora_worker.run.eta import estimate_duration
 from lora_worker.states import FailureClass, JobState
 
@@ -40,12 +40,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Dispatcher:
-    """What dispatch needs: settings, the ledger, NVML, and how to start a job's run."""
+    """What dispatch needs: settings, the ledger, NVML, and the backend that runs the job."""
 
     settings: Settings
     db: Database
     nvml: Nvml
-    launch: Callable[[int, Settings], None]
+    backend: Backend
 
     def submit(self, request: TrainRequest, *, idempotency_key: str | None = None,
                body_sha256: str | None = None) -> tuple[Job, bool]:
@@ -98,7 +98,7 @@ class Dispatcher:
                 paths.create_output_dir(Path(request.output_dir))
             except OSError as exc:
                 raise LaunchFailed(f"Cannot create {request.output_dir}: {exc.strerror or exc}.") from exc
-            self.launch(job.id, self.settings)
+            self.backend.launch(job.id, self.settings)
         except LaunchFailed as exc:
             repo.transition(self.db, job.id, JobState.FAILED, actor="api", reason=exc.message,
                             failure_class=FailureClass.LAUNCH_ERROR.value, error=exc.message)

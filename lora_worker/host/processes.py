@@ -1,5 +1,6 @@
-"""The OS seam: process identity, signals and reaping (the lock files are in `locks`). Everything that touches /proc or sends a signal
-is here, so the rest of the supervisor reads as policy.
+"""The OS seam: process identity, signals and reaping (the lock files are in `locks`). Everything that touches
+/proc or sends a signal is here, so the rest of the supervisor reads as policy. `ProcessHost` bundles what the
+run loop uses into one object (the `RunHost` of run/seam.py), so tests can put a recording fake in its place.
 
 A pid alone never identifies a process: the kernel reuses pids. A process is ours only if (boot id, pid, start
 time in clock ticks since boot) all match what the ledger recorded, and before a signal the process is pinned

@@ -27,7 +27,7 @@ def serve(job_id: int, ready_fd: int) -> int:
     os.write(ready_fd, b"1")
     os.close(ready_fd)
     # Imported only now: the web's POST /train waits for the lock above, not for SQLAlchemy to load.
-    from lora_worker.host.processes import ProcessHost
+    from lora_worker.host.process_host import ProcessHost
     from lora_worker.ledger.db import Database
     from lora_worker.run.runner import attend
 

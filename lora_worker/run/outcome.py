@@ -43,7 +43,7 @@ def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], c
     if signal is None and progress.signal is not None:
         signal = progress.signal  # the launcher survived and reported how the trainer died
     base = {"exit_code": exit_code, "signal": signal}
-    tail = _tail(log_tail)
+    tail, status = _tail(log_tail), decode_wait_status(returncode)
     if cancelled:
         return Outcome(JobState.CANCELLED, error=None, **base)
     if stalled_in is not None:
@@ -55,15 +55,14 @@ def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], c
         return Outcome(JobState.SUCCEEDED, lora_path=artifact.path, **base)
     for flag, failure, summary in _MARKER_CLASSES:
         if flag in progress.flags:
-            return Outcome(JobState.FAILED, failure, _message(f"{summary} ({decode_wait_status(returncode)})", tail),
-                           **base)
+            return Outcome(JobState.FAILED, failure, _message(f"{summary} ({status})", tail), **base)
     if signal is not None:
         name = signal_name(signal)
         return Outcome(JobState.FAILED, FailureClass.KILLED_BY_SIGNAL,
                        _message(f"the trainer was killed by {name}", tail), **base)
     if returncode != 0:
         return Outcome(JobState.FAILED, FailureClass.TRAINER_CRASHED,
-                       _message(f"the trainer failed ({decode_wait_status(returncode)})", tail), **base)
+                       _message(f"the trainer failed ({status})", tail), **base)
     if not saved or artifact is None or artifact.missing:
         where = artifact.path if artifact else "the output directory"
         return Outcome(JobState.FAILED, FailureClass.NO_OUTPUT,

@@ -1,6 +1,6 @@
 """What the run loop needs of the operating system, as two protocols.
 
-`lora_worker.host.processes.ProcessHost` is the real one. The loop's rules (cancel → TERM → grace → KILL, the
+`lora_worker.host.process_host.ProcessHost` is the real one. The loop's rules (cancel → TERM → grace → KILL, the
 stall watchdog, the orphaned launcher, a busy ledger, the order of the final writes) are unit-tested against a
 recording fake with a fake clock (tests/run/fake_host.py): nothing here may reach the OS any other way.
 """

@@ -12,7 +12,7 @@ WEB_ONLY = ("flask", "werkzeug", "marshmallow", "apispec", "prometheus_client", 
 def test_the_supervisor_entry_modules_import_no_web_framework():
     # Everything a run loads: main.py imports the ledger and the runner lazily, once it holds the job lock.
     code = ("import json, sys, lora_worker.run.__main__, lora_worker.run.main, "
-            "lora_worker.run.runner, lora_worker.ledger.db; "
+            "lora_worker.run.runner, lora_worker.host.process_host, lora_worker.ledger.db; "
             "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                                        text=True).stdout)

@@ -133,6 +133,16 @@ def cancel_at(host: FakeHost, client_db: Database, after_s: float) -> None:
     host.at(T0 + after_s, lambda: repo.request_cancel(client_db, 1, actor="api"))
 
 
+def with_limits(settings: Settings, **limits: float) -> Settings:
+    return replace(settings, stall_limits_s={**DEFAULT_STALL_LIMITS_S, **limits})
+
+
+def assert_ran_to_its_own_end(host: FakeHost, client_db: Database, job_id: int) -> None:
+    """Nothing stopped the trainer: it failed by itself (exit 1), as its script said."""
+    assert host.signals(TERM) == []
+    assert repo.get_job(client_db, job_id).failure_class == "trainer_crashed"
+
+
 def hanging_in_training() -> FakeJob:
     return training(FakeJob(), steps=3, every_s=0.5)
 
@@ -195,7 +205,7 @@ def test_a_second_reason_to_stop_changes_neither_the_signals_nor_the_outcome(hos
     job.launcher.ignores_term = job.trainer.ignores_term = True
     cancel_at(host, client_db, 2.0)
     host.at(T0 + 3.0, lambda: host.deliver(TERM))
-    job_id = supervise(host, replace(settings, stall_limits_s={**DEFAULT_STALL_LIMITS_S, "training": 2.0}), db, job)
+    job_id = supervise(host, with_limits(settings, training=2.0), db, job)
     assert len(host.signals(TERM)) == 1 and len(host.signals(KILL)) == 1
     assert repo.get_job(client_db, job_id).status == "cancelled"
 
@@ -274,10 +284,8 @@ def test_the_silence_counts_from_the_trainers_start_not_the_supervisors(host, se
     host.lock_wait_s = 4.0
     job = training(FakeJob().say(2.5, PHASE_LINES[Phase.LOADING_MODEL]), steps=3, every_s=0.5, start_s=2.6)
     job.exit(5.0, 1)
-    limits = {**DEFAULT_STALL_LIMITS_S, "launching": 3.0}
-    job_id = supervise(host, replace(settings, stall_limits_s=limits), db, job)
-    assert host.signals(TERM) == []
-    assert repo.get_job(client_db, job_id).failure_class == "trainer_crashed"
+    job_id = supervise(host, with_limits(settings, launching=3.0), db, job)
+    assert_ran_to_its_own_end(host, client_db, job_id)
 
 
 def test_a_redrawn_bar_without_a_new_step_is_a_stall_though_output_flows(host, settings, db, client_db):
@@ -285,8 +293,7 @@ def test_a_redrawn_bar_without_a_new_step_is_a_stall_though_output_flows(host, s
     for i in range(1, 200):
         job.say(2.5 + i * 0.1, bar(5))  # the same step, redrawn ten times a second
     job.exit(30.0, 0)
-    limits = {**DEFAULT_STALL_LIMITS_S, "training": 8.0}
-    job_id = supervise(host, replace(settings, stall_limits_s=limits), db, job)
+    job_id = supervise(host, with_limits(settings, training=8.0), db, job)
     (term,) = host.signals(TERM)
     assert 2.5 + 8.0 < term.at - T0 <= 2.5 + 8.0 + 4 * runner.COALESCE_S
     assert (repo.get_job(client_db, job_id).failure_class, repo.get_job(client_db, job_id).step) == ("stalled", 5)
@@ -297,20 +304,16 @@ def test_in_a_quiet_phase_any_output_is_life(host, settings, db, client_db):
     for i in range(1, 40):
         job.say(0.5 + i, f"caching latents {i}/40\n")  # a line a second for 40 s; the limit is 5 s
     job.exit(41.0, 1)
-    limits = {**DEFAULT_STALL_LIMITS_S, "caching_latents": 5.0}
-    job_id = supervise(host, replace(settings, stall_limits_s=limits), db, job)
-    assert host.signals(TERM) == []
-    assert repo.get_job(client_db, job_id).failure_class == "trainer_crashed"
+    job_id = supervise(host, with_limits(settings, caching_latents=5.0), db, job)
+    assert_ran_to_its_own_end(host, client_db, job_id)
 
 
 def test_each_phase_has_its_own_limit(host, settings, db, client_db):
     # Loading is silent for 20 s, past the training limit (5 s) but within its own (60 s).
     job = training(FakeJob().say(0.1, PHASE_LINES[Phase.LOADING_MODEL]), steps=10, every_s=1.0, start_s=20.0)
     job.exit(31.0, 1)
-    limits = {**DEFAULT_STALL_LIMITS_S, "loading_model": 60.0, "training": 5.0}
-    job_id = supervise(host, replace(settings, stall_limits_s=limits), db, job)
-    assert host.signals(TERM) == []
-    assert repo.get_job(client_db, job_id).failure_class == "trainer_crashed"
+    job_id = supervise(host, with_limits(settings, loading_model=60.0, training=5.0), db, job)
+    assert_ran_to_its_own_end(host, client_db, job_id)
 
 
 # -- the orphaned launcher ---------------------------------------------------------------------------------

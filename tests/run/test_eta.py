@@ -10,7 +10,6 @@ from lora_worker.ledger.models import utcnow
 from lora_worker.states import JobState, Phase
 from lora_worker.run.eta import EtaClock, estimate_duration
 from tests.ledger.test_ledger import columns
-from tests.run.test_supervisor import TERMINAL, modes, wait_state
 
 
 def test_the_measured_rate_leaves_the_warm_up_out():
@@ -44,22 +43,20 @@ def seed_history(db, durations: list[float], **match: object) -> None:
         repo.transition(db, job.id, JobState.SUCCEEDED, actor="seed", finished_at=start + timedelta(seconds=seconds))
 
 
-def test_acceptance_gives_an_estimate_from_similar_jobs_only(client, host, db):
-    modes(host)
+def test_acceptance_gives_an_estimate_from_similar_jobs_only(api, host, db, launches):
     seed_history(db, [300.0, 500.0, 400.0], tier="fast", device_index=1, image_count=3)
     seed_history(db, [9999.0], tier="fast", device_index=1, image_count=4)  # other image count
     seed_history(db, [8888.0], tier="balanced", device_index=1, image_count=3)  # other tier
-    response = client.post("/train", json=host.payload())
+    response = api.post("/train", json=host.payload())
     assert response.get_json()["estimated_duration_s"] == pytest.approx(400.0, abs=0.01)
-    done = wait_state(client, response.get_json()["worker_job_id"], *TERMINAL)
-    assert done["estimated_duration_s"] == pytest.approx(400.0, abs=0.01)
+    job_id = response.get_json()["worker_job_id"]
+    assert launches == [job_id]  # stored with the row the run reads it from (test_loop_rules: the countdown)
+    assert api.get(f"/train/{job_id}").get_json()["estimated_duration_s"] == pytest.approx(400.0, abs=0.01)
 
 
-def test_with_no_history_the_estimate_is_null(client, host):
-    modes(host)
-    response = client.post("/train", json=host.payload())
+def test_with_no_history_the_estimate_is_null(api, host):
+    response = api.post("/train", json=host.payload())
     assert response.status_code == 202 and response.get_json()["estimated_duration_s"] is None
-    wait_state(client, response.get_json()["worker_job_id"], *TERMINAL)
 
 
 def test_the_loss_curve_is_served_thinned_to_the_points_asked(client, db):

@@ -413,3 +413,17 @@ def test_a_gpu_held_by_another_trainer_fails_the_job_without_starting_one(host, 
     job_id = supervise(host, settings, db, hanging_in_training())
     assert "spawn" not in host.kinds()
     assert repo.get_job(client_db, job_id).failure_class == "launch_error"
+
+
+def test_a_bug_in_the_loop_stops_every_process_and_fails_the_job_as_supervisor_lost(host, settings, db, client_db):
+    def broken(keep: set[int]) -> None:
+        if keep and host.now > T0 + 2.0:  # the loop's call (keeping the launcher), not the clean-up's
+            raise RuntimeError("a bug")
+    host.reap_orphans = broken  # type: ignore[method-assign]
+    job = hanging_in_training()
+    job.trainer.ignores_term = True
+    job_id = supervise(host, settings, db, job)
+    assert not any(p.alive for p in job.processes) and host.signals(KILL)
+    done = repo.get_job(client_db, job_id)
+    assert (done.status, done.failure_class) == ("failed", "supervisor_lost")
+    assert "internal error (RuntimeError: a bug)" in done.error

@@ -26,9 +26,10 @@ from lora_worker.run.eta import EtaClock
 from lora_worker.run.logfile import JobLog
 from lora_worker.run.outcome import Outcome, decide
 from lora_worker.run.output import TrainerOutput
-from lora_worker.run.persist import TRANSIENT, persist
+from lora_worker.run.persist import persist
 from lora_worker.run.reader import OutputReader
 from lora_worker.run.reporter import ProgressReporter, finite
+from lora_worker.run.requests import StopRequests
 from lora_worker.run.seam import RunHost, Trainer
 from lora_worker.run.stopper import StopReason, Stopper, StopState
 from lora_worker.run.watchdog import Watchdog
@@ -36,7 +37,6 @@ from lora_worker.states import FailureClass, JobState, Phase
 
 log = logging.getLogger(__name__)
 
-CANCEL_POLL_S = 0.5
 GPU_LOCK_WAIT_S = 2.0  # an admission probe holds it shared for microseconds; a trainer holds it for hours
 DRAIN_GRACE_S = 10.0  # after the launcher exits, how long stragglers may hold the pipe
 COALESCE_S = 0.25  # the loop's shortest period while the trainer writes little (reader.BUSY_BYTES)
@@ -100,10 +100,9 @@ class JobRun:
                                          on_lost=self._lost)
         self.watchdog = Watchdog(settings.stall_limits_s, host.monotonic())
         self.stopper = Stopper(host, self.output, settings.cancel_grace_s, job.id)
+        self.requests = StopRequests(db, job.id, self.stopper)
         self.trainer: Trainer | None = None
         self.artifact_values: dict[str, object] = {}
-        self._signalled: int | None = None
-        self._last_cancel_poll = 0.0
         self._exited_at: float | None = None
 
     def run(self) -> None:
@@ -159,7 +158,7 @@ class JobRun:
         return self._outcome(job, rc, started)
 
     def _supervise(self, trainer: Trainer) -> None:
-        restore = self.host.on_stop_signals(self._on_signal)
+        restore = self.host.on_stop_signals(self.requests.on_signal)
         try:
             while self.reader.open or trainer.poll() is None:
                 started = self.host.monotonic()
@@ -203,33 +202,14 @@ class JobRun:
         self.host.reap_orphans(keep={trainer.pid})
         if self.reporter.due(now):
             self.reporter.flush()
-        if now - self._last_cancel_poll >= CANCEL_POLL_S:
-            self._last_cancel_poll = now
-            self._poll_cancel(trainer)
-        if self._signalled is not None:
-            self.stopper.begin(trainer, StopReason.SIGNAL,
-                               f"supervisor received {signal.Signals(self._signalled).name}")
+        self.requests.check(trainer, now)
         if self.stopper.state is StopState.NONE and (why := self.watchdog.check(self.output.progress.phase, now)):
             self.stopper.begin(trainer, StopReason.STALL, why)
         self.stopper.tick(trainer, now)
 
-    def _poll_cancel(self, trainer: Trainer) -> None:
-        try:
-            status, cancel = repo.cancel_state(self.db, self.job_id)
-        except TRANSIENT as exc:
-            log.warning("job %s: cannot read the ledger (%s); will retry", self.job_id, exc)
-            return
-        if status != JobState.RUNNING.value:
-            self.stopper.begin(trainer, StopReason.LOST, "the job is no longer running in the ledger")
-        elif cancel:
-            self.stopper.begin(trainer, StopReason.CANCEL, "cancel requested")
-
     def _lost(self) -> None:
         if self.trainer is not None:
-            self.stopper.begin(self.trainer, StopReason.LOST, "the job is no longer running in the ledger")
-
-    def _on_signal(self, signum: int) -> None:
-        self._signalled = signum  # acted on by the loop, never in the handler
+            self.requests.lost(self.trainer)
 
     # -- the outcome -------------------------------------------------------------------------------------
 

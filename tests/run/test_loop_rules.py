@@ -14,7 +14,7 @@ from sqlalchemy import event
 from lora_worker.config import DEFAULT_STALL_LIMITS_S, Settings
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
-from lora_worker.run import runner
+from lora_worker.run import requests, runner
 from lora_worker.run.runner import attend
 from lora_worker.states import TERMINAL_STATES, JobState, Phase
 from tests.ledger.test_ledger import columns
@@ -156,7 +156,7 @@ def test_a_cancel_sends_sigterm_to_the_group_then_sigkill_when_the_grace_is_over
     job_id = supervise(host, settings, db, job)
     (term,), (kill,) = host.signals(TERM), host.signals(KILL)
     assert term.detail == (LAUNCHER_PID, TERM) and kill.detail == (LAUNCHER_PID, KILL)
-    assert 3.0 <= term.at - T0 <= 3.0 + runner.CANCEL_POLL_S + runner.COALESCE_S  # seen at the next poll
+    assert 3.0 <= term.at - T0 <= 3.0 + requests.CANCEL_POLL_S + runner.COALESCE_S  # seen at the next poll
     assert settings.cancel_grace_s <= kill.at - term.at <= settings.cancel_grace_s + runner.COALESCE_S
     assert host.kinds().count("signal_descendants") >= 2  # a setsid'd grandchild is signalled too
     done = repo.get_job(client_db, job_id)

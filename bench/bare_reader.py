@@ -1,7 +1,8 @@
 """The stream benchmark's baseline: start a command and read both its pipes to the end, discarding the bytes.
 
-The same pipe and loop shape as the supervisor's (run/runner.py `_supervise`): stdout and stderr merged
-into one pipe, a selector on it, `os.read` of 64 KiB, a 0.2 s select timeout. Nothing is decoded, parsed,
+The same pipe and loop shape as the supervisor's (host/process_host.py `TrainerProcess.read`, driven by
+run/runner.py `JobRun._supervise`): stdout and stderr merged into one pipe, a selector on it, `os.read` of
+64 KiB, a 0.2 s select timeout. Nothing is decoded, parsed,
 logged or written, and it never pauses to let output gather.
 Usage: python bench/bare_reader.py <command> [args…]
 """

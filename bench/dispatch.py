@@ -112,7 +112,7 @@ def run(svc: Service, host: Host, runs: int, ignoring_runs: int) -> tuple[list[R
         Row("… overshoot past the grace, median / max", f"{(statistics.median(ignoring) - GRACE_S) * 1e3:.0f} ms / "
             f"{(max(ignoring) - GRACE_S) * 1e3:.0f} ms"),
     ]
-    notes = ["the supervisor notices a cancel by polling the ledger every 0.5 s (runner.CANCEL_POLL_S), "
+    notes = ["the supervisor notices a cancel by polling the ledger every 0.5 s (run/requests.py CANCEL_POLL_S), "
              "so up to 0.5 s of each cancel is that poll",
              f"cancel_grace_s = {GRACE_S:g} s here (production: 20 s); the overshoot does not depend on it"]
     return rows, notes

@@ -26,7 +26,7 @@ print(json.dumps({{"kib": int(hwm.split()[1]), "third_party": sorted(t for t in 
 """
 # main.py imports the ledger and the runner only once it holds the job lock; a run loads them all.
 SUPERVISOR_IMPORTS = ("import lora_worker.run.__main__, lora_worker.run.main, "
-                      "lora_worker.run.runner, lora_worker.ledger.db")
+                      "lora_worker.run.runner, lora_worker.host.process_host, lora_worker.ledger.db")
 
 
 def probe(imports: str) -> dict:

@@ -2,7 +2,8 @@
 crash. Cheap enough to run at start-up (`lora-worker reconcile`, ExecStartPre) and on every request that
 touches an active row.
 
-"Is the supervisor alive?" is answered by its flock, which the kernel drops when it dies (zombie or not).
+"Is the job attended?" is asked of its backend (run/backend.py); the local one answers with the supervisor's
+flock, which the kernel drops when it dies (zombie or not).
 A leftover trainer is killed only if its identity matches the row: a pid now used by a stranger is never
 signalled. The failed row quotes the end of the job's run log, as a failure the supervisor wrote would.
 """
@@ -21,7 +22,7 @@ from lora_worker.run.explain import quotable
 from lora_worker.run.logfile import LogReader
 from lora_worker.states import ACTIVE_STATES, FailureClass, JobState
 from lora_worker.host import processes
-from lora_worker.host.locks import is_locked, job_lock_path
+from lora_worker.run.backend import Backend, backend_for
 
 log = logging.getLogger(__name__)
 
@@ -33,27 +34,29 @@ class Action:
     killed: tuple[int, ...]
 
 
-def reconcile(db: Database, settings: Settings, *, actor: str = "reconcile") -> list[Action]:
+def reconcile(db: Database, settings: Settings, *, actor: str = "reconcile",
+              backend: Backend | None = None) -> list[Action]:
     """Mark every unattended active job failed; returns what was done."""
     actions = []
     for job in repo.active_jobs(db):
-        action = reconcile_job(db, settings, job, actor=actor)
+        action = reconcile_job(db, settings, job, actor=actor, backend=backend)
         if action is not None:
             actions.append(action)
     return actions
 
 
-def current_job(db: Database, settings: Settings, job_id: int, *, actor: str) -> Job:
+def current_job(db: Database, settings: Settings, job_id: int, *, actor: str, backend: Backend | None = None) -> Job:
     """A job as the ledger has it, reconciled first when it claims to be active: a reader never sees a dead
     supervisor's job as running."""
     job = repo.get_job(db, job_id)
-    if JobState(job.status) in ACTIVE_STATES and reconcile_job(db, settings, job, actor=actor):
+    if JobState(job.status) in ACTIVE_STATES and reconcile_job(db, settings, job, actor=actor, backend=backend):
         job = repo.get_job(db, job_id)
     return job
 
 
-def reconcile_job(db: Database, settings: Settings, job: Job, *, actor: str = "reconcile") -> Action | None:
-    if is_locked(job_lock_path(settings, job.id)):
+def reconcile_job(db: Database, settings: Settings, job: Job, *, actor: str = "reconcile",
+                  backend: Backend | None = None) -> Action | None:
+    if (backend or backend_for(settings)).attended(job.id, settings):
         return None  # its supervisor is alive
     if job.status == JobState.QUEUED.value and utcnow() - job.created_at < timedelta(seconds=settings.launch_grace_s):
         return None  # being launched right now

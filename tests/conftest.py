@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import psutil
@@ -85,8 +86,11 @@ def _no_leftover_processes(tmp_path: Path):
     yield
     leftovers = _processes_of(str(tmp_path))
     if leftovers:
-        _, alive = psutil.wait_procs(leftovers, timeout=LEFTOVER_GRACE_S)
-        alive = [p for p in alive if _not_zombie(p)]
+        # Wait for each to exit, not to be reaped: a zombie is done, and its reaper (init, re-parented to) may
+        # take seconds to collect it, which psutil.wait_procs would wait out.
+        deadline = time.monotonic() + LEFTOVER_GRACE_S
+        while (alive := [p for p in leftovers if _not_zombie(p)]) and time.monotonic() < deadline:
+            time.sleep(0.02)
         described = [_describe(p) for p in alive]
         for proc in alive:
             try:

@@ -11,7 +11,6 @@ produce (file, rank, steps, dtype; name and seed). The supervisor reads all of i
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -34,6 +33,7 @@ from lora_worker.host.trainer import require_trainer
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, utcnow
+from lora_worker.run.backend import Backend
 from lora_worker.run.eta import estimate_duration
 from lora_worker.states import FailureClass
 
@@ -42,12 +42,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Dispatcher:
-    """What dispatch needs: settings, the ledger, NVML, and how to start a job's run."""
+    """What dispatch needs: settings, the ledger, NVML, and the backend that runs the job."""
 
     settings: Settings
     db: Database
     nvml: Nvml
-    launch: Callable[[int, Settings], None]
+    backend: Backend
 
     def submit(self, request: TrainRequest, *, idempotency_key: str | None = None,
                body_sha256: str | None = None) -> tuple[Job, bool]:
@@ -100,7 +100,7 @@ class Dispatcher:
             except OSError as exc:
                 raise LaunchFailed(f"Cannot create {request.output_dir}: {exc.strerror or exc}.") from exc
             repo.record_output_identity(self.db, job.id, str(output_id))
-            self.launch(job.id, self.settings)
+            self.backend.launch(job.id, self.settings)
         except LaunchFailed as exc:
             # No supervisor ran, so there is no run log to quote: the sentence is the whole story.
             repo.fail_job(self.db, job.id, actor="api", failure_class=FailureClass.LAUNCH_ERROR, sentence=exc.message)

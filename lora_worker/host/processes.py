@@ -1,5 +1,6 @@
-"""The OS seam: process identity, signals and reaping (the lock files are in `locks`). Everything that touches /proc or sends a signal
-is here, so the rest of the supervisor reads as policy.
+"""The OS seam: process identity, signals and reaping (the lock files are in `locks`). Everything that touches
+/proc or sends a signal is here, so the rest of the supervisor reads as policy (`process_host` bundles what the
+run loop uses into one object).
 
 A pid alone never identifies a process: the kernel reuses pids. A process is ours only if (boot id, pid, start
 time in clock ticks since boot) all match what the ledger recorded, and before a signal the process is pinned
@@ -175,16 +176,29 @@ def processes_with_arg(token: str) -> list[int]:
     return found
 
 
-def decode_wait_status(returncode: int | None) -> str:
-    """`exit status 2`, `terminated by SIGKILL`, or `still running`."""
+def signal_name(signum: int) -> str:
+    """`SIGKILL`, or `signal 77` for a number that names no signal."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def split_wait_status(returncode: int | None) -> tuple[int | None, int | None]:
+    """Popen's returncode as (exit code, signal number): negative means killed by that signal."""
     if returncode is None:
-        return "still running"
+        return None, None
     if returncode < 0:
-        try:
-            return f"terminated by {signal.Signals(-returncode).name}"
-        except ValueError:
-            return f"terminated by signal {-returncode}"
-    return f"exit status {returncode}"
+        return None, -returncode
+    return returncode, None
+
+
+def decode_wait_status(returncode: int | None) -> str:
+    """`exit status 2`, `killed by SIGKILL`, or `no exit status` (still running, or never started)."""
+    exit_code, signum = split_wait_status(returncode)
+    if signum is not None:
+        return f"killed by {signal_name(signum)}"
+    return "no exit status" if exit_code is None else f"exit status {exit_code}"
 
 
 def describe_process(pid: int) -> tuple[str | None, str]:

@@ -55,31 +55,30 @@ class JobLog:
         self._tail = None
         self._tail_start = 0
         self._tail_size = 0
-        self._pending: dict[str, str] = {}
+        self._pending = ""  # the open line: the newest redraw of a bar, or a line still without its newline
         self._redraw_dirty = False
         self._redraw_at = time.monotonic()
         self.write_errors = 0
 
-    def feed(self, stream: str, text: str) -> None:
+    def feed(self, text: str) -> None:
         """Add decoded output; complete lines are written, each keeping only its last `\\r` redraw."""
-        buffered = self._pending.get(stream, "") + text
+        buffered = self._pending + text
         head, sep, rest = buffered.rpartition("\n")
         if sep:
-            self._write("\n".join(_collapse(line) for line in head.split("\n")) + "\n")
+            self._write("\n".join(collapse_redraws(line) for line in head.split("\n")) + "\n")
         else:
             rest = buffered
         if "\r" in rest:
             rest = rest[rest.rfind("\r"):]  # older redraws of an open bar are never needed again
             self._redraw_dirty = True
-        self._pending[stream] = rest[-65536:]
+        self._pending = rest[-65536:]
 
     def tick(self, now: float | None = None) -> None:
         """Copy an open progress bar into the log now and then, so the log shows a long run moving."""
         now = time.monotonic() if now is None else now
         if self._redraw_dirty and now - self._redraw_at >= REDRAW_EVERY_S:
-            for stream, pending in self._pending.items():
-                if pending.startswith("\r") and pending.strip():
-                    self._write(pending.strip("\r").rstrip() + "\n")
+            if self._pending.startswith("\r") and self._pending.strip():
+                self._write(self._pending.strip("\r").rstrip() + "\n")
             self._redraw_dirty = False
             self._redraw_at = now
 
@@ -89,11 +88,10 @@ class JobLog:
 
     def end_of_output(self) -> None:
         """The trainer is gone: a last line left without its newline (a killed bar) is written as it is."""
-        for pending in self._pending.values():
-            line = _collapse(pending).rstrip()
-            if line:
-                self._write(line + "\n")
-        self._pending.clear()
+        line = collapse_redraws(self._pending).rstrip()
+        if line:
+            self._write(line + "\n")
+        self._pending = ""
 
     def close(self) -> None:
         self.end_of_output()
@@ -231,8 +229,9 @@ class _TailView:
             self._fh.close()
 
 
-def _collapse(line: str) -> str:
-    """The last non-empty `\\r` segment of a line: what a terminal would show."""
+def collapse_redraws(line: str) -> str:
+    """The last non-empty `\\r` segment of a line, right-stripped: what a terminal would show. The run log and
+    the tail quoted in an error message both keep exactly this."""
     if "\r" not in line:
         return line
     for segment in reversed(line.split("\r")):

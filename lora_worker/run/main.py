@@ -27,18 +27,11 @@ def serve(job_id: int, ready_fd: int) -> int:
     os.write(ready_fd, b"1")
     os.close(ready_fd)
     # Imported only now: the web's POST /train waits for the lock above, not for SQLAlchemy to load.
+    from lora_worker.run.seam import SupervisorHost
     from lora_worker.ledger.db import Database
-    from lora_worker.run.runner import Runner
+    from lora_worker.run.runner import attend
 
     # NORMAL: a power loss kills the run anyway, and the boot id reconciles it.
     db = Database.open(settings.database_path, busy_timeout_s=settings.supervisor_busy_timeout_s,
                        synchronous="NORMAL")
-    try:
-        Runner(job_id, settings, db).run()
-    except Exception:
-        log.exception("job %s: supervisor failed", job_id)
-        return 1
-    finally:
-        db.dispose()
-        os.close(lock_fd)  # last: from here, reconcile may treat the job as unattended
-    return 0
+    return attend(job_id, settings, SupervisorHost(), db, lock_fd)  # releases the job lock last

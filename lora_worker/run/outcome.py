@@ -11,10 +11,10 @@ traceback and its argv dump. The ledger's `fail_job` lays the two out in the one
 """
 from __future__ import annotations
 
-import signal as signals
 from dataclasses import dataclass
 
 from lora_worker.host.fs import FileId
+from lora_worker.host.processes import decode_wait_status, signal_name, split_wait_status
 from lora_worker.host.safetensors import ArtifactCheck, ExpectedLora
 from lora_worker.ledger.models import Job
 from lora_worker.ledger.repository import failure_text
@@ -51,7 +51,7 @@ def recorded_lora(job: Job) -> ExpectedLora:
 
 def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], cancelled: bool = False,
            stalled_in: str | None = None, artifact: ArtifactCheck | None = None) -> Outcome:
-    exit_code, signal = _split(returncode)
+    exit_code, signal = split_wait_status(returncode)
     if signal is None and progress.signal is not None:
         signal = progress.signal  # the launcher survived and reported how the trainer died
     base = {"exit_code": exit_code, "signal": signal}
@@ -75,12 +75,12 @@ def _classify(returncode: int | None, signal: int | None, saved: bool, artifact:
         return FailureClass.STALLED, f"No progress in phase {stalled_in} within its limit; the job was killed", None
     why = explain(log_tail) if not (returncode == 0 and saved) else None
     if why is not None and why.failure is not None and why.summary is not None:
-        return why.failure, f"{why.summary} ({_status(returncode)})", why.line
+        return why.failure, f"{why.summary} ({decode_wait_status(returncode)})", why.line
     cause = why.line if why is not None else None
     if signal is not None:
-        return FailureClass.KILLED_BY_SIGNAL, f"The trainer was killed by {_signal_name(signal)}", cause
+        return FailureClass.KILLED_BY_SIGNAL, f"The trainer was killed by {signal_name(signal)}", cause
     if returncode != 0:
-        return FailureClass.TRAINER_CRASHED, f"The trainer failed ({_status(returncode)})", cause
+        return FailureClass.TRAINER_CRASHED, f"The trainer failed ({decode_wait_status(returncode)})", cause
     if not saved or artifact is None or artifact.missing:
         where = artifact.path if artifact else "the output directory"
         return FailureClass.NO_OUTPUT, f"Exit status 0 but no LoRA was saved to {where}", cause
@@ -88,24 +88,3 @@ def _classify(returncode: int | None, signal: int | None, saved: bool, artifact:
     return failure, f"The LoRA file failed verification: {artifact.problem}", None
 
 
-def _split(returncode: int | None) -> tuple[int | None, int | None]:
-    if returncode is None:
-        return None, None
-    if returncode < 0:
-        return None, -returncode
-    return returncode, None
-
-
-def _status(returncode: int | None) -> str:
-    if returncode is None:
-        return "no exit status"
-    if returncode < 0:
-        return f"killed by {_signal_name(-returncode)}"
-    return f"exit status {returncode}"
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signals.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"

@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from lora_worker.states import Phase
-from lora_worker.run.logfile import JobLog
+from lora_worker.run.logfile import JobLog, collapse_redraws
 from lora_worker.run.parser import Decoder, Parser, Progress
 
-STREAM = "output"  # the trainer's stdout and stderr share one pipe, so the kernel keeps their order
 MATERIALIZE_S = 0.05  # how long the newest redraw may wait to be parsed (real steps are 0.2 s or more apart)
 TAIL_LINES = 200
 
@@ -46,10 +45,10 @@ class TrainerOutput:
             if self._latest is None:
                 self._latest_since = now
             self._latest = data[cut:]
-            self.decoder.reset(STREAM)  # a partial character before the cut belonged to overwritten text
+            self.decoder.reset()  # a partial character before the cut belonged to overwritten text
             return
         self._materialize()
-        self._feed(self.decoder.decode(STREAM, data))
+        self._feed(self.decoder.decode(data))
 
     def tick(self, now: float) -> None:
         if self._latest is not None and now - self._latest_since >= MATERIALIZE_S:
@@ -59,7 +58,7 @@ class TrainerOutput:
     def end(self) -> None:
         """The pipe reached EOF: parse what is left, including a last line without its newline."""
         self._materialize()
-        self._feed(self.decoder.decode(STREAM, b"", final=True))
+        self._feed(self.decoder.decode(b"", final=True))
         self.parser.close()
         self.joblog.end_of_output()
 
@@ -71,14 +70,14 @@ class TrainerOutput:
     def _materialize(self) -> None:
         if self._latest is not None:
             latest, self._latest = self._latest, None
-            self._feed(self.decoder.decode(STREAM, latest))
+            self._feed(self.decoder.decode(latest))
 
     def _feed(self, text: str) -> None:
         if not text:
             return
         phase, step = self.parser.progress.phase, self.parser.progress.step
-        self.changed |= self.parser.feed(STREAM, text)
-        self.joblog.feed(STREAM, text)
+        self.changed |= self.parser.feed(text)
+        self.joblog.feed(text)
         self._remember(text)
         self.on_output(phase, step)
 
@@ -87,7 +86,7 @@ class TrainerOutput:
         lines = (self._pending_line + text).split("\n")
         self._pending_line = lines.pop()[-4096:]
         for line in lines:
-            segment = line.rsplit("\r", 1)[-1] if "\r" in line else line
+            segment = collapse_redraws(line)
             if segment.strip():
                 self._keep(segment.rstrip())
 

@@ -1,9 +1,10 @@
 """Incremental, pure parser of sd-scripts output: phase, step/total, avr_loss, rate, ETA, and failure markers.
 
 The trainer's progress is tqdm's `steps` bar on stderr, redrawn with `\\r` even off a TTY; log lines arrive on
-stdout with --console_log_simple. Chunks are cut anywhere, a log line may be glued onto a redraw, and a redraw
-may end in pad spaces. So each stream is split on `\\r` and `\\n`. A marker (a phase, `model saved.`, a failure)
-counts only where it begins a line's message (MARKERS, LINE_PREFIX): the trainer echoes paths and captions.
+stdout with --console_log_simple. Both come through one pipe, in the order they were written. Chunks are cut
+anywhere, a log line may be glued onto a redraw, and a redraw may end in pad spaces. So the text is split on
+`\\r` and `\\n`. A marker (a phase, `model saved.`, a failure) counts only where it begins a line's message
+(MARKERS, LINE_PREFIX): the trainer echoes paths and captions.
 
 Cost: the parser works on whole chunks with C-level scans (a marker search over the complete text, skipped when
 it cannot hold one; one `rfind` + `match` for the newest redraw), never a Python loop per redraw; the Decoder
@@ -97,20 +98,19 @@ class Progress:
 
 
 class Decoder:
-    """Bytes to text per stream: UTF-8 kept whole across chunk cuts, bad bytes replaced, ANSI removed, and
-    redraws that a later redraw in the same chunk overwrites left out (see `drop_superseded_redraws`)."""
+    """Bytes to text: UTF-8 kept whole across chunk cuts, bad bytes replaced, ANSI removed, and redraws that a
+    later redraw in the same chunk overwrites left out (see `drop_superseded_redraws`)."""
 
     def __init__(self) -> None:
-        self._decoders: dict[str, codecs.IncrementalDecoder] = {}
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
-    def decode(self, stream: str, data: bytes, final: bool = False) -> str:
-        decoder = self._decoders.setdefault(stream, codecs.getincrementaldecoder("utf-8")("replace"))
-        text = decoder.decode(drop_superseded_redraws_by_line(data), final)
+    def decode(self, data: bytes, final: bool = False) -> str:
+        text = self._decoder.decode(drop_superseded_redraws_by_line(data), final)
         return ANSI.sub("", text) if "\x1b" in text else text
 
-    def reset(self, stream: str) -> None:
-        """Forget a partial character held for `stream`: the text it belonged to was overwritten."""
-        self._decoders.pop(stream, None)
+    def reset(self) -> None:
+        """Forget a partial character held back: the text it belonged to was overwritten."""
+        self._decoder.reset()
 
 
 def drop_superseded_redraws(data: bytes) -> bytes:
@@ -144,33 +144,29 @@ def drop_superseded_redraws_by_line(data: bytes) -> bytes:
 
 
 class Parser:
-    """Feed it decoded text per stream; it keeps `progress` current and collects per-step losses."""
+    """Feed it decoded text; it keeps `progress` current and collects per-step losses."""
 
     def __init__(self) -> None:
         self.progress = Progress()
-        self._pending: dict[str, str] = {}
-        self._last_bar: dict[str, str] = {}
+        self._pending = ""
+        self._last_bar = ""
         self._points: dict[int, float | None] = {}
 
-    def feed(self, stream: str, text: str) -> bool:
+    def feed(self, text: str) -> bool:
         """Parse a chunk; True if the progress changed."""
-        buffered = self._pending.get(stream, "") + text
+        buffered = self._pending + text
         cut = max(buffered.rfind("\n"), buffered.rfind("\r"))
         complete = buffered[: cut + 1]
-        self._pending[stream] = buffered[cut + 1:][-MAX_PENDING:]
+        self._pending = buffered[cut + 1:][-MAX_PENDING:]
         before = self._snapshot()
         marker_at = self._scan_markers(complete) if any(c in complete for c in MARKER_GUARD) else -1
         # The newest redraw may be the unterminated tail; it is whole once it ends in "]".
-        self._scan_bar(stream, buffered, after=marker_at)
+        self._scan_bar(buffered, after=marker_at)
         return self._snapshot() != before
 
     def close(self) -> bool:
         """End of output: whatever was left without a line end is parsed as a last line."""
-        changed = False
-        for stream in list(self._pending):
-            if self._pending[stream]:
-                changed |= self.feed(stream, "\n")
-        return changed
+        return self.feed("\n") if self._pending else False
 
     def take_points(self) -> list[tuple[int, float | None]]:
         """The (step, loss) pairs seen since the last call."""
@@ -214,7 +210,7 @@ class Parser:
                     p.inner_exit = int(m["inner_rc"])
         return last_phase_at
 
-    def _scan_bar(self, stream: str, text: str, after: int) -> None:
+    def _scan_bar(self, text: str, after: int) -> None:
         pos = len(text)
         for _ in range(4):  # the newest redraw, or the one before it if the newest is still cut short
             pos = text.rfind("steps:", 0, pos)
@@ -225,9 +221,9 @@ class Parser:
             m = BAR.match(text, pos)
             if m:
                 # A redraw left pending from the last chunk was applied then; applying it again could
-                # undo a phase change that another stream reported since.
-                if m[0] != self._last_bar.get(stream):
-                    self._last_bar[stream] = m[0]
+                # undo a phase change reported since.
+                if m[0] != self._last_bar:
+                    self._last_bar = m[0]
                     self._apply_bar(m, newer_than_marker=pos > after)
                 return
 

@@ -16,24 +16,28 @@ from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import check_ledger, prepare_state_dir
 from lora_worker.reconcile import reconcile
 from lora_worker.web.service import Worker
-from lora_worker.run.local import launch_supervisor
+from lora_worker.run.backend import Backend, backend_for
 
 log = logging.getLogger(__name__)
 
 
 def build_app(config: Settings | dict[str, Any] | None = None, *, nvml: Nvml | None = None,
-              launch: Callable[[int, Settings], None] | None = None) -> Flask:
-    """Build the app. Nothing here runs at import time, and no connection is opened before this call."""
+              launch: Callable[[int, Settings], None] | None = None, backend: Backend | None = None) -> Flask:
+    """Build the app. Nothing here runs at import time, and no connection is opened before this call.
+
+    Jobs run on `backend` (default: the one the settings ask for); `launch` alone keeps that backend but
+    starts runs with it instead (a test's recorder)."""
     settings = config if isinstance(config, Settings) else load_settings().with_overrides(**(config or {}))
     token = auth.load_token(settings)
     auth.require_token_off_loopback(settings, token)
     prepare_state_dir(settings)
     check_ledger(settings)
     db = Database.open(settings.database_path, busy_timeout_s=settings.busy_timeout_s)
+    backend = backend if backend is not None else backend_for(settings, launch)
     worker = Worker(settings=settings, db=db,
                     nvml=nvml if nvml is not None else make_nvml(settings.nvml_timeout_s, settings.nvml_fake_file),
-                    launch=launch if launch is not None else launch_supervisor)
-    for action in reconcile(db, settings, actor="startup"):
+                    backend=backend)
+    for action in reconcile(db, settings, actor="startup", backend=backend):
         log.warning("start-up reconcile: job %s → failed (%s)", action.job_id, action.failure_class.value,
                     extra={"job": action.job_id})
 

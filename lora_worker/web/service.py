@@ -20,6 +20,7 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, ProgressPoint
 from lora_worker.reconcile import current_job, reconcile
+from lora_worker.run.backend import Backend
 from lora_worker.run.logfile import LogChunk, LogReader
 from lora_worker.states import TERMINAL_STATES, JobState
 
@@ -31,16 +32,16 @@ LONG_POLL_INTERVAL_S = 0.2
 
 @dataclass
 class Worker:
-    """What every operation needs: settings, the ledger, NVML, and how to start a supervisor."""
+    """What every operation needs: settings, the ledger, NVML, and the backend that runs jobs."""
 
     settings: Settings
     db: Database
     nvml: Nvml
-    launch: Callable[[int, Settings], None]
+    backend: Backend
 
     def __post_init__(self) -> None:
         self._long_polls = threading.BoundedSemaphore(self.settings.long_poll_slots)
-        self.dispatcher = Dispatcher(self.settings, self.db, self.nvml, self.launch)
+        self.dispatcher = Dispatcher(self.settings, self.db, self.nvml, self.backend)
 
     def submit(self, request: TrainRequest, *, idempotency_key: str | None = None,
                body_sha256: str | None = None) -> tuple[Job, bool]:
@@ -89,7 +90,7 @@ class Worker:
         """A job as the ledger has it, after reconciling it if it claims to be active."""
         if not 0 < job_id <= MAX_JOB_ID:
             raise JobNotFound(f"No job has id {job_id}.", job_id=job_id)
-        return current_job(self.db, self.settings, job_id, actor="api")
+        return current_job(self.db, self.settings, job_id, actor="api", backend=self.backend)
 
     def jobs(self, *, status: list[str], limit: int, before_id: int | None) -> list[Job]:
         self.reconcile_active()
@@ -130,4 +131,4 @@ class Worker:
                 "trainer": self.settings.trainer_kind, "sandbox": sandbox.describe(self.settings)}
 
     def reconcile_active(self) -> None:
-        reconcile(self.db, self.settings, actor="api")
+        reconcile(self.db, self.settings, actor="api", backend=self.backend)

@@ -1,7 +1,9 @@
-"""The OS seam's reaping: orphans are reaped, the trainer's own status is left to Popen, and an idle loop
-never lists /proc."""
+"""The OS seam: orphans are reaped, the trainer's own status is left to Popen, an idle loop never lists /proc;
+the trainer starts in a group of its own with one pipe; exit statuses are worded one way."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 
@@ -36,3 +38,43 @@ def test_reap_orphans_does_not_list_processes_while_no_child_has_exited(monkeypa
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_the_trainer_is_spawned_in_its_own_group_with_one_pipe_read_until_end_of_file(tmp_path):
+    from lora_worker.host.process_host import ProcessHost
+
+    host = ProcessHost()
+    code = "import sys, time; print('out', flush=True); time.sleep(0.3); print('err', file=sys.stderr)"
+    trainer = host.spawn([sys.executable, "-c", code], cwd=tmp_path, env={})
+    try:
+        assert os.getpgid(trainer.pid) == trainer.pid != os.getpgid(0)  # a group of its own, to signal whole
+        chunks = []
+        while (data := trainer.read(0.05)) is not None:
+            chunks.append(data)
+        assert b"".join(chunks) == b"out\nerr\n"  # stdout and stderr, in the order written
+        assert b"" in chunks  # a read that waited and found nothing yet is not the end
+        assert trainer.read(0.0) is None
+        wait_for(lambda: trainer.poll() is not None, what="the trainer's exit")
+        assert trainer.returncode == 0 and processes.decode_wait_status(trainer.returncode) == "exit status 0"
+    finally:
+        trainer.close()
+
+
+def test_stop_signals_reach_the_handler_and_the_previous_handlers_come_back():
+    from lora_worker.host.process_host import ProcessHost
+
+    before = signal.getsignal(signal.SIGTERM)
+    got: list[int] = []
+    restore = ProcessHost().on_stop_signals(got.append)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        wait_for(lambda: got, what="the handler")
+    finally:
+        restore()
+    assert got == [signal.SIGTERM] and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_an_exit_status_is_worded_one_way_for_the_log_and_the_error():
+    assert [processes.decode_wait_status(rc) for rc in (0, 2, -9, -77, None)] == [
+        "exit status 0", "exit status 2", "killed by SIGKILL", "killed by signal 77", "no exit status"]
+    assert processes.split_wait_status(-15) == (None, 15) and processes.split_wait_status(1) == (1, None)

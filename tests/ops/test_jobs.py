@@ -72,7 +72,7 @@ def supervised(db, migrated) -> Iterator[Callable[[], int]]:
 def write_log(settings, job_id: int, lines: list[str]) -> JobLog:
     joblog = JobLog(settings.log_dir, job_id, head_bytes=200, tail_bytes=10_000)  # small head: a tail file too
     for line in lines:
-        joblog.feed("stdout", line + "\n")
+        joblog.feed(line + "\n")
     return joblog
 
 
@@ -133,8 +133,8 @@ def test_log_follow_prints_until_the_job_has_ended(db, migrated, supervised):
     def trainer() -> None:
         for i in range(5):
             time.sleep(0.2)
-            joblog.feed("stdout", f"step {i}\n")
-        joblog.feed("stdout", "model saved.\n")
+            joblog.feed(f"step {i}\n")
+        joblog.feed("model saved.\n")
         joblog.close()
         repo.transition(db, running, JobState.SUCCEEDED, actor="supervisor")
 

@@ -160,22 +160,20 @@ def seed_history(db, durations: list[float], tail_s: float | None = None, status
         repo.transition(db, job.id, status, actor="seed", finished_at=end)
 
 
-def test_acceptance_gives_an_estimate_from_similar_jobs_only(client, host, db):
-    modes(host)
+def test_acceptance_gives_an_estimate_from_similar_jobs_only(api, host, db, launches):
     seed_history(db, [300.0, 500.0, 400.0], tier="fast", device_index=1, image_count=3)
     seed_history(db, [9999.0], tier="fast", device_index=1, image_count=4)  # other image count
     seed_history(db, [8888.0], tier="balanced", device_index=1, image_count=3)  # other tier
-    response = client.post("/train", json=host.payload())
+    response = api.post("/train", json=host.payload())
     assert response.get_json()["estimated_duration_s"] == pytest.approx(400.0, abs=0.01)
-    done = wait_state(client, response.get_json()["worker_job_id"], *TERMINAL)
-    assert done["estimated_duration_s"] == pytest.approx(400.0, abs=0.01)
+    job_id = response.get_json()["worker_job_id"]
+    assert launches == [job_id]  # stored with the row the run reads it from (test_loop_rules: the countdown)
+    assert api.get(f"/train/{job_id}").get_json()["estimated_duration_s"] == pytest.approx(400.0, abs=0.01)
 
 
-def test_with_no_history_the_estimate_is_null(client, host):
-    modes(host)
-    response = client.post("/train", json=host.payload())
+def test_with_no_history_the_estimate_is_null(api, host):
+    response = api.post("/train", json=host.payload())
     assert response.status_code == 202 and response.get_json()["estimated_duration_s"] is None
-    wait_state(client, response.get_json()["worker_job_id"], *TERMINAL)
 
 
 @pytest.mark.slow
@@ -200,19 +198,23 @@ def test_the_running_eta_is_history_before_training_then_measured_with_the_learn
     assert (done["eta_s"], done["eta_basis"]) == (None, None)
 
 
-def test_the_loss_curve_is_served_thinned_to_the_points_asked(client, host):
-    modes(host, step_s=0.02)  # the newest loss is sampled about 4 times a second: 8 s give some 30 points
-    job_id = submit(client, host)
-    wait_state(client, job_id, *TERMINAL)
-    full = client.get(f"/train/{job_id}/progress?points=5000").get_json()
+def test_the_loss_curve_is_served_thinned_to_the_points_asked(client, db):
+    # The points as the supervisor writes them (test_loop_rules: none lost; test_supervisor: a real run's).
+    job = repo.create_job(db, columns())
+    start = utcnow() - timedelta(minutes=10)
+    repo.transition(db, job.id, JobState.RUNNING, actor="supervisor", started_at=start)
+    for first in range(1, 401, 40):
+        points = [(s, 1.0 / s, start + timedelta(seconds=s)) for s in range(first, first + 40)]
+        assert repo.update_running(db, job.id, points=points, step=first + 39)
+    repo.transition(db, job.id, JobState.FAILED, actor="supervisor", failure_class="trainer_crashed")
+    full = client.get(f"/train/{job.id}/progress?points=5000").get_json()
     steps = [p["step"] for p in full["points"]]
-    assert full["total_steps"] == 400 and steps == sorted(steps) and steps[-1] == 400
+    assert full["total_steps"] == 400 and steps == list(range(1, 401))
     ts = [p["t"] for p in full["points"]]
     assert ts == sorted(ts) and ts[0] >= 0
-    assert len(steps) > 20
-    thin = client.get(f"/train/{job_id}/progress?points=20").get_json()["points"]
+    thin = client.get(f"/train/{job.id}/progress?points=20").get_json()["points"]
     assert len(thin) == 20 and thin[0] == full["points"][0] and thin[-1] == full["points"][-1]
-    assert client.get(f"/train/{job_id}/progress?points=0").status_code == 422
+    assert client.get(f"/train/{job.id}/progress?points=0").status_code == 422
     assert client.get("/train/999/progress").status_code == 404
 
 

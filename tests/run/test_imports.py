@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ WEB_ONLY = ("flask", "werkzeug", "marshmallow", "apispec", "prometheus_client", 
 def test_the_supervisor_entry_modules_import_no_web_framework():
     # Everything a run loads: main.py imports the ledger and the runner lazily, once it holds the job lock.
     code = ("import json, sys, lora_worker.run.__main__, lora_worker.run.main, "
-            "lora_worker.run.runner, lora_worker.ledger.db; "
+            "lora_worker.run.runner, lora_worker.host.process_host, lora_worker.ledger.db; "
             "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))")
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                                        text=True).stdout)
@@ -27,3 +28,51 @@ def test_the_supervisor_takes_its_job_lock_before_loading_the_ledger():
                                        text=True).stdout)
     assert "lora_worker" in loaded
     assert not {"sqlalchemy", "psutil"} & set(loaded)
+
+
+# Run as the supervisor's entry point: every process it becomes (both sides of its detaching fork inherit
+# the atexit handler) writes the top-level modules it had loaded when it exits.
+DUMP_AT_EXIT = """
+import atexit, json, os, sys
+def dump():
+    path = os.path.join(os.environ["MODULES_DUMP"], f"{os.getpid()}.json")
+    with open(path, "w") as fh:
+        json.dump(sorted({m.split(".")[0] for m in sys.modules}), fh)
+atexit.register(dump)
+from lora_worker.run.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_real_supervisor_runs_a_job_to_success_without_loading_any_web_framework(migrated, host, tmp_path):
+    from lora_worker import create_app
+    from lora_worker.config import Settings, settings_to_json
+    from lora_worker.ledger import repository as repo
+    from lora_worker.ledger.db import Database
+    from lora_worker.run.local import SETTINGS_ENV
+    from tests.helpers import set_modes, wait_for
+
+    dumps = tmp_path / "modules"
+    dumps.mkdir()
+
+    def launch(job_id: int, settings: Settings) -> None:
+        env = {**os.environ, SETTINGS_ENV: settings_to_json(settings), "MODULES_DUMP": str(dumps)}
+        first = subprocess.run([sys.executable, "-c", DUMP_AT_EXIT, str(job_id)], env=env, timeout=30,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+        assert first.returncode == 0
+
+    set_modes(host.sd_scripts)
+    app = create_app(migrated, launch=launch)
+    db = Database.open(migrated.database_path)
+    try:
+        job_id = app.test_client().post("/train", json=host.payload()).get_json()["worker_job_id"]
+        done = wait_for(lambda: (j := repo.get_job(db, job_id)).status not in ("queued", "running") and j,
+                        timeout=30, what="the end of the run")
+        assert done.status == "succeeded", done.error
+        dump = dumps / f"{done.supervisor_pid}.json"
+        loaded = set(wait_for(lambda: dump.exists() and json.loads(dump.read_text()), what="the supervisor's exit"))
+    finally:
+        db.dispose()
+        app.extensions["lora_worker"].db.dispose()
+    assert {"lora_worker", "sqlalchemy", "psutil"} <= loaded  # the dump of a process that ran the job
+    assert not set(WEB_ONLY) & loaded, set(WEB_ONLY) & loaded

@@ -5,21 +5,37 @@ from lora_worker.run.logfile import JobLog, LogReader
 
 
 def test_redraws_collapse_to_what_a_terminal_would_show(tmp_path):
+    # One merged pipe: a log line written after an unterminated redraw lands on the bar's line, as on a terminal.
     log = JobLog(tmp_path, 1, head_bytes=1 << 20, tail_bytes=1 << 20)
-    log.feed("stderr", "\rsteps:   0%|  | 0/3 [00:00<?, ?it/s]\rsteps:  33%|█ | 1/3 [00:01<00:02, 1.0s/it]")
-    log.feed("stdout", "epoch 1/1\n")
-    log.feed("stderr", "\rsteps: 100%|██| 3/3 [00:03<00:00, 1.0s/it, avr_loss=0.9]\n")
+    log.feed("\rsteps:   0%|  | 0/3 [00:00<?, ?it/s]\rsteps:  33%|█ | 1/3 [00:01<00:02, 1.0s/it]")
+    log.feed("\nepoch 1/1\n")
+    log.feed("\rsteps:  66%|█▌| 2/3 [00:02<00:01, 1.0s/it]\rsaving checkpoint: /out/a.safetensors\n")
+    log.feed("\rsteps: 100%|██| 3/3 [00:03<00:00, 1.0s/it, avr_loss=0.9]\r   \n")  # tqdm's pad spaces
     log.note("done")
     log.close()
     assert (tmp_path / "job-1.log").read_text() == (
-        "epoch 1/1\nsteps: 100%|██| 3/3 [00:03<00:00, 1.0s/it, avr_loss=0.9]\n[lora-worker] done\n")
+        "steps:  33%|█ | 1/3 [00:01<00:02, 1.0s/it]\nepoch 1/1\nsaving checkpoint: /out/a.safetensors\n"
+        "steps: 100%|██| 3/3 [00:03<00:00, 1.0s/it, avr_loss=0.9]\n[lora-worker] done\n")
+
+
+def test_the_error_tail_keeps_the_same_segment_of_a_redrawn_line_as_the_log(tmp_path):
+    from lora_worker.run.output import TrainerOutput
+
+    log = JobLog(tmp_path, 1, head_bytes=1 << 20, tail_bytes=1 << 20)
+    output = TrainerOutput(log, lambda phase, step: None)
+    text = b"\rsteps: 100%|##| 3/3 [00:03<00:00, 1.0s/it]\r   \nTraceback: boom\r\n"
+    output.consume(text, 0.0)
+    output.end()
+    log.close()
+    assert output.tail == (tmp_path / "job-1.log").read_text().splitlines() == [
+        "steps: 100%|##| 3/3 [00:03<00:00, 1.0s/it]", "Traceback: boom"]
 
 
 def test_an_open_bar_is_copied_into_the_log_now_and_then(tmp_path):
     log = JobLog(tmp_path, 1, head_bytes=1 << 20, tail_bytes=1 << 20)
-    log.feed("stderr", "\rsteps:  10%|█ | 10/100 [00:10<01:30, 1.0s/it, avr_loss=0.5]")
+    log.feed("\rsteps:  10%|█ | 10/100 [00:10<01:30, 1.0s/it, avr_loss=0.5]")
     log.tick(now=1e9)
-    log.feed("stderr", "\rsteps:  11%|█ | 11/100 [00:11<01:29, 1.0s/it, avr_loss=0.5]")
+    log.feed("\rsteps:  11%|█ | 11/100 [00:11<01:29, 1.0s/it, avr_loss=0.5]")
     log.tick(now=1e9 + 1)  # too soon for another copy
     log.close()
     text = (tmp_path / "job-1.log").read_text().splitlines()
@@ -29,7 +45,7 @@ def test_an_open_bar_is_copied_into_the_log_now_and_then(tmp_path):
 
 def test_an_unterminated_last_redraw_is_kept_at_the_end(tmp_path):
     log = JobLog(tmp_path, 1, head_bytes=1 << 20, tail_bytes=1 << 20)
-    log.feed("stderr", "\rsteps:   0%|          | 0/50 [00:00<?, ?it/s]")
+    log.feed("\rsteps:   0%|          | 0/50 [00:00<?, ?it/s]")
     log.close()
     assert (tmp_path / "job-1.log").read_text() == "steps:   0%|          | 0/50 [00:00<?, ?it/s]\n"
 
@@ -38,7 +54,7 @@ def test_size_is_bounded_keeping_head_and_tail(tmp_path):
     log = JobLog(tmp_path, 7, head_bytes=1000, tail_bytes=2000)
     lines = [f"line {i:05d}\n" for i in range(3000)]  # 11 bytes each, 33 kB in all
     for line in lines:
-        log.feed("stdout", line)
+        log.feed(line)
     log.close()
     on_disk = sum(p.stat().st_size for p in tmp_path.iterdir())
     assert on_disk < 1000 + 2 * 2000 + 100
@@ -56,7 +72,7 @@ def test_following_by_offset_sees_every_byte_once_or_is_told_what_it_skipped(tmp
     for i in range(400):
         line = f"{i:04d} abcdef\n"
         written += line
-        log.feed("stdout", line)
+        log.feed(line)
         if i % 7 == 0:
             chunk = reader.read_from(offset, 10_000)
             seen += chunk.text
@@ -77,7 +93,7 @@ def test_a_full_disk_never_stops_the_writer(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(log._head, "write", boom)
-    log.feed("stdout", "a line\n")
+    log.feed("a line\n")
     log.close()
     assert log.write_errors == 1
 
@@ -96,11 +112,11 @@ def test_a_compaction_that_fails_on_a_full_disk_leaves_the_log_writable(tmp_path
     monkeypatch.setattr(Path, "open", full_for_the_copy)
     written = [f"line {i:04d}\n" for i in range(100)]  # 10 bytes each: compaction is due many times over
     for line in written:
-        log.feed("stdout", line)
+        log.feed(line)
     assert log.write_errors > 0 and not (tmp_path / "job-4.tail.tmp").exists()
     monkeypatch.undo()  # space again: the next compaction goes through
     for line in written:
-        log.feed("stdout", line)
+        log.feed(line)
     log.close()
     reader = LogReader(tmp_path, 4)
     assert reader.size() == 2 * 1000

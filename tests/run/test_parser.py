@@ -25,8 +25,8 @@ def replay(items: list[tuple[str, bytes]], parser: Parser | None = None) -> tupl
     parser = parser or Parser()
     decoder = Decoder()
     phases = [parser.progress.phase]
-    for stream, data in items:
-        parser.feed(stream, decoder.decode(stream, data))
+    for _stream, data in items:  # captured from two pipes; the supervisor reads one, in arrival order
+        parser.feed(decoder.decode(data))
         if parser.progress.phase is not phases[-1]:
             phases.append(parser.progress.phase)
     parser.close()
@@ -110,7 +110,7 @@ def test_any_chunking_gives_the_same_result():
 
 def test_a_redraw_glued_to_a_rich_log_line_is_read_as_both():
     parser = Parser()
-    parser.feed("stderr", "\rsteps: 100%|██████████| 2/2 [00:19<00:00,  9.87s/it, avr_loss=1.08]"
+    parser.feed("\rsteps: 100%|██████████| 2/2 [00:19<00:00,  9.87s/it, avr_loss=1.08]"
                           "2026-11-30 03:36:26 INFO     model saved.        train_network.py:1729\n")
     p = parser.progress
     assert (p.step, p.total_steps, p.loss) == (2, 2, 1.08) and "model_saved" in p.flags
@@ -118,23 +118,23 @@ def test_a_redraw_glued_to_a_rich_log_line_is_read_as_both():
 
 def test_a_redraw_and_its_close_split_across_reads():
     parser = Parser()
-    parser.feed("stderr", "\rsteps:  50%|█████     | 1/2 [00:03<00:03,  3.63s/it, avr_loss=1.07]")
+    parser.feed("\rsteps:  50%|█████     | 1/2 [00:03<00:03,  3.63s/it, avr_loss=1.07]")
     assert parser.progress.step == 1  # a complete redraw counts before its line ends
-    parser.feed("stderr", "\n")
+    parser.feed("\n")
     assert parser.progress.step == 1
 
 
 def test_nan_loss_and_padding():
     parser = Parser()
-    parser.feed("stderr", "\rsteps:  33%|███▎      | 4/12 [00:15<00:31,  3.88s/it, avr_loss=nan] ")
+    parser.feed("\rsteps:  33%|███▎      | 4/12 [00:15<00:31,  3.88s/it, avr_loss=nan] ")
     assert math.isnan(parser.progress.loss)
-    parser.feed("stderr", "\rsteps:  42%|████▏     | 5/12 [00:19<00:27,  3.90s/it, avr_loss=1.02] ")
+    parser.feed("\rsteps:  42%|████▏     | 5/12 [00:19<00:27,  3.90s/it, avr_loss=1.02] ")
     assert parser.progress.loss == 1.02 and parser.progress.eta_s == 27.0
 
 
 def test_it_per_second_and_hour_long_etas():
     parser = Parser()
-    parser.feed("stderr", "\rsteps:  45%|████▌     | 765/1700 [09:44<1:11:54,  1.31it/s, avr_loss=0.0871]")
+    parser.feed("\rsteps:  45%|████▌     | 765/1700 [09:44<1:11:54,  1.31it/s, avr_loss=0.0871]")
     p = parser.progress
     assert (p.rate, p.eta_s) == (1.31, 4314.0)
 
@@ -142,22 +142,22 @@ def test_it_per_second_and_hour_long_etas():
 def test_ansi_escapes_are_ignored():
     parser = Parser()
     decoder = Decoder()
-    parser.feed("stderr", decoder.decode("stderr", b"\x1b[A\rsteps:  10%|\x1b[1m#   \x1b[0m| 1/10 [00:01<00:09,"
-                                                   b"  1.00s/it, avr_loss=0.5]"))
+    parser.feed(decoder.decode(b"\x1b[A\rsteps:  10%|\x1b[1m#   \x1b[0m| 1/10 [00:01<00:09,"
+                               b"  1.00s/it, avr_loss=0.5]"))
     assert parser.progress.step == 1
 
 
 def test_other_bars_do_not_move_the_steps():
     parser = Parser()
-    parser.feed("stderr", "\rread caption: 100%|██████████| 3/3 [00:00<00:00, 23087.91it/s]\n"
-                          "\rvalidation steps: 100%|██████████| 9/9 [00:01<00:00, 5.0it/s]\n")
+    parser.feed("\rread caption: 100%|██████████| 3/3 [00:00<00:00, 23087.91it/s]\n"
+                "\rvalidation steps: 100%|██████████| 9/9 [00:01<00:00, 5.0it/s]\n")
     assert parser.progress.step == 0 and parser.progress.total_steps is None
 
 
 def test_utf8_split_between_chunks_is_decoded_whole():
     decoder = Decoder()
     text = "no regularization images / 正則化画像が見つかりませんでした\n".encode()
-    out = "".join(decoder.decode("stdout", text[i:i + 1]) for i in range(len(text)))
+    out = "".join(decoder.decode(text[i:i + 1]) for i in range(len(text)))
     assert out == text.decode()
 
 
@@ -197,10 +197,10 @@ def _read_all(items: list[tuple[str, bytes]], tmp_path) -> tuple[object, ...]:
     parser, decoder = Parser(), Decoder()
     log = JobLog(tmp_path, 1, head_bytes=1 << 20, tail_bytes=1 << 20)
     points = []
-    for stream, data in items:
-        text = decoder.decode(stream, data)
-        parser.feed(stream, text)
-        log.feed(stream, text)
+    for _stream, data in items:
+        text = decoder.decode(data)
+        parser.feed(text)
+        log.feed(text)
         points += parser.take_points()
     parser.close()
     log.close()
@@ -236,8 +236,8 @@ def test_redraws_are_dropped_line_by_line_in_a_merged_stream():
     kept = drop_superseded_redraws_by_line(chunk)
     assert len(kept) < len(chunk) / 5 and kept.count(b"\n") == 2
     whole, cut = Parser(), Parser()
-    whole.feed("output", chunk.decode())
-    cut.feed("output", kept.decode())
+    whole.feed(chunk.decode())
+    cut.feed(kept.decode())
     assert (cut.progress.step, cut.progress.loss) == (whole.progress.step, whole.progress.loss) == (39, 0.5)
 
 

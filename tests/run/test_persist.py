@@ -7,12 +7,7 @@ import pytest
 import sqlalchemy.exc
 
 from lora_worker.errors import LedgerBusy, LedgerUnwritable
-from lora_worker.run import runner
-
-
-@pytest.fixture(autouse=True)
-def no_sleep(monkeypatch):
-    monkeypatch.setattr(runner.time, "sleep", lambda s: None)
+from lora_worker.run.persist import persist
 
 
 def failing(errors: list[BaseException], result: str = "written"):
@@ -25,8 +20,9 @@ def failing(errors: list[BaseException], result: str = "written"):
 
 def test_a_busy_or_full_ledger_is_retried_until_it_takes_the_write():
     errors: list[BaseException] = [LedgerBusy(), LedgerUnwritable("disk full"), LedgerBusy()]
-    assert runner._persist(failing(errors), "test") == "written"
-    assert errors == []
+    slept: list[float] = []
+    assert persist(failing(errors), "test", slept.append) == "written"
+    assert errors == [] and slept == [0.1, 0.2, 0.4]  # backing off between tries
 
 
 @pytest.mark.parametrize("message", ["unable to open database file", "no such table: jobs"])
@@ -36,4 +32,4 @@ def test_any_other_ledger_error_is_raised_not_retried_forever(message):
     error = sqlalchemy.exc.OperationalError("UPDATE jobs", {}, sqlite3.OperationalError(message))
     errors: list[BaseException] = [error]
     with pytest.raises(sqlalchemy.exc.OperationalError):
-        runner._persist(failing(errors), "test")
+        persist(failing(errors), "test", lambda s: None)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import signal
@@ -75,13 +74,11 @@ def test_a_full_run_succeeds_with_a_verified_lora(client, host, db):
     assert points and points[-1].step == 400 and all(p.loss is not None for p in points)
     log = client.get(f"/train/{job_id}/log?lines=5").get_json()["text"]
     assert "model saved." in log and "[lora-worker] trainer ended: exit status 0" in log
+    assert_started_as_stored(recorded(host), repo.get_job(db, job_id), host)
 
 
-def test_the_trainer_runs_the_stored_argv_with_the_allow_listed_env(client, host, db):
-    modes(host)
-    job_id = submit(client, host)
-    rec = recorded(host)
-    row = repo.get_job(db, job_id)
+def assert_started_as_stored(rec: dict, row, host) -> None:
+    """The trainer ran the stored argv with the allow-listed env, in its own group, with nothing inherited."""
     script = row.argv.index(str(host.settings.train_script))
     assert rec["argv"] == row.argv[script:]  # the trainer sees the script and its args exactly as stored
     # the launcher adds OMP_NUM_THREADS and ACCELERATE_MIXED_PRECISION, as the real one does; nothing else leaks
@@ -95,7 +92,6 @@ def test_the_trainer_runs_the_stored_argv_with_the_allow_listed_env(client, host
     assert all(path.startswith(("/proc/", str(host.root / "record.json"))) for fd, path in fds.items()
                if fd not in ("0", "1", "2")), fds
     assert rec["umask"] == 0o002  # the LoRA and checkpoints are readable and writable by the shared group
-    wait_state(client, job_id, *TERMINAL)
 
 
 def test_a_running_job_is_followed_by_log_offset_and_shown_as_ours(client, host):
@@ -130,28 +126,6 @@ def test_a_running_job_is_followed_by_log_offset_and_shown_as_ours(client, host)
     assert client.get("/healthz").get_json()["active_job_id"] is None
     for bad in ("lines=10001", "lines=-1", "limit=0", "offset=-1", "lines=x"):
         assert client.get(f"/train/{job_id}/log?{bad}").status_code == 422, bad
-
-
-def test_the_ledger_is_written_about_once_an_interval_not_once_a_step(migrated, host):
-    from dataclasses import replace
-
-    from lora_worker import create_app
-    from lora_worker.states import Phase
-
-    app = create_app(replace(migrated, progress_interval_s=2.0))
-    client = app.test_client()
-    try:
-        modes(host, step_s=0.02)  # 400 steps, 800 redraws, in about 8 s
-        started = time.monotonic()
-        done = wait_state(client, submit(client, host), *TERMINAL)
-        wall = time.monotonic() - started
-    finally:
-        app.extensions["lora_worker"].db.dispose()
-    assert done["status"] == "succeeded" and done["step"] == 400
-    # each write bumps `version`: the INSERT, two transitions, one write per phase change, the trainer's pid,
-    # the last flush, and one per interval
-    bound = 1 + 2 + len(Phase) + 2 + math.ceil(wall / 2.0)
-    assert 4 < done["version"] <= bound, (done["version"], bound, wall)
 
 
 def test_progress_is_visible_mid_run(client, host):
@@ -196,7 +170,7 @@ def test_no_zombies_the_web_reaps_its_launch_and_the_supervisor_reaps_the_job(cl
     ({"metadata_overrides": {"ss_seed": "7"}}, "artifact_mismatch", "ss_seed '7' instead of 42"),
 ])
 def test_failure_classes_of_real_runs(client, host, mode, failure, text):
-    modes(host, **mode)
+    modes(host, step_s=0.001, **mode)  # how fast the 400 steps go changes nothing of how the run ends
     done = wait_state(client, submit(client, host), *TERMINAL)
     assert (done["status"], done["failure_class"]) == ("failed", failure), done
     assert text in done["error"] and done["lora_path"] is None
@@ -269,9 +243,8 @@ def test_no_images_with_exit_0_is_not_success(client, host, db):
 
 # -- cancel -----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("phase", ["launching", "loading_model", "caching_latents",
-                                   "caching_text_encoder_outputs", "training"])
-def test_cancel_works_in_every_phase_and_leaves_nothing_alive(client, host, db, phase):
+@pytest.mark.parametrize("phase", ["launching", "training"])
+def test_cancel_leaves_nothing_alive(client, host, db, phase):
     modes(host, hang_in=phase)
     job_id = submit(client, host)
     rec = recorded(host)
@@ -298,9 +271,8 @@ def test_cancel_escalates_to_sigkill_for_a_trainer_that_ignores_sigterm(client, 
     assert "SIGTERM to process group" in log and "SIGKILL" in log
 
 
-@pytest.mark.parametrize("grandchild", ["group", "session"])
-def test_cancel_kills_grandchildren_that_ignore_sigterm(client, host, grandchild):
-    modes(host, hang_in="training", grandchild=grandchild, grandchild_ignores_sigterm=True)
+def test_cancel_kills_a_grandchild_that_escaped_the_group_and_ignores_sigterm(client, host):
+    modes(host, hang_in="training", grandchild="session", grandchild_ignores_sigterm=True)
     job_id = submit(client, host)
     rec = recorded(host)
     assert rec["grandchild"] and pid_alive(rec["grandchild"])
@@ -322,20 +294,9 @@ def test_cancelling_twice_is_harmless_and_a_finished_job_is_a_409(client, host):
     assert late.status_code == 409 and late.get_json()["error"] == "job_finished"
 
 
-def test_a_partial_file_of_a_cancelled_save_is_never_reported(client, host):
-    modes(host, partial_save_then_hang=True)
-    job_id = submit(client, host)
-    wait_phase(client, job_id, "saving")
-    partial = host.dataset.parent / "output" / "ohwx_lora.safetensors"
-    wait_for(partial.exists, what="partial file")
-    client.post(f"/train/{job_id}/cancel")
-    done = wait_state(client, job_id, *TERMINAL)
-    assert (done["status"], done["lora_path"]) == ("cancelled", None)
-
-
 def test_cancel_racing_the_natural_end_gives_exactly_one_terminal_state(client, host, db):
     rng = random.Random(1234)
-    for i in range(8):
+    for i in range(4):
         modes(host)
         job_id = submit(client, host, output_name=f"race{i}")
         time.sleep(rng.uniform(0.5, 3.0))

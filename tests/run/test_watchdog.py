@@ -1,4 +1,5 @@
-"""Stall watchdog: each phase has its own silence limit; a silent job is killed and marked stalled."""
+"""Stall watchdog, end to end: a silent real trainer is killed and marked stalled. Each phase's limit, the
+count from the trainer's start, and output versus progress are unit-tested in test_loop_rules.py."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -26,7 +27,7 @@ def client_with_limits(migrated):
         app.extensions["lora_worker"].db.dispose()
 
 
-@pytest.mark.parametrize("phase", list(DEFAULT_STALL_LIMITS_S))
+@pytest.mark.parametrize("phase", ["caching_latents"])
 def test_a_job_silent_past_its_phase_limit_is_killed_and_stalled(client_with_limits, host, phase):
     client = client_with_limits(**{phase: 0.6})
     modes(host, hang_in=phase)
@@ -37,18 +38,3 @@ def test_a_job_silent_past_its_phase_limit_is_killed_and_stalled(client_with_lim
     sentence, _, log_lines = done["error"].partition("\n\n")  # repository.failure_text's shape
     assert f"phase {phase}" in sentence and log_lines
     assert job_processes(rec) == []
-
-
-def test_a_long_quiet_phase_within_its_limit_is_not_a_stall(client_with_limits, host):
-    client = client_with_limits(training=1.0)  # each step is quicker than the training limit
-    modes(host, load_s=1.5, step_s=0.004)  # loading is silent past the training limit, but its own limit is long
-    done = wait_state(client, submit(client, host), *TERMINAL)
-    assert done["status"] == "succeeded", done
-
-
-def test_training_without_a_new_step_is_a_stall_even_while_output_flows(client_with_limits, host):
-    # The trainer keeps redrawing the same step (a hung step with a chatty bar): output is not progress.
-    client = client_with_limits(training=0.8)
-    modes(host, flood_bytes=10**12, step_s=0.001)
-    done = wait_state(client, submit(client, host), *TERMINAL, timeout=20)
-    assert (done["failure_class"], done["step"]) == ("stalled", 1)

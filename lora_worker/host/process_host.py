@@ -1,0 +1,128 @@
+"""The OS as the run loop uses it, in one object: `ProcessHost` is the `RunHost` of run/seam.py, so the loop's
+rules can be tested against a recording fake with a fake clock (tests/run/fake_host.py) instead of real
+processes. `TrainerProcess` is the started trainer: the leader of its group and the one pipe it writes to."""
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import FrameType
+
+from lora_worker.host import locks, processes
+
+READ_BYTES = 1 << 16
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class TrainerProcess:
+    """The trainer's process group as the run loop sees it: its leader (the launcher) and one merged pipe."""
+
+    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+        assert popen.stdout is not None
+        self._popen = popen
+        self._fd = popen.stdout.fileno()
+        os.set_blocking(self._fd, False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._fd, selectors.EVENT_READ)
+        self._eof = False
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.returncode
+
+    def poll(self) -> int | None:
+        return self._popen.poll()
+
+    def read(self, timeout: float) -> bytes | None:
+        """What the pipe holds, waiting up to `timeout` for some: b"" if nothing came, None at end of file."""
+        if self._eof:
+            time.sleep(timeout)  # as a select on no descriptor would: the caller's loop keeps its pace
+            return None
+        if not self._selector.select(timeout):
+            return b""
+        try:
+            data = os.read(self._fd, READ_BYTES)
+        except BlockingIOError:
+            return b""
+        if not data:
+            self._eof = True
+            self._selector.unregister(self._fd)
+            return None
+        return data
+
+    def close(self) -> None:
+        self._selector.close()
+        self._popen.stdout.close()  # type: ignore[union-attr]
+
+
+class ProcessHost:
+    """Every OS call the run loop makes, in one object, so its rules can be tested against a recording fake
+    with a fake clock (tests/run/fake_host.py) instead of real processes."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def wall_time(self) -> float:
+        return time.time()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def identity(self, pid: int | None = None) -> processes.Identity | None:
+        return processes.identity_of(os.getpid() if pid is None else pid)
+
+    def become_subreaper(self) -> bool:
+        return processes.set_child_subreaper()
+
+    def spawn(self, argv: list[str], *, cwd: Path, env: Mapping[str, str]) -> TrainerProcess:
+        """Start the trainer as the leader of a new group; raises OSError if it cannot be started."""
+        popen = subprocess.Popen(  # noqa: S603 - argv is the stored list; no shell
+            argv, cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL,
+            # One pipe for both streams: the kernel keeps the trainer's writes in the order they were made,
+            # which two pipes cannot (a "saving checkpoint:" line must follow the redraw before it).
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+            umask=0o002,  # outputs readable and writable by the shared group (arbo)
+        )
+        return TrainerProcess(popen)
+
+    def signal_group(self, pgid: int, sig: int) -> bool:
+        return processes.signal_group(pgid, sig)
+
+    def signal_descendants(self, sig: int) -> None:
+        """Signal every live descendant of this process: as their subreaper, setsid'd orphans included."""
+        processes.kill_all(processes.live_descendants(os.getpid()), sig)
+
+    def group_members(self, pgid: int) -> list[int]:
+        return processes.group_members(pgid)
+
+    def descendants(self) -> list[int]:
+        return [p.pid for p in processes.live_descendants(os.getpid())]
+
+    def reap_orphans(self, keep: set[int]) -> None:
+        processes.reap_orphans(keep)
+
+    def take_lock(self, path: Path, wait_s: float) -> int | None:
+        return locks.take_lock(path, wait_s)
+
+    def release_lock(self, fd: int) -> None:
+        os.close(fd)  # the kernel drops the flock with its last descriptor
+
+    def on_stop_signals(self, handler: Callable[[int], None]) -> Callable[[], None]:
+        """Route SIGTERM and SIGINT to `handler(signum)`; returns what puts the previous handlers back."""
+        def received(signum: int, _frame: FrameType | None) -> None:
+            handler(signum)
+
+        previous = {s: signal.signal(s, received) for s in STOP_SIGNALS}
+
+        def restore() -> None:
+            for s, old in previous.items():
+                signal.signal(s, old)
+        return restore

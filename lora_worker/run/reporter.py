@@ -1,0 +1,105 @@
+"""Keeping the ledger current while the trainer runs: phase, step, loss, rate, ETA and the loss points.
+
+Written about once `progress_interval_s`, and at once on a phase change. Progress can wait; the trainer must
+not: a write the ledger refuses (locked, full) keeps its points and values in memory for the next one.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from datetime import datetime
+
+from lora_worker.ledger import repository as repo
+from lora_worker.ledger.db import Database
+from lora_worker.ledger.models import utcnow
+from lora_worker.run.eta import EtaClock
+from lora_worker.run.output import TrainerOutput
+from lora_worker.run.persist import FIRST_DELAY_S, MAX_DELAY_S, TRANSIENT
+from lora_worker.run.seam import RunHost
+from lora_worker.states import Phase
+
+log = logging.getLogger(__name__)
+Point = tuple[int, float | None, datetime]
+
+
+class ProgressReporter:
+    """`on_lost` is called when the ledger says the job is no longer running (someone else ended it)."""
+
+    def __init__(self, db: Database, job_id: int, host: RunHost, output: TrainerOutput, clock: EtaClock,
+                 interval_s: float, on_lost: Callable[[], None]) -> None:
+        self.db = db
+        self.job_id = job_id
+        self.host = host
+        self.output = output
+        self.clock = clock
+        self.interval_s = interval_s
+        self.on_lost = on_lost
+        self.started = host.monotonic()  # the run's start, for an ETA from history
+        self.last_write = 0.0
+        self.pending_points: dict[int, float | None] = {}
+        self.pending_values: dict[str, object] = {}  # written with the next progress write that lands
+        self.training_at: datetime | None = None
+
+    def keep(self, **values: object) -> None:
+        """Values to write with the next write that lands, however many fail before it."""
+        self.pending_values.update(values)
+
+    def due(self, now: float) -> bool:
+        return now - self.last_write >= self.interval_s
+
+    def flush(self, force: bool = False) -> bool:
+        """Write the progress if it changed and is due (or `force`); False if the ledger did not take it."""
+        for step, loss in self.output.parser.take_points():
+            self.pending_points[step] = loss
+        if self.clock.moves():
+            self.output.changed = True  # the ETA counts down with the clock, output or not
+        pending = self.output.changed or self.pending_points or self.pending_values
+        if not pending or (not force and not self.due(self.host.monotonic())):
+            return True
+        at = utcnow()
+        points = [(step, finite(loss), at) for step, loss in sorted(self.pending_points.items())]
+        if not self.write(points=points, **self._values(at)):
+            return False
+        self.pending_points.clear()
+        self.output.changed = False
+        return True
+
+    def flush_until_taken(self) -> None:
+        """The last loss points land before the terminal state does."""
+        delay = FIRST_DELAY_S
+        while not self.flush(force=True):
+            self.host.sleep(delay)
+            delay = min(delay * 2, MAX_DELAY_S)
+
+    def write(self, points: list[Point] | None = None, **values: object) -> bool:
+        self.last_write = self.host.monotonic()
+        try:
+            if not repo.update_running(self.db, self.job_id, points=points or (), **self.pending_values, **values):
+                self.on_lost()
+            self.pending_values = {}
+            return True
+        except TRANSIENT as exc:
+            # Progress can wait; the trainer must not. Kept in memory and written at the next tick.
+            log.warning("job %s: progress not written (%s); will retry", self.job_id, exc)
+            return False
+
+    def _values(self, at: datetime) -> dict[str, object]:
+        p = self.output.progress
+        now = self.host.monotonic()
+        eta, basis = self.clock.eta(p.phase, now=now, elapsed_s=now - self.started)
+        values: dict[str, object] = {
+            "phase": p.phase.value, "step": p.step, "loss": finite(p.loss), "rate": self.clock.rate() or p.rate,
+            "eta_s": eta, "eta_basis": basis, "last_progress_at": at,
+        }
+        if p.total_steps:
+            values["total_steps"] = p.total_steps
+        if p.phase is Phase.TRAINING and self.training_at is None:
+            self.training_at = at  # when the steps bar first showed; written with every flush after
+        if self.training_at is not None:
+            values["training_started_at"] = self.training_at
+        return values
+
+
+def finite(value: float | None) -> float | None:
+    return None if value is None or math.isnan(value) or math.isinf(value) else value

@@ -1,0 +1,53 @@
+"""Reasons to stop that come from outside the trainer: a cancel or a lost row in the ledger, polled twice a
+second, and SIGTERM or SIGINT to the supervisor itself, noted by the handler and acted on by the loop."""
+from __future__ import annotations
+
+import logging
+import signal
+
+from lora_worker.ledger import repository as repo
+from lora_worker.ledger.db import Database
+from lora_worker.run.persist import TRANSIENT
+from lora_worker.run.seam import Trainer
+from lora_worker.run.stopper import StopReason, Stopper
+from lora_worker.states import JobState
+
+log = logging.getLogger(__name__)
+
+CANCEL_POLL_S = 0.5
+LOST = "the job is no longer running in the ledger"
+
+
+class StopRequests:
+    def __init__(self, db: Database, job_id: int, stopper: Stopper) -> None:
+        self.db = db
+        self.job_id = job_id
+        self.stopper = stopper
+        self.signalled: int | None = None
+        self.last_poll = 0.0
+
+    def on_signal(self, signum: int) -> None:
+        self.signalled = signum  # acted on by the loop, never in the handler
+
+    def check(self, trainer: Trainer, now: float) -> None:
+        if now - self.last_poll >= CANCEL_POLL_S:
+            self.last_poll = now
+            self._poll_ledger(trainer)
+        if self.signalled is not None:
+            name = signal.Signals(self.signalled).name
+            self.stopper.begin(trainer, StopReason.SIGNAL, f"supervisor received {name}")
+
+    def lost(self, trainer: Trainer) -> None:
+        """The ledger refused a progress write: the row is no longer `running`."""
+        self.stopper.begin(trainer, StopReason.LOST, LOST)
+
+    def _poll_ledger(self, trainer: Trainer) -> None:
+        try:
+            status, cancel = repo.cancel_state(self.db, self.job_id)
+        except TRANSIENT as exc:
+            log.warning("job %s: cannot read the ledger (%s); will retry", self.job_id, exc)
+            return
+        if status != JobState.RUNNING.value:
+            self.lost(trainer)
+        elif cancel:
+            self.stopper.begin(trainer, StopReason.CANCEL, "cancel requested")

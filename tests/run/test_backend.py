@@ -1,0 +1,71 @@
+"""The backend seam: the web and dispatch start runs, and reconcile asks after them, only through a Backend.
+A backend that is not the local supervisor (a cluster's, here a recording stand-in) plugs into create_app as
+it is: the web, dispatch and the ledger are unchanged."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from lora_worker import create_app
+from lora_worker.config import Settings
+from lora_worker.host.locks import hold_lock, job_lock_path
+from lora_worker.ledger import repository as repo
+from lora_worker.run.backend import Backend, backend_for
+from lora_worker.run.local import LaunchOnly, LocalBackend
+from lora_worker.states import JobState
+
+
+@dataclass
+class ClusterStandIn:
+    """What a scheduler-backed backend gives: it accepts jobs, and says which of them it still attends."""
+
+    name: str = "cluster"
+    submitted: list[int] = field(default_factory=list)
+    attending: set[int] = field(default_factory=set)
+
+    def launch(self, job_id: int, settings: Settings) -> None:
+        self.submitted.append(job_id)
+        self.attending.add(job_id)
+
+    def attended(self, job_id: int, settings: Settings) -> bool:
+        return job_id in self.attending
+
+
+def test_the_local_backend_attends_a_job_exactly_while_its_job_lock_is_held(migrated):
+    local: Backend = LocalBackend()
+    assert not local.attended(7, migrated)
+    fd = hold_lock(job_lock_path(migrated, 7))
+    assert fd is not None
+    try:
+        assert local.attended(7, migrated) and not local.attended(8, migrated)
+    finally:
+        os.close(fd)
+    assert not local.attended(7, migrated)
+
+
+def test_the_settings_pick_the_local_backend_and_a_launch_callable_only_replaces_its_start(migrated):
+    assert isinstance(backend_for(migrated), LocalBackend)
+    started: list[int] = []
+    recorder = backend_for(migrated, lambda job_id, settings: started.append(job_id))
+    assert isinstance(recorder, LaunchOnly) and recorder.name == "local"
+    recorder.launch(3, migrated)
+    assert started == [3] and not recorder.attended(3, migrated)  # attended still means the job lock
+
+
+def test_another_backend_plugs_into_the_app_for_dispatch_and_reconcile(migrated, host, db):
+    cluster = ClusterStandIn()
+    app = create_app(migrated, backend=cluster)
+    client = app.test_client()
+    try:
+        response = client.post("/train", json=host.payload())
+        assert response.status_code == 202, response.get_json()
+        job_id = response.get_json()["worker_job_id"]
+        assert cluster.submitted == [job_id]
+        # its supervisor, wherever it runs, takes the job; no lock on this host says so, the backend does
+        repo.transition(db, job_id, JobState.RUNNING, actor="supervisor")
+        assert client.get(f"/train/{job_id}").get_json()["status"] == "running"
+        cluster.attending.clear()  # the allocation ended without a final state
+        done = client.get(f"/train/{job_id}").get_json()
+        assert (done["status"], done["failure_class"]) == ("failed", "supervisor_lost")
+    finally:
+        app.extensions["lora_worker"].db.dispose()

@@ -19,7 +19,7 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, utcnow
 from lora_worker.run.explain import quotable
-from lora_worker.run.logfile import LogReader
+from lora_worker.run.logfile import LogReader, append_note
 from lora_worker.states import ACTIVE_STATES, FailureClass, JobState
 from lora_worker.host import processes
 from lora_worker.run.backend import Backend, backend_for
@@ -69,11 +69,22 @@ def reconcile_job(db: Database, settings: Settings, job: Job, *, actor: str = "r
                                              else "no process of the job was left")
         if job.status == JobState.QUEUED.value:
             reason = "the supervisor never started"
-    if not repo.fail_job(db, job.id, actor=actor, failure_class=failure, sentence=reason[0].upper() + reason[1:],
+    sentence = reason[0].upper() + reason[1:]
+    if not repo.fail_job(db, job.id, actor=actor, failure_class=failure, sentence=sentence,
                          log_lines=log_tail(settings, job.id)):
         return None  # the supervisor's own final write won the race
+    close_log(settings, job.id, f"reconcile ({actor}): {sentence}; the job is failed ({failure.value})")
     log.warning("job %s: %s", job.id, reason, extra={"job": job.id})
     return Action(job.id, failure, killed)
+
+
+def close_log(settings: Settings, job_id: int, line: str) -> None:
+    """The run log's last line says what reconcile found and did: the supervisor that would have closed it is
+    gone. A log that cannot be written loses only that line; the ledger has the outcome."""
+    try:
+        append_note(settings.log_dir, job_id, line, head_bytes=settings.log_head_bytes)
+    except OSError as exc:
+        log.warning("job %s: cannot close its run log (%s)", job_id, exc)
 
 
 def log_tail(settings: Settings, job_id: int) -> list[str]:

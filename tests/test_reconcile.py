@@ -189,3 +189,34 @@ def _cmdline(pid: int) -> list[str]:
         return processes.psutil.Process(pid).cmdline()
     except processes.psutil.Error:
         return []
+
+
+def test_reconcile_closes_the_run_log_with_what_it_found_and_did(db, migrated):
+    from lora_worker.run.logfile import JobLog, LogReader
+
+    job_id = running_job(db, boot_id=processes.boot_id(), supervisor_pid=999_999)
+    log = JobLog(migrated.log_dir, job_id, head_bytes=migrated.log_head_bytes, tail_bytes=migrated.log_tail_bytes)
+    log.note("job started")
+    log.feed("steps:  10%|#         | 40/400 [00:20<03:00, avr_loss=0.1]\nboom\n")
+    log.close()  # the supervisor died here: nobody wrote how the run ended
+    reconcile(db, migrated, actor="startup")
+    lines = LogReader(migrated.log_dir, job_id).tail_lines(3).text.splitlines()
+    assert lines[-2] == "boom"
+    assert lines[-1] == ("[lora-worker] reconcile (startup): The supervisor died; no process of the job was left; "
+                         "the job is failed (supervisor_lost)")
+    assert "boom" in repo.get_job(db, job_id).error  # the failed row quotes the log as it was
+
+
+def test_a_job_whose_supervisor_never_started_gets_a_run_log_saying_so(db, migrated):
+    from lora_worker.run.logfile import LogReader
+
+    from datetime import timedelta
+
+    from lora_worker.ledger.models import Job, utcnow
+
+    job = repo.create_job(db, columns())
+    with db.write() as s:  # queued longer than the launch grace, and never picked up
+        s.get(Job, job.id).created_at = utcnow() - timedelta(minutes=5)
+    reconcile(db, migrated)
+    text = LogReader(migrated.log_dir, job.id).tail_lines(5).text
+    assert text.startswith("[lora-worker] reconcile (reconcile): The supervisor never started")

@@ -42,6 +42,29 @@ def _create_new(head: Path, tail: Path):  # type: ignore[no-untyped-def]
                     pass
 
 
+def append_note(log_dir: Path, job_id: int, message: str, *, head_bytes: int) -> None:
+    """One closing line of our own, written after the supervisor is gone (by reconcile, saying what it found
+    and did), in the layout JobLog keeps: at the end of the tail file if there is one, else of the head file
+    while it has room, else in a new tail file. OSError if the log cannot be written."""
+    head, tail = log_paths(log_dir, job_id)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    data = f"[lora-worker] {message}\n".encode("utf-8", "replace")
+    append = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+    if tail.exists():
+        path, flags, prefix = tail, append, b""
+    elif (size := _size(head)) and size + len(data) <= head_bytes:
+        path, flags, prefix = head, append, b""
+    elif size:
+        path, flags, prefix = tail, append | os.O_CREAT | os.O_EXCL, _tail_header(size)
+    else:  # the supervisor never opened it: the closing line is the whole log
+        path, flags, prefix = head, append | os.O_CREAT | os.O_EXCL, b""
+    fd = os.open(path, flags, 0o640)
+    try:
+        os.write(fd, prefix + data)
+    finally:
+        os.close(fd)
+
+
 class JobLog:
     """Append-only writer used by the supervisor, of a log file it created itself. Write errors (a full disk)
     never stop supervision."""

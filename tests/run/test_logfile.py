@@ -125,7 +125,7 @@ def test_a_compaction_that_fails_on_a_full_disk_leaves_the_log_writable(tmp_path
 
 def test_a_read_limit_inside_a_character_never_splits_it(tmp_path):
     log = JobLog(tmp_path, 1, head_bytes=1 << 20, tail_bytes=1 << 20)
-    log.feed("stdout", "steps: 100%|██████████| 3/3\n")
+    log.feed("steps: 100%|██████████| 3/3\n")
     log.close()
     reader, offset, text = LogReader(tmp_path, 1), 0, ""
     while True:

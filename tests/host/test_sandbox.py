@@ -275,7 +275,7 @@ def test_healthz_and_doctor_say_which_sandbox_is_in_force(api, migrated):
 def test_the_deployed_unit_requires_the_sandbox_whatever_the_config_file_says():
     from lora_worker.config import REPO_ROOT
 
-    unit = (REPO_ROOT / "systemd" / "lora-worker.service").read_text()
+    unit = (REPO_ROOT / "systemd" / "lora-worker.service.in").read_text()  # the template install.py fills in
     lines = [line.strip() for line in unit.splitlines() if not line.lstrip().startswith("#")]
     assert "Environment=LORA_WORKER_SANDBOX=bwrap" in lines
     # bwrap makes its namespaces as the service's unprivileged user: the unit must not forbid them.

@@ -107,7 +107,7 @@ def test_a_recreated_ledger_continues_above_every_job_that_left_a_run_log(migrat
 
 def test_migration_0007_keeps_every_row_and_id_and_continues_above_them(tmp_path):
     path = tmp_path / "ledger.sqlite3"
-    upgrade(path, "0003")
+    upgrade(path, "0006")  # the ledger just before 0007
     db = Database.open(path)
     ids = [finished_job(db) for _ in range(3)]
     events = len(repo.job_events(db, ids[0]))

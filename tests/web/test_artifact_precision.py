@@ -9,7 +9,7 @@ import pytest
 from lora_worker.config import LORA_DTYPE, SDXL_HPARAMS
 from lora_worker.host.safetensors import ExpectedLora, inspect_lora, read_header, verify_lora
 from lora_worker.ledger import repository as repo
-from tests.helpers import install_fake_trainer, make_dataset, write_safetensors
+from tests.helpers import SDXL_TINY, install_fake_trainer, make_dataset, write_safetensors
 from tests.run.test_supervisor import TERMINAL, modes, submit, wait_state
 from tests.test_fakes import run
 
@@ -22,7 +22,7 @@ def rig(tmp_path: Path) -> dict:
     """The fake trainer installed, a model, the real run's dataset ("2_ohwx dog", 3 images), as test_fakes has."""
     install = install_fake_trainer(tmp_path / "opt")
     model = tmp_path / "models" / "sdxl_random.safetensors"
-    write_safetensors(model, {"model.diffusion_model.x": ("F16", [1])})
+    write_safetensors(model, SDXL_TINY, hollow=True)  # the full key set the (fake) loader wants
     dataset = make_dataset(tmp_path / "train", "t1", "2_ohwx dog", images=3)
     return {**install, "model": model, "dataset": dataset, "out": tmp_path / "train" / "t1" / "output" / "run1"}
 
@@ -93,9 +93,12 @@ def test_a_job_hands_over_an_fp16_lora_half_the_size_of_float32(client, host, db
 
 
 def module_features() -> list[tuple[int, int]]:
+    """(in, out) features of the real run's 722 LoRA modules, from its header (the fake saves the same)."""
     import json
 
-    from tests.helpers import FAKES
+    from tests.helpers import DATA
 
-    modules = json.loads((FAKES / "sdxl_lora_template.json").read_text())["modules"]
-    return [(i, o) for _, i, o in modules]
+    tensors = json.loads((DATA / "lora-header-run1_simple.json").read_text())["tensors"]
+    suffix = ".lora_down.weight"
+    return [(info["shape"][1], tensors[name[:-len(suffix)] + ".lora_up.weight"]["shape"][0])
+            for name, info in tensors.items() if name.endswith(suffix)]

@@ -187,29 +187,12 @@ class ArtifactCheck:
 
 def verify_lora(path: Path, expected: ExpectedLora) -> ArtifactCheck:
     """Open the LoRA as a hostile party may have left it, then read its header (never its tensors into
-    memory) and hash it, both from the one open file, and compare the header with the request.
-
-    The output directory is walked without following links and must still be the recorded one; the file is
-    opened with O_NOFOLLOW|O_NONBLOCK (a link is refused, a FIFO opens at once and is refused by fstat), must
-    be a regular file with a single link, and the kernel's path for it must be the expected one."""
+    memory) and hash it, both from the one open file, and compare the header with the request."""
     where = str(path)
-    try:
-        dir_fd = fs.open_dir(str(path.parent))
-    except FileNotFoundError:
-        return ArtifactCheck(where, problem="the output directory is gone", missing=True)
-    except OSError as exc:
-        return ArtifactCheck(where, problem=f"the output directory cannot be opened without following links: {exc}")
-    try:
-        if expected.output_dir_id is not None and fs.FileId.of(os.fstat(dir_fd)) != expected.output_dir_id:
-            return ArtifactCheck(where, problem="the output directory was replaced during the run")
-        try:
-            fd, st = fs.open_regular(dir_fd, path.name)
-        except FileNotFoundError:
-            return ArtifactCheck(where, problem="file not found", missing=True)
-        except OSError as exc:
-            return ArtifactCheck(where, problem=str(exc))
-    finally:
-        os.close(dir_fd)
+    opened = _open_artifact(path, expected)
+    if isinstance(opened, ArtifactCheck):
+        return opened
+    fd, st = opened
     with os.fdopen(fd, "rb") as fh:
         if st.st_nlink != 1:
             return ArtifactCheck(where, problem=f"{path.name} has {st.st_nlink} hard links; "
@@ -222,6 +205,37 @@ def verify_lora(path: Path, expected: ExpectedLora) -> ArtifactCheck:
             digest = _sha256(fh)
         except (OSError, HeaderError) as exc:
             return ArtifactCheck(where, problem=str(exc))
+    if problems := _differences(info, expected):
+        return ArtifactCheck(where, problem="; ".join(problems), mismatch=True, size=info.file_size)
+    return ArtifactCheck(where, size=info.file_size, sha256=digest, metadata=info.metadata)
+
+
+def _open_artifact(path: Path, expected: ExpectedLora) -> tuple[int, os.stat_result] | ArtifactCheck:
+    """The LoRA's open descriptor and its fstat, or why there is none. The output directory is walked without
+    following links and must still be the recorded one; the file is opened with O_NOFOLLOW|O_NONBLOCK (a link
+    is refused, a FIFO opens at once and is refused by fstat) and must be a regular file."""
+    where = str(path)
+    try:
+        dir_fd = fs.open_dir(str(path.parent))
+    except FileNotFoundError:
+        return ArtifactCheck(where, problem="the output directory is gone", missing=True)
+    except OSError as exc:
+        return ArtifactCheck(where, problem=f"the output directory cannot be opened without following links: {exc}")
+    try:
+        if expected.output_dir_id is not None and fs.FileId.of(os.fstat(dir_fd)) != expected.output_dir_id:
+            return ArtifactCheck(where, problem="the output directory was replaced during the run")
+        try:
+            return fs.open_regular(dir_fd, path.name)
+        except FileNotFoundError:
+            return ArtifactCheck(where, problem="file not found", missing=True)
+        except OSError as exc:
+            return ArtifactCheck(where, problem=str(exc))
+    finally:
+        os.close(dir_fd)
+
+
+def _differences(info: LoraInfo, expected: ExpectedLora) -> list[str]:
+    """How the LoRA differs from the one that was asked for (empty: it is that one)."""
     md = info.metadata
     checks = [
         ("lora_unet" in info.families, f"no U-Net LoRA modules (families: {sorted(info.families)})"),
@@ -237,9 +251,7 @@ def verify_lora(path: Path, expected: ExpectedLora) -> ArtifactCheck:
     problems = [message for ok, message in checks if not ok]
     if wrong := dtype_problem(info.dtypes, expected.dtype):
         problems.append(wrong)
-    if problems:
-        return ArtifactCheck(where, problem="; ".join(problems), mismatch=True, size=info.file_size)
-    return ArtifactCheck(where, size=info.file_size, sha256=digest, metadata=md)
+    return problems
 
 
 def _sha256(fh: BinaryIO, chunk: int = 1 << 20) -> str:

@@ -209,7 +209,7 @@ def curl_commands(url: str, job_id: int, version: int, host: Host) -> str:
     lines = [
         "",
         "Each step again, by hand (the server runs without a token: loopback only):",
-        "  # dispatch another job (202 and its id; the same body twice: 409 output_exists)",
+        "  # dispatch another job (202 and its id; the same body twice: 422 output_exists)",
         f"  curl -s -X POST {url}/train -H 'Content-Type: application/json' -d {body}",
         "  # status, and a long poll that answers as soon as the job changes (or after 25 s)",
         f"  curl -s {url}/train/{job_id}",

@@ -1,11 +1,9 @@
 """Builders for what the tests need on disk: a fake trainer installation, datasets, models, fake GPUs."""
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import math
-import shutil
 import sqlite3
 import struct
 import sys
@@ -19,6 +17,9 @@ from types import ModuleType
 from typing import Any
 
 from lora_worker.config import Settings
+# One installer for the demo and the tests; the tokenizer builders are re-exported for the tests' own cases.
+from lora_worker.ops.simulated import clip_tokenizer_files, install_simulated_trainer, sdxl_checkpoint_tensors  # noqa: F401
+from lora_worker.ops.simulated import write_tokenizer  # noqa: F401
 
 FAKES = Path(__file__).parent / "fakes"
 DATA = Path(__file__).parent / "data"
@@ -49,12 +50,6 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]], met
         fh.write(struct.pack("<Q", len(raw)) + raw + b"\0" * (offset - truncate_by))
 
 
-def sdxl_checkpoint_tensors() -> dict[str, tuple[str, list[int]]]:
-    """Every tensor of the real SDXL checkpoint the sd-scripts captures loaded (tests/data), dtype and shape."""
-    doc = json.loads((DATA / "sdxl-checkpoint-header.json").read_text())
-    return {name: (info["dtype"], info["shape"]) for name, info in doc["tensors"].items()}
-
-
 # The full SDXL key set (2514 tensors), written hollow: what the preflight accepts, in a small file.
 SDXL_TINY = sdxl_checkpoint_tensors()
 
@@ -82,56 +77,19 @@ def make_dataset(train_root: Path, train_id: str = "t1", folder: str = "10_ohwx 
 
 
 def install_fake_trainer(root: Path) -> dict[str, Path]:
-    """A trainer installation shaped like fluxgym's: venv/bin/accelerate, sd-scripts/, tokenizers/."""
-    venv_bin = root / "venv" / "bin"
-    venv_bin.mkdir(parents=True)
-    launcher = venv_bin / "accelerate"
-    body = (FAKES / "accelerate").read_text().split("\n", 1)[1]
-    launcher.write_text(f"#!{sys.executable}\n{body}")
-    launcher.chmod(0o755)
-    sd_scripts = root / "sd-scripts"
-    sd_scripts.mkdir()
-    shutil.copy(FAKES / "sdxl_train_network.py", sd_scripts / "sdxl_train_network.py")
-    # The real headers the fake works from: the LoRA it writes is run1's, the model it "builds" the checkpoint's.
-    for name in ("lora-header-run1_simple.json", "sdxl-checkpoint-header.json"):
-        shutil.copy(DATA / name, sd_scripts / name)
-    # What the fingerprint reads: package metadata in the venv and the checkout's HEAD.
+    """A trainer installation shaped like fluxgym's (the demo's simulated one: venv/bin/accelerate, sd-scripts/,
+    tokenizers/), plus what the fingerprint reads: package metadata in the venv and the checkout's HEAD."""
+    install = install_simulated_trainer(root)
     site = root / "venv" / "lib" / "python3.11" / "site-packages"
     for name, version in TRAINER_VERSIONS.items():
         info = site / f"{name}-{version}.dist-info"
         info.mkdir(parents=True)
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    git = sd_scripts / ".git"
+    git = install["sd_scripts_dir"] / ".git"
     (git / "refs" / "heads").mkdir(parents=True)
     (git / "HEAD").write_text("ref: refs/heads/sd3\n")
     (git / "refs" / "heads" / "sd3").write_text(SD_SCRIPTS_COMMIT + "\n")
-    tokenizers = root / "tokenizers"
-    for name in TOKENIZER_DIRS:
-        write_tokenizer(tokenizers / name)
-    return {"accelerate": launcher, "sd_scripts_dir": sd_scripts, "tokenizer_cache_dir": tokenizers}
-
-
-@functools.cache
-def clip_tokenizer_files() -> dict[str, bytes]:
-    """Files shaped like a CLIP BPE tokenizer's: 49408 tokens, the `#version` line and 48894 merges, and
-    model_max_length 77. Generated, not copied: the real ones are 1.5 MB and carry no more for these tests."""
-    vocab = {f"tok{i}</w>": i for i in range(49408)}
-    merges = "#version: 0.2\n" + "".join(f"t{i} ok{i}</w>\n" for i in range(48894))
-    config = {"model_max_length": 77, "tokenizer_class": "CLIPTokenizer", "pad_token": "<|endoftext|>"}
-    return {"vocab.json": json.dumps(vocab).encode(), "merges.txt": merges.encode(),
-            "tokenizer_config.json": json.dumps(config).encode()}
-
-
-def write_tokenizer(folder: Path, **overrides: bytes | None) -> Path:
-    """A tokenizer folder; `overrides` replaces a file's bytes by name, e.g. `vocab_json=b"{}"` (None: left out)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    files = dict(clip_tokenizer_files())
-    for key, data in overrides.items():
-        files[key.replace("_json", ".json").replace("_txt", ".txt")] = data
-    for name, data in files.items():
-        if data is not None:
-            (folder / name).write_bytes(data)
-    return folder
+    return install
 
 
 def fake_gpus(path: Path, *, free0: int = 20_000, free1: int = 40_000, processes0: list[dict] | None = None,

@@ -7,8 +7,8 @@ which `/usr/bin/env python3` finds the system Python, without tqdm.
 """
 from __future__ import annotations
 
+import functools
 import json
-import math
 import os
 import shutil
 import signal
@@ -16,27 +16,21 @@ import struct
 import subprocess
 import sys
 import zlib
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from lora_worker.config import REPO_ROOT
 
 FAKES = REPO_ROOT / "tests" / "fakes"
+DATA = REPO_ROOT / "tests" / "data"  # the real captures and headers the fake is held to
 LAUNCHER = "accelerate"
 TOKENIZER_DIRS = ("openai_clip-vit-large-patch14", "laion_CLIP-ViT-bigG-14-laion2B-39B-b160k")
 TTS_NAME = "tts_server (simulated)"  # what tts_process_pattern matches on the 24 GB card
 TTS_COMM = "tts_server"
 
-# Enough of an SDXL checkpoint for the base-model check: the U-Net, both text encoders and the VAE.
-SDXL_TINY: Mapping[str, tuple[str, list[int]]] = {
-    "model.diffusion_model.input_blocks.0.0.weight": ("F16", [4, 4, 3, 3]),
-    "model.diffusion_model.out.2.bias": ("F16", [4]),
-    "conditioner.embedders.0.transformer.text_model.final_layer_norm.weight": ("F16", [8]),
-    "conditioner.embedders.1.model.ln_final.weight": ("F16", [8]),
-    "first_stage_model.decoder.conv_in.bias": ("F16", [8]),
-}
-DTYPE_BYTES = {"F32": 4, "F16": 2}
+# The real headers the fake works from (tests/data, copied next to it): the LoRA it writes is that run's, and the
+# checkpoint it loads must hold that checkpoint's every tensor, as sd-scripts' loader wants them.
+REAL_HEADERS = ("lora-header-run1_simple.json", "sdxl-checkpoint-header.json")
 
 
 def install_simulated_trainer(root: Path, python: str = sys.executable) -> dict[str, Path]:
@@ -56,12 +50,41 @@ def install_simulated_trainer(root: Path, python: str = sys.executable) -> dict[
     for source in sorted(FAKES.iterdir()):  # every file of the fake: the trainer script and what it reads
         if source.is_file() and source.name != LAUNCHER:
             shutil.copy(source, sd_scripts / source.name)
+    for name in REAL_HEADERS:
+        shutil.copy(DATA / name, sd_scripts / name)
     tokenizers = root / "tokenizers"
-    for name in TOKENIZER_DIRS:  # what an offline install holds; the fake only checks they are there
-        (tokenizers / name).mkdir(parents=True, exist_ok=True)
-        (tokenizers / name / "vocab.json").write_text("{}")
-        (tokenizers / name / "merges.txt").write_text("#version: 0.2\n")
+    for name in TOKENIZER_DIRS:  # shaped as an offline install's: the worker's preflight checks them
+        write_tokenizer(tokenizers / name)
     return {"accelerate": launcher, "sd_scripts_dir": sd_scripts, "tokenizer_cache_dir": tokenizers}
+
+
+@functools.cache
+def clip_tokenizer_files() -> dict[str, bytes]:
+    """Files shaped like a CLIP BPE tokenizer's: 49408 tokens, the `#version` line and 48894 merges, and
+    model_max_length 77. Generated, not copied: the real ones are 1.5 MB and carry nothing the fake reads."""
+    vocab = {f"tok{i}</w>": i for i in range(49408)}
+    merges = "#version: 0.2\n" + "".join(f"t{i} ok{i}</w>\n" for i in range(48894))
+    config = {"model_max_length": 77, "tokenizer_class": "CLIPTokenizer", "pad_token": "<|endoftext|>"}
+    return {"vocab.json": json.dumps(vocab).encode(), "merges.txt": merges.encode(),
+            "tokenizer_config.json": json.dumps(config).encode()}
+
+
+def write_tokenizer(folder: Path, **overrides: bytes | None) -> Path:
+    """A tokenizer folder; `overrides` replaces a file's bytes by name, e.g. `vocab_json=b"{}"` (None: left out)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = dict(clip_tokenizer_files())
+    for key, data in overrides.items():
+        files[key.replace("_json", ".json").replace("_txt", ".txt")] = data
+    for name, data in files.items():
+        if data is not None:
+            (folder / name).write_bytes(data)
+    return folder
+
+
+def sdxl_checkpoint_tensors() -> dict[str, tuple[str, list[int]]]:
+    """Every tensor of the real SDXL checkpoint the sd-scripts captures loaded (tests/data), dtype and shape."""
+    doc = json.loads((DATA / "sdxl-checkpoint-header.json").read_text())
+    return {name: (info["dtype"], info["shape"]) for name, info in doc["tensors"].items()}
 
 
 def set_trainer_modes(sd_scripts_dir: Path, **modes: Any) -> None:
@@ -104,17 +127,15 @@ def write_gpus(path: Path, tts_pid: int | None) -> Path:
 
 
 def write_base_model(path: Path) -> Path:
-    """A well-formed single-file SDXL checkpoint (zero weights): enough for the worker's header check."""
-    header: dict[str, Any] = {"__metadata__": {"note": "simulated SDXL checkpoint: zero weights"}}
-    offset = 0
-    for name, (dtype, shape) in SDXL_TINY.items():
-        size = DTYPE_BYTES[dtype] * math.prod(shape)
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
+    """A well-formed single-file SDXL checkpoint with every tensor of a real one, written hollow (each indexes 0
+    bytes): the worker's preflight reads names and shapes only, and the fake never loads weights."""
+    header: dict[str, Any] = {"__metadata__": {"note": "simulated SDXL checkpoint: no weights"}}
+    for name, (dtype, shape) in sdxl_checkpoint_tensors().items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [0, 0]}
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * offset)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
     return path
 
 

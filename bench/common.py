@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,16 +51,22 @@ def running_service(host: Host) -> Iterator[Service]:
         svc.stop()
 
 
-def insert_job(db: Database, argv: list[str], **columns: Any) -> int:
-    """A queued job whose trainer is `argv` (an emitter instead of sd-scripts); returns its id."""
+def insert_job(db: Database, argv: list[str], train_root: Path, **columns: Any) -> int:
+    """A queued job whose trainer is `argv` (an emitter instead of sd-scripts); returns its id. Its dataset and
+    output folders exist under `train_root`, as dispatch leaves them: the supervisor looks at them once more
+    before it starts the trainer."""
+    dataset, output = train_root / "t1" / "dataset", train_root / "t1" / "output"
+    (dataset / "10_ohwx woman").mkdir(parents=True, exist_ok=True)
+    output.mkdir(parents=True, exist_ok=True)
     values: dict[str, Any] = {
-        "train_id": "t1", "dataset_dir": "/train/t1/dataset", "base_model_path": "/models/m.safetensors",
-        "output_dir": "/nonexistent/output", "output_name": "ohwx", "trigger": "ohwx", "subject_class": "woman",
-        "repeats": 10, "tier": "quality", "device_index": 1, "seed": 42, "image_count": 30, "argv": argv,
+        "train_id": "t1", "dataset_dir": str(dataset), "base_model_path": "/models/m.safetensors",
+        "output_dir": str(output), "output_name": f"ohwx-{time.time_ns()}", "trigger": "ohwx",
+        "subject_class": "woman", "repeats": 10, "tier": "quality", "device_index": 1, "seed": 42,
+        "image_count": 30, "argv": argv,
         "env": {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONUNBUFFERED": "1", "LANG": "C.UTF-8"},
-        "total_steps": 3000, "lora_file": "/nonexistent/output/ohwx.safetensors", "lora_rank": 32,
-        "lora_steps": 3000, "lora_dtype": "F32", **columns,
+        "total_steps": 3000, "lora_rank": 32, "lora_steps": 3000, "lora_dtype": "F32", **columns,
     }
+    values.setdefault("lora_file", str(output / f"{values['output_name']}.safetensors"))
     return repo.create_job(db, values).id
 
 

@@ -74,7 +74,7 @@ def follow(pid: int, go: Path) -> Sample:
 
 
 def supervised(host: Host, db: Database, go: Path, *args: str) -> Sample:
-    job_id = insert_job(db, emitter_argv(go, *args))
+    job_id = insert_job(db, emitter_argv(go, *args), host.settings.train_root)
     launch_supervisor(job_id, host.settings)
     pid = supervisor_pid(db, job_id)  # re-parented to us (a subreaper), so it waits as a zombie for us
     sample = follow(pid, go)

@@ -128,7 +128,7 @@ def test_reconciles_failure_has_the_shape_and_quotes_the_run_log(db, migrated):
     job = repo.create_job(db, columns())
     repo.transition(db, job.id, JobState.RUNNING, actor="supervisor", boot_id=processes.boot_id())
     joblog = JobLog(migrated.log_dir, job.id, head_bytes=1 << 20, tail_bytes=1 << 20)
-    joblog.feed("output", "loading model\n\nsteps:  10%|#| 4/40\rsteps:  12%|#| 5/40\n")
+    joblog.feed("loading model\n\nsteps:  10%|#| 4/40\rsteps:  12%|#| 5/40\n")
     joblog.note("the last thing the supervisor said")
     joblog.close()
     reconcile(db, migrated)  # nobody holds the job's lock: its supervisor is gone

@@ -82,7 +82,7 @@ def assert_one_shape(db: Database, settings: Settings, job_id: int, failure: str
         logged = [line for line in LogReader(settings.log_dir, job_id).tail_lines(100).text.splitlines()
                   if line.strip()]
         if actor != "supervisor":  # reconcile closes the log after the row is written: the quote ends before
-            assert logged[-1].startswith(f"[lora-worker] reconcile ({actor}): {sentence}")
+            assert logged[-1].startswith(f"[lora-worker] reconcile ({actor}): {sentence.rstrip('.')}")
             logged = logged[:-1]
         assert tail.split("\n")[-1] == logged[-1]
     return tail

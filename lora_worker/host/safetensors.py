@@ -9,11 +9,9 @@ the path itself (a symbolic link there is refused, not followed, and a FIFO cann
 """
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
-import stat as stats
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,15 +47,11 @@ class LoraInfo:
 def open_regular(path: Path) -> BinaryIO:
     """`path` opened for reading if it is a regular file itself; OSError for a link, FIFO or device (as for
     a missing file, so every caller that handles one handles the others)."""
+    parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise OSError(errno.ELOOP, "a symbolic link, not the file itself", str(path)) from exc
-        raise
-    if not stats.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file", str(path))
+        fd, _ = fs.open_regular(parent, path.name)
+    finally:
+        os.close(parent)
     return os.fdopen(fd, "rb")  # O_NONBLOCK changes nothing for a regular file
 
 

@@ -266,12 +266,7 @@ def _server(host: Host, out: TextIO) -> Iterator[str]:
         yield url
     finally:
         _cancel_active(host, url, out)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        simulated.stop_process(proc, grace_s=30.0)
         _say(out, f"server stopped; the ledger, run logs and LoRAs stay in {_short(host.root)}")
 
 

@@ -28,25 +28,24 @@ def test_the_import_contracts_in_setup_cfg_hold():
     assert "0 broken" in result.stdout
 
 
-def test_the_contracts_catch_a_ledger_that_reaches_into_the_host(tmp_path: Path):
-    # The same contracts over a copy of the package in which the ledger imports the OS seam: it must break.
+def _lint_a_copy_with(tmp_path: Path, module: str, line: str) -> subprocess.CompletedProcess[str]:
+    """The same contracts over a copy of the package in which `module` (a path under lora_worker/) gains `line`."""
     shutil.copytree(REPO_ROOT / "lora_worker", tmp_path / "lora_worker",
                     ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO_ROOT / "setup.cfg", tmp_path / "setup.cfg")
-    repository = tmp_path / "lora_worker" / "ledger" / "repository.py"
-    repository.write_text(repository.read_text() + "\nfrom lora_worker.host import processes  # noqa\n")
-    result = _lint_imports(tmp_path, pythonpath=tmp_path)
+    source = tmp_path / "lora_worker" / module
+    source.write_text(source.read_text() + f"\n{line}  # noqa\n")
+    return _lint_imports(tmp_path, pythonpath=tmp_path)
+
+
+def test_the_contracts_catch_a_ledger_that_reaches_into_the_host(tmp_path: Path):
+    result = _lint_a_copy_with(tmp_path, "ledger/repository.py", "from lora_worker.host import processes")
     assert result.returncode != 0
     assert "The ledger is storage" in result.stdout and "BROKEN" in result.stdout
 
 
 def test_the_contracts_catch_flask_below_the_web(tmp_path: Path):
-    shutil.copytree(REPO_ROOT / "lora_worker", tmp_path / "lora_worker",
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(REPO_ROOT / "setup.cfg", tmp_path / "setup.cfg")
-    runner = tmp_path / "lora_worker" / "run" / "outcome.py"
-    runner.write_text(runner.read_text() + "\nimport flask  # noqa\n")
-    result = _lint_imports(tmp_path, pythonpath=tmp_path)
+    result = _lint_a_copy_with(tmp_path, "run/outcome.py", "import flask")
     assert result.returncode != 0
     assert "Nothing below the web loads a web framework BROKEN" in result.stdout
 

@@ -116,22 +116,19 @@ class Ledger:
         return timed(build, max(1, self.repeats // 4))
 
     def metrics_s(self) -> float:
-        app = create_app(self.host.settings)
-        client = app.test_client()
-        try:
-            def scrape() -> None:
-                assert client.get("/metrics").status_code == 200
-            return timed(scrape, self.repeats * 5)
-        finally:
-            app.extensions["lora_worker"].db.dispose()
+        return self.get_s("/metrics")
 
     def list_s(self) -> float:
+        return self.get_s("/train?status=failed&limit=50")
+
+    def get_s(self, url: str) -> float:
+        """Median time of a GET through the Flask test client (no HTTP server in the measure)."""
         app = create_app(self.host.settings)
         client = app.test_client()
         try:
-            def page() -> None:
-                assert client.get("/train?status=failed&limit=50").status_code == 200
-            return timed(page, self.repeats * 5)
+            def get() -> None:
+                assert client.get(url).status_code == 200
+            return timed(get, self.repeats * 5)
         finally:
             app.extensions["lora_worker"].db.dispose()
 

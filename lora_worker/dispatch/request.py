@@ -12,6 +12,7 @@ from typing import Any
 
 from lora_worker.config import LORA_DTYPE, TIERS, Settings, Tier
 from lora_worker.errors import InvalidRequest
+from lora_worker.host import kohya
 from lora_worker.host.safetensors import ExpectedLora
 
 
@@ -56,7 +57,7 @@ class ResolvedRequest:
     @property
     def kohya_folder(self) -> str:
         """The dataset sub-folder sd-scripts reads repeats and class tokens from: `10_ohwx woman`."""
-        return f"{self.repeats}_{self.trigger} {self.subject_class}"
+        return kohya.folder_name(self.repeats, self.trigger, self.subject_class)
 
     def row_columns(self) -> dict[str, Any]:
         """The request as the job row records it (models.Job says which column means what)."""

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_worker.config import REPO_ROOT
+from lora_worker.host import kohya
 
 FAKES = REPO_ROOT / "tests" / "fakes"
 DATA = REPO_ROOT / "tests" / "data"  # the real captures and headers the fake is held to
@@ -143,7 +144,7 @@ def write_base_model(path: Path) -> Path:
 def write_dataset(train_dir: Path, trigger: str, subject_class: str, repeats: int, images: int) -> Path:
     """`<train_dir>/dataset/<repeats>_<trigger> <class>/imgN.png` + captions; returns the dataset dir."""
     dataset = train_dir / "dataset"
-    folder = dataset / f"{repeats}_{trigger} {subject_class}"
+    folder = dataset / kohya.folder_name(repeats, trigger, subject_class)
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(images):
         (folder / f"img{i}.png").write_bytes(_png(64, 64, shade=40 + 30 * i))

@@ -6,7 +6,9 @@ the baseline measured in the same run, their ratio, the target and whether it is
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -148,6 +150,29 @@ def render_table(title: str, rows: list[Row], notes: list[str] = ()) -> str:  # 
 
 def emit(title: str, rows: list[Row], notes: list[str] = ()) -> None:  # type: ignore[assignment]
     print(render_table(title, rows, notes), flush=True)
+    if path := os.environ.get(JSON_ENV):
+        # Appended, one line a row: `python -m bench --json FILE` runs each benchmark as its own process.
+        with open(path, "a", encoding="utf-8") as f:
+            for r in rows:
+                f.write(json.dumps(row_record(title, r)) + "\n")
+
+
+JSON_ENV = "LORA_WORKER_BENCH_JSONL"
+_QUANTITY = re.compile(r"\s*([-+]?\d[\d,]*(?:\.\d+)?)\s*([^\s(;,]*)")
+
+
+def quantity(text: str) -> tuple[float | None, str | None]:
+    """The number a cell starts with and its unit ("1.14 ms" -> (1.14, "ms")), or (None, None)."""
+    m = _QUANTITY.match(text)
+    return (float(m.group(1).replace(",", "")), m.group(2) or None) if m else (None, None)
+
+
+def row_record(title: str, r: Row) -> dict[str, Any]:
+    value, unit = quantity(r.value)
+    baseline, baseline_unit = quantity(r.baseline)
+    return {"bench": title, "metric": r.metric, "value": value, "unit": unit, "value_text": r.value,
+            "baseline": baseline, "baseline_unit": baseline_unit, "baseline_text": r.baseline,
+            "ratio": r.ratio, "target": r.target, "met": r.met}
 
 
 def arg_parser(doc: str | None) -> argparse.ArgumentParser:

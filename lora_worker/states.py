@@ -10,7 +10,7 @@ from enum import Enum
 class JobState(str, Enum):
     """Where a job is in its life. A cancel is a flag (`cancel_requested_at`), not a state."""
 
-    QUEUED = "queued"  # row written, supervisor starting
+    QUEUED = "queued"  # row written, supervisor starting (Slurm: waiting for a GPU, `queue_reason` says why)
     RUNNING = "running"  # supervisor holds the job and has (or is about to have) a trainer
     SUCCEEDED = "succeeded"  # trainer exited 0, said "model saved.", and the LoRA file verified
     FAILED = "failed"  # anything else; `failure_class` says what
@@ -47,6 +47,11 @@ class FailureClass(str, Enum):
     SUPERVISOR_LOST = "supervisor_lost"
     HOST_REBOOTED = "host_rebooted"
     LAUNCH_ERROR = "launch_error"
+    # What Slurm (run/slurm/) reports of a job it ended itself (the state table of shared/reference/slurm.md).
+    OUT_OF_MEMORY = "out_of_memory"  # OUT_OF_MEMORY: the job's cgroup hit its --mem (host RAM, not CUDA)
+    TIME_LIMIT = "time_limit"  # TIMEOUT: the job ran past its --time
+    NODE_FAIL = "node_fail"  # NODE_FAIL: the node was lost under the job (never requeued: --no-requeue)
+    SLURM_LOST = "slurm_lost"  # Slurm no longer knows the job and it left no exit status of its own
 
 
 ACTIVE_STATES = frozenset({JobState.QUEUED, JobState.RUNNING})

@@ -54,7 +54,8 @@ class Job(Base):
     __tablename__ = "jobs"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    # A real column under the one-active-job index: every job takes the one training slot of this host.
+    # A real column under the one-active-job index: a local job takes the one training slot of this host
+    # ("train"); a Slurm job one of `slurm-0` … `slurm-<max_active_jobs - 1>` (dispatch picks the first free).
     slot: Mapped[str] = mapped_column(String(16), server_default="train")
     status: Mapped[str] = mapped_column(String(16))
     phase: Mapped[str | None] = mapped_column(String(32))
@@ -131,6 +132,12 @@ class Job(Base):
     dataset_dev_ino: Mapped[str | None] = mapped_column(String(48))
     kohya_dev_ino: Mapped[str | None] = mapped_column(String(48))
     output_dev_ino: Mapped[str | None] = mapped_column(String(48))
+
+    # Where the job runs (run/backend.py): "local" (a supervisor on this host) or "slurm" (a batch job the
+    # poller follows); for Slurm, its job id once sbatch accepted it, and why it waits while it is PENDING.
+    backend: Mapped[str] = mapped_column(String(8), server_default="local")
+    slurm_job_id: Mapped[str | None] = mapped_column(String(32))
+    queue_reason: Mapped[str | None] = mapped_column(String(64))
 
     events: Mapped[list[JobEvent]] = relationship(back_populates="job", order_by="JobEvent.id",
                                                   passive_deletes=True)

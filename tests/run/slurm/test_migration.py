@@ -1,0 +1,102 @@
+"""Migration 0009: the Slurm columns and failure classes, on a rebuilt `jobs` that keeps 0007's AUTOINCREMENT
+(and the highest id ever given) and 0008's count triggers; and its downgrade."""
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+
+import pytest
+from alembic import command
+
+from lora_worker.ledger import repository as repo
+from lora_worker.ledger.db import Database
+from lora_worker.ledger.migrate import alembic_config, upgrade
+from lora_worker.states import FailureClass, JobState
+from tests.ledger.test_ledger import columns
+
+SLURM_CLASSES = ("out_of_memory", "time_limit", "node_fail", "slurm_lost")
+
+
+def sql(path: Path, query: str, *params: object) -> list[tuple]:
+    conn = sqlite3.connect(path)
+    try:
+        with conn:
+            return conn.execute(query, params).fetchall()
+    finally:
+        conn.close()
+
+
+def triggers(path: Path) -> list[tuple]:
+    return sql(path, "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' ORDER BY name")
+
+
+def old_row(path: Path, status: str) -> int:
+    """A row as a 0008 ledger holds it (the ORM already knows the new columns)."""
+    cols = {**columns(), "status": status, "created_at": "2026-12-01T10:00:00.000Z",
+            "updated_at": "2026-12-01T10:00:00.000Z", "finished_at": "2026-12-01T10:01:00.000Z", "step": 0,
+            "version": 1}
+    cols["argv"], cols["env"] = json.dumps(cols["argv"]), json.dumps(cols["env"])
+    conn = sqlite3.connect(path)
+    try:
+        with conn:
+            names = ", ".join(f'"{c}"' for c in cols)
+            cur = conn.execute(f"INSERT INTO jobs ({names}) VALUES ({', '.join('?' * len(cols))})",
+                               tuple(cols.values()))
+        return int(cur.lastrowid)
+    finally:
+        conn.close()
+
+
+def finished(db: Database, failure: str | None = None) -> int:
+    job = repo.create_job(db, columns())
+    if failure:
+        assert repo.fail_job(db, job.id, actor="test", failure_class=FailureClass(failure), sentence="x")
+    else:
+        assert repo.transition(db, job.id, JobState.CANCELLED, actor="test")
+    return job.id
+
+
+def test_upgrade_adds_the_columns_keeps_rows_ids_triggers_and_the_highest_id(tmp_path):
+    path = tmp_path / "ledger.sqlite3"
+    upgrade(path, "0008")
+    before_triggers = triggers(path)
+    ids = [old_row(path, "cancelled") for _ in range(3)]
+    sql(path, "DELETE FROM jobs WHERE id = ?", ids[-1])  # the highest id given is now only in sqlite_sequence
+    counts_before = sql(path, "SELECT metric, label, n FROM job_counts ORDER BY 1, 2")
+    upgrade(path, "0009")
+    assert triggers(path) == before_triggers  # word for word: no count changes meaning
+    assert "AUTOINCREMENT" in sql(path, "SELECT sql FROM sqlite_master WHERE name = 'jobs'")[0][0]
+    assert sql(path, "SELECT id, backend, slurm_job_id, queue_reason FROM jobs ORDER BY id") == [
+        (ids[0], "local", None, None), (ids[1], "local", None, None)]
+    assert sql(path, "SELECT metric, label, n FROM job_counts ORDER BY 1, 2") == counts_before
+    db = Database.open(path)
+    try:
+        assert finished(db, "time_limit") == ids[-1] + 1  # the pruned id is not handed out again
+        counted = dict(((m, label), n) for m, label, n in sql(path, "SELECT metric, label, n FROM job_counts"))
+        assert counted[("failure", "time_limit")] == 1  # the recreated triggers count new rows
+    finally:
+        db.dispose()
+
+
+@pytest.mark.parametrize("failure", SLURM_CLASSES)
+def test_each_slurm_failure_class_is_accepted_after_and_refused_before(tmp_path, failure):
+    path = tmp_path / "ledger.sqlite3"
+    upgrade(path)
+    db = Database.open(path)
+    job_id = finished(db, failure)
+    db.dispose()
+    command.downgrade(alembic_config(path), "0008")
+    kept = sql(path, "SELECT failure_class FROM jobs WHERE id = ?", job_id)[0][0]
+    assert kept == ("supervisor_lost" if failure == "slurm_lost" else "killed_by_signal")
+    conn = sqlite3.connect(path)
+    try:
+        with pytest.raises(sqlite3.IntegrityError, match="CHECK"), conn:
+            conn.execute("UPDATE jobs SET failure_class = ? WHERE id = ?", (failure, job_id))
+    finally:
+        conn.close()
+    assert "backend" not in sql(path, "SELECT sql FROM sqlite_master WHERE name = 'jobs'")[0][0]
+    assert [name for name, _ in triggers(path)] == sorted(
+        ["job_counts_insert", "job_counts_update", "job_counts_delete", "job_counts_reconcile"])
+    upgrade(path)  # and up again
+    assert sql(path, "SELECT backend FROM jobs WHERE id = ?", job_id) == [("local",)]

@@ -120,6 +120,21 @@ DEFAULT_STALL_LIMITS_S: Mapping[str, float] = MappingProxyType(
 )
 
 
+BACKENDS = ("local", "slurm")
+
+
+def _slurm_minutes(tier: Tier) -> int:
+    """A Slurm time limit for a tier: half an hour for loading, caching and saving, and 6 s per step (the small
+    card's slowest step is about 3 s); generous, since TIMEOUT ends a run that might have finished."""
+    return 30 + -(-tier.max_train_steps * 6 // 60)
+
+
+DEFAULT_SLURM_TIME_LIMIT_MIN: Mapping[str, int] = MappingProxyType({n: _slurm_minutes(t) for n, t in TIERS.items()})
+# Host memory (not VRAM) a job's cgroup may use: SDXL's checkpoint and text encoders load in RAM first, and the
+# 1024 px tier caches larger latents.
+DEFAULT_SLURM_MEM_MB: Mapping[str, int] = MappingProxyType({"fast": 24_000, "balanced": 24_000, "quality": 32_000})
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything the worker reads from its environment, resolved once at start-up."""
@@ -175,12 +190,43 @@ class Settings:
     # deployed unit insists on; "none" is only ever set explicitly (`make run` does, and says so, on a machine
     # without bubblewrap).
     sandbox: str = "bwrap"
+    # Where jobs run (run/backend.py): "local", this host's detached supervisor, one job at a time; or "slurm",
+    # sbatch on a cluster that sees the same train root and model paths, followed by one poller process
+    # (run/slurm/), with up to `max_active_jobs` queued or running at once (slots slurm-0 … slurm-N-1).
+    backend: str = "local"
+    max_active_jobs: int = 8
+    slurm_partition: str = "gpu"
+    slurm_log_dir: Path | None = None  # shared storage the node writes <id>.log and <id>.rc to; <state_dir>/slurm
+    slurm_bin_dir: Path | None = None  # where sbatch, squeue, sacct, scontrol and scancel are; unset: PATH
+    slurm_time_limit_min: Mapping[str, int] = field(default_factory=lambda: DEFAULT_SLURM_TIME_LIMIT_MIN)
+    slurm_mem_mb: Mapping[str, int] = field(default_factory=lambda: DEFAULT_SLURM_MEM_MB)
+    slurm_poll_interval_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.sandbox not in SANDBOXES:
             raise ConfigError(f"setting 'sandbox': {self.sandbox!r} is not one of {', '.join(SANDBOXES)}")
         if self.trainer_kind not in TRAINER_KINDS:
             raise ConfigError(f"setting 'trainer_kind': {self.trainer_kind!r} is not one of {list(TRAINER_KINDS)}")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"setting 'backend': {self.backend!r} is not one of {list(BACKENDS)}")
+        if self.backend == "slurm":
+            self._check_slurm()
+
+    def _check_slurm(self) -> None:
+        """The Slurm settings a submission and the poller rely on, refused at start-up rather than at sbatch."""
+        if not 1 <= self.max_active_jobs <= 999:  # slot names (`slurm-<k>`) fit the 16-character slot column
+            raise ConfigError(f"setting 'max_active_jobs': {self.max_active_jobs} is not between 1 and 999")
+        if not self.slurm_partition or any(c.isspace() or c in ",=" for c in self.slurm_partition):
+            raise ConfigError(f"setting 'slurm_partition': {self.slurm_partition!r} is not a partition name")
+        if not self.slurm_poll_interval_s > 0:
+            raise ConfigError(f"setting 'slurm_poll_interval_s': {self.slurm_poll_interval_s} must be above 0")
+        for name in ("slurm_time_limit_min", "slurm_mem_mb"):
+            table = getattr(self, name)
+            missing = set(TIERS) - set(table)
+            bad = sorted(k for k, v in table.items() if not isinstance(v, int) or v < 1)
+            if missing or bad:
+                raise ConfigError(f"setting {name!r}: every tier needs a whole number above 0 "
+                                  f"(missing {sorted(missing)}, invalid {bad})")
 
     @property
     def simulated(self) -> bool:
@@ -198,6 +244,10 @@ class Settings:
     @property
     def log_dir(self) -> Path:
         return self.state_dir / "logs"
+
+    @property
+    def slurm_logs(self) -> Path:
+        return self.slurm_log_dir or self.state_dir / "slurm"
 
     @property
     def hf_home_dir(self) -> Path:
@@ -230,7 +280,9 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
                               f"settings are one); a development server sets {SIMULATED_ENV}=simulated instead")
     for f in fields(Settings):
         raw = environ.get(ENV_PREFIX + f.name.upper())
-        if raw is not None and f.name not in _TABLE_FIELDS:
+        if raw is not None and f.name in _ENV_JSON_TABLES:
+            values[f.name] = _json_table(f.name, raw)  # LORA_WORKER_SLURM_MEM_MB='{"quality": 48000}'
+        elif raw is not None and f.name not in _TABLE_FIELDS:
             values[f.name] = raw
     settings = Settings(**{name: _coerce(name, value) for name, value in values.items()})
     refuse_simulated_when_deployed(settings, environ)
@@ -276,7 +328,21 @@ def settings_from_json(text: str) -> Settings:
     return Settings(**{name: _coerce(name, value) for name, value in doc.items() if value is not None})
 
 
-_TABLE_FIELDS = {"devices", "disk_mib", "stall_limits_s"}
+_ENV_JSON_TABLES = {"slurm_time_limit_min", "slurm_mem_mb"}
+_TABLE_FIELDS = {"devices", "disk_mib", "stall_limits_s"} | _ENV_JSON_TABLES
+_TIER_TABLE_DEFAULTS: Mapping[str, Mapping[str, int]] = MappingProxyType({
+    "disk_mib": DEFAULT_DISK_MIB, "slurm_time_limit_min": DEFAULT_SLURM_TIME_LIMIT_MIN,
+    "slurm_mem_mb": DEFAULT_SLURM_MEM_MB})
+
+
+def _json_table(name: str, raw: str) -> Any:
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise ConfigError(f"setting {name!r}: {ENV_PREFIX}{name.upper()} is not a JSON object: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"setting {name!r}: {ENV_PREFIX}{name.upper()} is not a JSON object")
+    return value
 _FIELD_TYPES = {f.name: str(f.type) for f in fields(Settings)}
 
 
@@ -298,8 +364,8 @@ def _coerce(name: str, value: Any) -> Any:
     try:
         if name == "devices":
             return _devices(value)
-        if name in ("disk_mib", "stall_limits_s"):
-            default = DEFAULT_DISK_MIB if name == "disk_mib" else DEFAULT_STALL_LIMITS_S
+        if name in ("stall_limits_s", *_TIER_TABLE_DEFAULTS):
+            default = _TIER_TABLE_DEFAULTS.get(name, DEFAULT_STALL_LIMITS_S)
             unknown = set(map(str, dict(value))) - set(default)
             if unknown:  # `trainig = 60` would otherwise leave the real limit at its default, silently
                 raise KeyError(f"unknown key(s) {sorted(unknown)}; known: {sorted(default)}")
@@ -360,5 +426,5 @@ def _devices(table: Mapping[str, Any]) -> Mapping[int, DeviceProfile]:
 
 __all__ = ["Settings", "Tier", "DeviceProfile", "TIERS", "SDXL_HPARAMS", "LORA_TARGET_PRESETS",
            "DEFAULT_LORA_TARGETS", "SAVE_PRECISION_DTYPES", "LORA_DTYPE", "DEFAULT_DEVICES", "TRAINER_KINDS",
-           "SIMULATED", "load_settings", "refuse_simulated_when_deployed",
+           "SIMULATED", "BACKENDS", "load_settings", "refuse_simulated_when_deployed",
            "settings_to_json", "settings_from_json"]

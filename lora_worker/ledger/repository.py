@@ -72,6 +72,23 @@ def record_output_identity(db: Database, job_id: int, dev_ino: str) -> None:
                   .values(output_dev_ino=dev_ino))
 
 
+def record_slurm_job(db: Database, job_id: int, slurm_job_id: str) -> bool:
+    """The id sbatch gave the job (run/slurm/), written once; False if the row is no longer queued."""
+    with db.write() as s:
+        result = s.execute(update(Job).where(Job.id == job_id, Job.status == JobState.QUEUED.value,
+                                             Job.slurm_job_id.is_(None))
+                           .values(slurm_job_id=slurm_job_id, updated_at=utcnow(), version=Job.version + 1))
+        return result.rowcount == 1
+
+
+def record_queue_reason(db: Database, job_id: int, reason: str | None) -> bool:
+    """Why Slurm keeps a queued job waiting (Resources, Priority…); a change a long poll sees (version)."""
+    with db.write() as s:
+        result = s.execute(update(Job).where(Job.id == job_id, Job.status == JobState.QUEUED.value)
+                           .values(queue_reason=reason, updated_at=utcnow(), version=Job.version + 1))
+        return result.rowcount == 1
+
+
 def durations_of_similar_jobs(db: Database, *, tier: str, device_index: int, image_count: int,
                               limit: int = 25) -> list[float]:
     """Wall seconds (start to finish) of the latest succeeded jobs of this tier, device and image count."""
@@ -200,6 +217,8 @@ def failure_text(sentence: str, log_lines: Sequence[str] = ()) -> str:
 
 def request_cancel(db: Database, job_id: int, *, actor: str, reason: str = "cancel requested") -> Job:
     """Flag a job for cancellation. A queued job is cancelled at once; a finished one is JobFinished.
+    A queued Slurm job is only flagged, like a running one: it may start on a node any moment, and its row
+    becomes `cancelled` once the poller's scancel has ended it (run/slurm/poller.py).
 
     Cancelling twice is harmless: the flag keeps its first timestamp and no second event is written.
     """
@@ -212,13 +231,13 @@ def request_cancel(db: Database, job_id: int, *, actor: str, reason: str = "canc
             raise JobFinished(f"Job {job_id} already ended ({state.value}); there is nothing to cancel.",
                               job_id=job_id, status=state.value)
         now = utcnow()
-        if state is JobState.QUEUED:
+        if state is JobState.QUEUED and job.backend != "slurm":
             transition_in(s, job_id, JobState.CANCELLED, actor=actor, reason=reason,
                           cancel_requested_at=now)
         elif job.cancel_requested_at is None:
             flagged = s.execute(
                 update(Job)
-                .where(Job.id == job_id, Job.status == JobState.RUNNING.value, Job.cancel_requested_at.is_(None))
+                .where(Job.id == job_id, Job.status == state.value, Job.cancel_requested_at.is_(None))
                 .values(cancel_requested_at=now, updated_at=now, version=Job.version + 1)
             )
             if flagged.rowcount == 1:

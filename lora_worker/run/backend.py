@@ -1,13 +1,14 @@
 """Where a job's run happens, behind one small interface: the web and dispatch start runs and reconcile asks
 after them only through a `Backend`, never through the supervisor's process or lock files themselves.
 
-Today's backend is `LocalBackend` (run/local.py): a detached supervisor on this host, attending the job while
-it holds the job's flock. A cluster backend (Slurm) fits without touching web/ or ledger/:
-  - `launch` submits the job (`sbatch` of `python -m lora_worker.run <job_id>` on a node that sees the same
-    ledger, settings and train root) and returns once the scheduler accepted it, or raises LaunchFailed;
-  - `attended` answers from the scheduler (the allocation is pending or running) rather than from a lock on
-    this host, so reconcile never fails a job that is merely queued on the cluster;
-  - a cancel needs nothing of the backend: the supervisor, wherever it runs, polls the ledger for it.
+`LocalBackend` (run/local.py, `backend = "local"`): a detached supervisor on this host, attending the job while
+it holds the job's flock. `SlurmBackend` (run/slurm/, `backend = "slurm"`):
+  - `launch` submits the job (`sbatch` of a batch script running the stored argv on a node that sees the same
+    train root and model paths) and returns once the scheduler accepted it and the poller runs, or raises
+    LaunchFailed;
+  - `attended` is the poller's lock (or, without a poller, whether Slurm still knows the job), so reconcile
+    never fails a job that is merely queued on the cluster;
+  - a cancel needs nothing of the backend: the API flags the row and the poller scancels.
 `backend_for(settings)` is the one place that picks a backend, so adding one changes this package only.
 """
 from __future__ import annotations
@@ -31,5 +32,12 @@ class Backend(Protocol):
 
 
 def backend_for(settings: Settings, launch: Launch | None = None) -> Backend:
-    """The backend the settings ask for (today always the local one), or one that starts runs with `launch`."""
-    return LocalBackend() if launch is None else LaunchOnly(launch)
+    """The backend the settings ask for (`backend = "local"` or `"slurm"`), or a local one that starts runs
+    with `launch` (a test's recorder)."""
+    if launch is not None:
+        return LaunchOnly(launch)
+    if settings.backend == "slurm":
+        from lora_worker.run.slurm.backend import SlurmBackend  # only a Slurm worker loads it
+
+        return SlurmBackend()
+    return LocalBackend()

@@ -1,0 +1,168 @@
+"""Thin wrappers over Slurm's commands, and the parsing of what they print. Nothing here decides anything.
+
+Formats (Slurm 22.05, the version the reference ran; each is what a test feeds back):
+- `sbatch --parsable` prints `<jobid>` or `<jobid>;<cluster>`;
+- `squeue --noheader --states=all --jobs=<ids> --format=%i|%T|%r` prints `123|PENDING|Resources`; an id it
+  does not know makes it fail with `Invalid job id specified` (a single id) or leaves the id out (several);
+- `sacct --noheader --parsable2 --allocations --jobs=<ids> --format=JobID,State,ExitCode,Reason` prints
+  `123|CANCELLED by 0|0:15|None`: the state's first word is the state, ExitCode is `<code>:<signal>` (codes
+  above 127 are truncated, which is why the batch script records the trainer's status itself);
+- `scontrol show job --oneliner <id>` prints `JobId=123 JobName=lora-1 … JobState=FAILED Reason=… ExitCode=200:0`.
+
+A command that cannot run, times out or fails for another reason raises SchedulerUnavailable: the caller
+then knows nothing this cycle, which is not the same as "Slurm does not know the job".
+"""
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+COMMAND_TIMEOUT_S = 30.0
+Run = Callable[[list[str]], "Result"]
+
+
+@dataclass(frozen=True)
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+class SchedulerUnavailable(Exception):
+    """A Slurm command did not answer (not installed, slurmctld down, timed out, refused)."""
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """One job as a Slurm command reported it."""
+
+    job_id: str
+    state: str  # the state word: PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, OUT_OF_MEMORY, TIMEOUT, …
+    reason: str | None = None  # why it pends (Resources, Priority, BeginTime); None for "None"
+    exit_code: int | None = None  # ExitCode's first half (sacct truncates it above 127)
+    exit_signal: int | None = None  # ExitCode's second half
+    detail: str = ""  # the state as printed ("CANCELLED by 0"), for a sentence
+
+
+def run_command(argv: list[str]) -> Result:
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False,  # noqa: S603
+                              stdin=subprocess.DEVNULL, errors="replace")
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise SchedulerUnavailable(f"{argv[0]}: {exc}") from exc
+    return Result(done.returncode, done.stdout, done.stderr)
+
+
+class Scheduler:
+    """Slurm's commands from `bin_dir` (or PATH), run through `run` (a test passes recorded outputs)."""
+
+    def __init__(self, bin_dir: Path | None = None, run: Run = run_command) -> None:
+        self.bin_dir = bin_dir
+        self.run = run
+
+    def command(self, name: str) -> str:
+        return str(self.bin_dir / name) if self.bin_dir else name
+
+    def _call(self, name: str, *args: str) -> Result:
+        return self.run([self.command(name), *args])
+
+    def _ok(self, name: str, *args: str) -> str:
+        result = self._call(name, *args)
+        if result.returncode != 0:
+            raise SchedulerUnavailable(f"{name} exited {result.returncode}: {result.stderr.strip()[:500]}")
+        return result.stdout
+
+    # -- submission and signals -------------------------------------------------------------------------
+
+    def submit(self, options: list[str], script: Path) -> str:
+        """The new job's id, once sbatch accepted the script; SchedulerUnavailable with sbatch's words if not."""
+        return parse_sbatch(self._ok("sbatch", *options, str(script)))
+
+    def cancel(self, job_id: str, signal: str | None = None) -> None:
+        """`scancel <id>`, or with a signal `scancel --signal=<sig> --full <id>`: the batch shell and every
+        process of the job get it (proctrack/cgroup finds those that left the process group)."""
+        args = [f"--signal={signal}", "--full", job_id] if signal else [job_id]
+        self._ok("scancel", *args)
+
+    # -- asking after jobs ------------------------------------------------------------------------------
+
+    def queue(self, job_ids: Iterable[str]) -> dict[str, SlurmJob]:
+        """What slurmctld knows of these jobs now (pending, running, and ended ones for MinJobAge)."""
+        ids = sorted(set(job_ids))
+        if not ids:
+            return {}
+        result = self._call("squeue", "--noheader", "--states=all", f"--jobs={','.join(ids)}", "--format=%i|%T|%r")
+        if result.returncode != 0:
+            if "Invalid job id" in result.stderr:
+                return {}  # none of them is known any more
+            raise SchedulerUnavailable(f"squeue exited {result.returncode}: {result.stderr.strip()[:500]}")
+        return {j.job_id: j for j in parse_squeue(result.stdout) if j.job_id in ids}
+
+    def accounting(self, job_ids: Iterable[str]) -> dict[str, SlurmJob]:
+        """What slurmdbd recorded of these jobs (it outlives slurmctld's memory of them)."""
+        ids = sorted(set(job_ids))
+        if not ids:
+            return {}
+        out = self._ok("sacct", "--noheader", "--parsable2", "--allocations", f"--jobs={','.join(ids)}",
+                       "--format=JobID,State,ExitCode,Reason")
+        return {j.job_id: j for j in parse_sacct(out) if j.job_id in ids}
+
+    def show(self, job_id: str) -> SlurmJob | None:
+        """`scontrol show job`: slurmctld's full record (its ExitCode is not truncated), None once forgotten."""
+        result = self._call("scontrol", "show", "job", "--oneliner", job_id)
+        if result.returncode != 0:
+            if "Invalid job id" in result.stderr:
+                return None
+            raise SchedulerUnavailable(f"scontrol exited {result.returncode}: {result.stderr.strip()[:500]}")
+        return parse_scontrol(result.stdout)
+
+
+def parse_sbatch(out: str) -> str:
+    job_id = out.strip().split(";", 1)[0]
+    if not job_id.isdigit():
+        raise SchedulerUnavailable(f"sbatch printed no job id: {out.strip()[:200]!r}")
+    return job_id
+
+
+def parse_squeue(out: str) -> list[SlurmJob]:
+    jobs = []
+    for line in out.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) >= 3 and parts[0]:
+            jobs.append(SlurmJob(parts[0], parts[1].strip(), _reason(parts[2]), detail=parts[1].strip()))
+    return jobs
+
+
+def parse_sacct(out: str) -> list[SlurmJob]:
+    jobs = []
+    for line in out.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) < 3 or not parts[0]:
+            continue
+        code, signal = _exit_code(parts[2])
+        state = parts[1].split(" ", 1)[0] if parts[1] else ""
+        jobs.append(SlurmJob(parts[0], state, _reason(parts[3]) if len(parts) > 3 else None, code, signal,
+                             detail=parts[1]))
+    return jobs
+
+
+def parse_scontrol(out: str) -> SlurmJob | None:
+    fields = dict(token.split("=", 1) for token in out.split() if "=" in token)
+    if "JobId" not in fields:
+        return None
+    code, signal = _exit_code(fields.get("ExitCode", ""))
+    state = fields.get("JobState", "")
+    return SlurmJob(fields["JobId"], state, _reason(fields.get("Reason", "")), code, signal, detail=state)
+
+
+def _reason(text: str) -> str | None:
+    text = text.strip()
+    return None if text in ("", "None", "(null)") else text.strip("()")
+
+
+def _exit_code(text: str) -> tuple[int | None, int | None]:
+    code, _, signal = text.strip().partition(":")
+    return (int(code) if code.isdigit() else None, int(signal) if signal.isdigit() else None)
+

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from lora_worker.ledger import repository as repo
 from lora_worker.run.slurm.poller import UNKNOWN_CYCLES
 from lora_worker.run.slurm.sbatch import log_path
 from tests.run.slurm.conftest import SlurmWorker, steps_bar
@@ -201,6 +202,5 @@ def test_a_job_that_ran_between_two_cycles_still_passes_through_running(slurm: S
     slurm.scheduler.set(job.slurm_job_id, "FAILED", code=3, signal=0)
     slurm.cycles()
     assert slurm.job(job.id).status == "failed"
-    events = [(e.from_status, e.to_status) for e in __import__("lora_worker.ledger.repository", fromlist=["x"])
-              .job_events(slurm.db, job.id)]
+    events = [(e.from_status, e.to_status) for e in repo.job_events(slurm.db, job.id)]
     assert ("queued", "running") in events and ("running", "failed") in events

@@ -69,6 +69,7 @@ class Followed:
     term_sent_at: float | None = None
     kill_sent: bool = False
     watchdog: Watchdog | None = None  # from the first cycle that sees the job run
+    final: tuple[Outcome, dict[str, object]] | None = None  # the outcome, once decided
     training_at: datetime | None = None
     points: dict[int, float | None] = field(default_factory=dict)
 
@@ -142,8 +143,12 @@ class Poller:
         if job.slurm_job_id is None:
             self._unsubmitted(job)
             return
-        self._read_log(f, now)
+        if f.final is None:
+            self._read_log(f, now)
         where = stage(known)
+        if f.final is not None:  # decided already; only its write is left
+            self._finish(f, known)
+            return
         if where == "running" and f.watchdog is None:
             f.watchdog = Watchdog(self.settings.stall_limits_s, now)
         if where == "running" and f.watchdog.stalled_in is None and job.cancel_requested_at is None \
@@ -279,23 +284,26 @@ class Poller:
 
     def _finish(self, f: Followed, known: SlurmJob | None) -> None:
         job = f.job
-        self._read_log(f, self.monotonic())
-        f.output.end()
-        recorded = self._recorded_status(job)
-        artifact: list[ArtifactCheck] = []
+        if f.final is None:  # decided once; a write the ledger refused is retried next cycle, as decided
+            self._read_log(f, self.monotonic())
+            f.output.end()
+            recorded = self._recorded_status(job)
+            artifact: list[ArtifactCheck] = []
 
-        def verify() -> ArtifactCheck:
-            artifact.append(verify_lora(Path(job.lora_file), recorded_lora(job)))  # held to the row
-            return artifact[-1]
+            def verify() -> ArtifactCheck:
+                artifact.append(verify_lora(Path(job.lora_file), recorded_lora(job)))  # held to the row
+                return artifact[-1]
 
-        outcome = settle(known, slurm_job_id=job.slurm_job_id or "?", recorded=recorded,
-                         cancel_requested=job.cancel_requested_at is not None,
-                         stalled_in=f.watchdog.stalled_in if f.watchdog else None, progress=f.output.progress,
-                         log_tail=f.output.tail, verify=verify)
-        extra = _artifact_values(job, artifact[-1]) if artifact and outcome.state is JobState.SUCCEEDED else {}
-        f.output.note(f"Slurm job {job.slurm_job_id}: {known.detail if known else 'unknown to Slurm'}; recorded "
-                      f"return code {recorded}; the job is {outcome.state.value}"
-                      + (f" ({outcome.failure_class.value})" if outcome.failure_class else ""))
+            outcome = settle(known, slurm_job_id=job.slurm_job_id or "?", recorded=recorded,
+                             cancel_requested=job.cancel_requested_at is not None,
+                             stalled_in=f.watchdog.stalled_in if f.watchdog else None, progress=f.output.progress,
+                             log_tail=f.output.tail, verify=verify)
+            extra = _artifact_values(job, artifact[-1]) if artifact and outcome.state is JobState.SUCCEEDED else {}
+            f.output.note(f"Slurm job {job.slurm_job_id}: {known.detail if known else 'unknown to Slurm'}; "
+                          f"recorded return code {recorded}; the job is {outcome.state.value}"
+                          + (f" ({outcome.failure_class.value})" if outcome.failure_class else ""))
+            f.final = (outcome, extra)
+        outcome, extra = f.final
         running = job.status == JobState.RUNNING.value
         if not running and outcome.state is not JobState.CANCELLED:
             running = self._started(job)  # it ran between two cycles: a terminal state comes through `running`

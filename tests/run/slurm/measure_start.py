@@ -4,7 +4,6 @@ scheduler adds its own). Not a test: `PYTHONPATH=. python tests/run/slurm/measur
 import json
 import os
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path

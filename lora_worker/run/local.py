@@ -10,16 +10,19 @@ from __future__ import annotations
 import os
 import select
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from lora_worker.config import Settings, settings_to_json
 from lora_worker.errors import LaunchFailed
 from lora_worker.host.locks import is_locked, job_lock_path
+
+if TYPE_CHECKING:
+    import subprocess
 
 Launch = Callable[[int, Settings], None]
 
@@ -50,6 +53,8 @@ def start_detached(argv: list[str], env: dict[str, str], *, what: str, job_id: i
     we started is only the first of a double fork: it is reaped here (a pidfd tells when it has exited), so
     nothing is left for the web worker to reap later: no zombie, whatever gunicorn does with SIGCHLD.
     """
+    import subprocess  # here, not above: the supervisor imports this module before it takes its lock
+
     deadline = time.monotonic() + timeout_s
     ready_r, ready_w = os.pipe()  # both close-on-exec: only the child gets ready_w, through pass_fds
     try:

@@ -111,6 +111,8 @@ class Worker:
         job = repo.request_cancel(self.db, job_id, actor="api")
         if job.status == JobState.RUNNING.value:
             # The flag is committed; the supervisor would see it at its next poll (0.5 s). This wakes it now.
+            # Any backend's: the row names its supervisor's process, and one on another host (another boot
+            # id) or none at all is simply left to that poll.
             wake_supervisor(job.boot_id, job.supervisor_pid, job.supervisor_start_ticks)
         return self._wait(job, wait_s, lambda j: JobState(j.status) in TERMINAL_STATES)
 

@@ -89,16 +89,21 @@ def _readable(fd: int, deadline: float) -> bool:
 def _reap(proc: subprocess.Popen[bytes], deadline: float) -> int:
     """The first process's exit status, killing it if it has not exited by `deadline`. Once the pipe spoke
     it has forked already, so this is at most its own exit; its pidfd says when, without a polling wait."""
+    import subprocess
+
     try:
         pidfd = os.pidfd_open(proc.pid)
-    except OSError:  # pidfds need Linux 5.3; the process may also have been killed from outside
-        pidfd = None
+    except OSError:  # a kernel without pidfds (before 5.3): Popen's own wait, which polls
+        try:
+            return proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
     try:
-        if pidfd is None or not _readable(pidfd, deadline):
+        if not _readable(pidfd, deadline):
             proc.kill()  # the supervisor, in a session of its own, is not touched by this
     finally:
-        if pidfd is not None:
-            os.close(pidfd)
+        os.close(pidfd)
     return proc.wait()
 
 

@@ -129,3 +129,16 @@ def test_the_real_supervisor_holds_its_job_lock_when_the_launch_returns(migrated
     done = wait_for(lambda: (j := repo.get_job(db, job.id)).status not in ("queued", "running") and j,
                     timeout=30, what="the job's end")
     assert done.failure_class == "launch_error"
+
+
+def test_without_pidfds_the_first_process_is_still_reaped_and_a_hang_still_times_out(tmp_path, stand_ins,
+                                                                                     monkeypatch):
+    def no_pidfds(pid: int) -> int:
+        raise OSError(38, "Function not implemented")  # ENOSYS: a kernel before 5.3
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfds)
+    launch(tmp_path, stand_ins, "ready", n=0)
+    assert no_zombie_children()
+    with pytest.raises(LaunchFailed, match=r"did not start in 0\.5s"):
+        launch(tmp_path, stand_ins, "hang-unforked", timeout_s=0.5, n=1)
+    assert no_zombie_children()

@@ -4,6 +4,7 @@ processes. `TrainerProcess` is the started trainer: the leader of its group and 
 from __future__ import annotations
 
 import os
+import select
 import selectors
 import signal
 import subprocess
@@ -21,13 +22,18 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class TrainerProcess:
     """The trainer's process group as the run loop sees it: its leader (the launcher) and one merged pipe."""
 
-    def __init__(self, popen: subprocess.Popen[bytes]) -> None:
+    def __init__(self, popen: subprocess.Popen[bytes], wake_fd: int | None = None) -> None:
         assert popen.stdout is not None
         self._popen = popen
         self._fd = popen.stdout.fileno()
         os.set_blocking(self._fd, False)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._fd, selectors.EVENT_READ)
+        self._wake = [] if wake_fd is None else [wake_fd]
+        if wake_fd is not None:
+            # A wake-up ends the wait for output too (read then finds nothing and says b""): the loop goes
+            # on to look at the ledger at once. The host's `woken` drains it.
+            self._selector.register(wake_fd, selectors.EVENT_READ)
         self._eof = False
 
     @property
@@ -44,7 +50,7 @@ class TrainerProcess:
     def read(self, timeout: float) -> bytes | None:
         """What the pipe holds, waiting up to `timeout` for some: b"" if nothing came, None at end of file."""
         if self._eof:
-            time.sleep(timeout)  # as a select on no descriptor would: the caller's loop keeps its pace
+            select.select(self._wake, [], [], timeout)  # the caller's loop keeps its pace, a wake-up ends it
             return None
         if not self._selector.select(timeout):
             return b""
@@ -65,7 +71,13 @@ class TrainerProcess:
 
 class ProcessHost:
     """Every OS call the run loop makes, in one object, so its rules can be tested against a recording fake
-    with a fake clock (tests/run/fake_host.py) instead of real processes."""
+    with a fake clock (tests/run/fake_host.py) instead of real processes.
+
+    `wake_fd` is the read end of the wake-up pipe (run/local.py `listen_for_wakeups`): readable once a signal
+    came. The loop's waits (`pause`, and the trainer's `read`) end on it; without one they wait their time."""
+
+    def __init__(self, wake_fd: int | None = None) -> None:
+        self.wake_fd = wake_fd
 
     def monotonic(self) -> float:
         return time.monotonic()
@@ -75,6 +87,27 @@ class ProcessHost:
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
+
+    def pause(self, seconds: float) -> None:
+        """Wait `seconds`, or less if a wake-up is pending or comes meanwhile (it is left for `woken`)."""
+        if self.wake_fd is None:
+            time.sleep(seconds)
+        else:
+            select.select([self.wake_fd], [], [], seconds)
+
+    def woken(self) -> bool:
+        """Whether a wake-up came since the last call; takes it off the pipe."""
+        if self.wake_fd is None:
+            return False
+        got = False
+        while True:
+            try:
+                data = os.read(self.wake_fd, 64)
+            except BlockingIOError:
+                return got
+            if not data:
+                return got
+            got = True
 
     def identity(self, pid: int | None = None) -> processes.Identity | None:
         return processes.identity_of(os.getpid() if pid is None else pid)
@@ -91,7 +124,7 @@ class ProcessHost:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
             umask=0o002,  # outputs readable and writable by the shared group (arbo)
         )
-        return TrainerProcess(popen)
+        return TrainerProcess(popen, self.wake_fd)
 
     def signal_group(self, pgid: int, sig: int) -> bool:
         return processes.signal_group(pgid, sig)

@@ -7,7 +7,7 @@ import signal
 
 from lora_worker.config import load_settings, settings_from_json
 from lora_worker.logs import configure_logging
-from lora_worker.run.local import SETTINGS_ENV
+from lora_worker.run.local import READY, SETTINGS_ENV, listen_for_wakeups
 from lora_worker.host.locks import job_lock_path, take_lock
 
 log = logging.getLogger(__name__)
@@ -16,6 +16,7 @@ LOCK_WAIT_S = 10.0
 
 def serve(job_id: int, ready_fd: int) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # the session it came from may close its terminal
+    wake_fd = listen_for_wakeups()  # before the row names this process, so its first wake-up lands
     configure_logging(job_id=job_id)
     raw = os.environ.get(SETTINGS_ENV)
     settings = settings_from_json(raw) if raw else load_settings()
@@ -24,7 +25,7 @@ def serve(job_id: int, ready_fd: int) -> int:
         log.error("job %s: another supervisor holds the job lock", job_id)
         os.close(ready_fd)
         return 1
-    os.write(ready_fd, b"1")
+    os.write(ready_fd, READY)
     os.close(ready_fd)
     # Imported only now: the web's POST /train waits for the lock above, not for SQLAlchemy to load.
     from lora_worker.run.seam import SupervisorHost
@@ -34,4 +35,4 @@ def serve(job_id: int, ready_fd: int) -> int:
     # NORMAL: a power loss kills the run anyway, and the boot id reconciles it.
     db = Database.open(settings.database_path, busy_timeout_s=settings.supervisor_busy_timeout_s,
                        synchronous="NORMAL")
-    return attend(job_id, settings, SupervisorHost(), db, lock_fd)  # releases the job lock last
+    return attend(job_id, settings, SupervisorHost(wake_fd), db, lock_fd)  # releases the job lock last

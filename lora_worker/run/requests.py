@@ -1,5 +1,9 @@
-"""Reasons to stop that come from outside the trainer: a cancel or a lost row in the ledger, polled twice a
-second, and SIGTERM or SIGINT to the supervisor itself, noted by the handler and acted on by the loop."""
+"""Reasons to stop that come from outside the trainer: a cancel or a lost row in the ledger, and SIGTERM or
+SIGINT to the supervisor itself, noted by the handler and acted on by the loop.
+
+The ledger is looked at twice a second, and at once after a wake-up: the web's cancel signals the supervisor
+(run/local.py `wake_supervisor`) right after it flagged the row. The poll stays: a wake-up can be lost (a
+signal blocked, an ops tool that flags the row without one), and a row ended elsewhere sends none."""
 from __future__ import annotations
 
 import logging
@@ -25,12 +29,17 @@ class StopRequests:
         self.stopper = stopper
         self.signalled: int | None = None
         self.last_poll = 0.0
+        self.woken = False  # a wake-up came: look at the ledger on the next check, whatever the poll's time
 
     def on_signal(self, signum: int) -> None:
         self.signalled = signum  # acted on by the loop, never in the handler
 
+    def wake(self) -> None:
+        self.woken = True
+
     def check(self, trainer: Trainer, now: float) -> None:
-        if now - self.last_poll >= CANCEL_POLL_S:
+        if self.woken or now - self.last_poll >= CANCEL_POLL_S:
+            self.woken = False
             self.last_poll = now
             self._poll_ledger(trainer)
         if self.signalled is not None:

@@ -175,13 +175,15 @@ class JobRun:
             while self.reader.open or trainer.poll() is None:
                 started = self.host.monotonic()
                 busy = self.reader.pump(trainer)
+                if self.host.woken():
+                    self.requests.wake()  # a cancel's signal: the ledger is looked at on this very pass
                 now = self.host.monotonic()
                 self._check_exit(trainer, now)
                 self._tick(trainer, now)
                 if not busy:
                     # Let output gather in the pipe: one wake-up, read and parse per COALESCE_S instead of one
-                    # per redraw. Nothing here must react faster; the ledger is written once a second.
-                    self.host.sleep(max(0.0, COALESCE_S - (self.host.monotonic() - started)))
+                    # per redraw. The ledger is written once a second; only a wake-up ends the pause early.
+                    self.host.pause(max(0.0, COALESCE_S - (self.host.monotonic() - started)))
         finally:
             restore()
         self.output.end()

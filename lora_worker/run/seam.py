@@ -45,6 +45,12 @@ class RunHost(Protocol):
 
     def sleep(self, seconds: float) -> None: ...
 
+    def pause(self, seconds: float) -> None:
+        """The loop's wait between passes: `seconds`, or less once a wake-up is pending (a cancel's signal)."""
+
+    def woken(self) -> bool:
+        """Whether a wake-up came since the last call (the trainer's `read` also ends early on one)."""
+
     def identity(self, pid: int | None = None) -> Identity | None:
         """Who `pid` (default: this process) is, in a form that survives pid reuse."""
 

@@ -21,6 +21,7 @@ from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, ProgressPoint
 from lora_worker.reconcile import current_job, reconcile
 from lora_worker.run.backend import Backend
+from lora_worker.run.local import wake_supervisor
 from lora_worker.run.logfile import LogChunk, LogReader
 from lora_worker.states import TERMINAL_STATES, JobState
 
@@ -108,6 +109,11 @@ class Worker:
         or after `wait_s` seconds with its state then. The wait takes a long-poll slot like GET's."""
         self._job_now(job_id)
         job = repo.request_cancel(self.db, job_id, actor="api")
+        if job.status == JobState.RUNNING.value:
+            # The flag is committed; the supervisor would see it at its next poll (0.5 s). This wakes it now.
+            # Any backend's: the row names its supervisor's process, and one on another host (another boot
+            # id) or none at all is simply left to that poll.
+            wake_supervisor(job.boot_id, job.supervisor_pid, job.supervisor_start_ticks)
         return self._wait(job, wait_s, lambda j: JobState(j.status) in TERMINAL_STATES)
 
     def gpu_status(self) -> dict[str, Any]:

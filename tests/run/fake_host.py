@@ -53,6 +53,7 @@ class FakeHost:
         self.locks_refused: set[str] = set()
         self.locks: dict[int, str] = {}
         self.signal_handler: Callable[[int], None] | None = None
+        self.wake_pending = False  # a byte on the wake-up pipe: a signal came (the web's cancel, SIGTERM)
         self._next_fd = 10
         self._seq = 0
 
@@ -77,9 +78,16 @@ class FakeHost:
         return next(e for e in self.events if e.kind == kind and e.detail[:len(detail)] == detail)
 
     def deliver(self, signum: int) -> None:
-        """The supervisor receives `signum` (systemd stopping the unit)."""
+        """The supervisor receives `signum` (systemd stopping the unit): its handler runs, and, as with the
+        real wake-up fd, the interpreter writes a byte to the wake-up pipe."""
         assert self.signal_handler is not None, "no handler installed"
         self.signal_handler(signum)
+        self.wake()
+
+    def wake(self) -> None:
+        """The wake-up signal arrives (the web's cancel): the pipe the loop waits on becomes readable."""
+        self.record("wake")
+        self.wake_pending = True
 
     def advance(self, seconds: float, until: Callable[[], bool] | None = None) -> None:
         """Let `seconds` pass, firing what falls due; stop early once `until()` holds."""
@@ -102,6 +110,14 @@ class FakeHost:
 
     def sleep(self, seconds: float) -> None:
         self.advance(seconds)
+
+    def pause(self, seconds: float) -> None:
+        if not self.wake_pending:  # a pending byte makes the real select return at once
+            self.advance(seconds, until=lambda: self.wake_pending)
+
+    def woken(self) -> bool:
+        got, self.wake_pending = self.wake_pending, False
+        return got
 
     def identity(self, pid: int | None = None) -> Identity | None:
         return Identity("fake-boot", SUPERVISOR_PID if pid is None else pid, 777)
@@ -253,10 +269,14 @@ class FakeJob:
     def read(self, timeout: float) -> bytes | None:
         assert self.host is not None
         if self._eof:
-            self.host.advance(timeout)
+            host = self.host
+            if not host.wake_pending:
+                host.advance(timeout, until=lambda: host.wake_pending)
             return None
-        if not self.pipe and self._pipe_open():
-            self.host.advance(timeout, until=lambda: bool(self.pipe) or not self._pipe_open())
+        if not self.pipe and self._pipe_open() and not self.host.wake_pending:
+            # As the real read's select: output, the end of the pipe, or a wake-up ends the wait.
+            host = self.host
+            host.advance(timeout, until=lambda: bool(self.pipe) or not self._pipe_open() or host.wake_pending)
         if self.pipe:
             data = bytes(self.pipe[:READ_BYTES])
             del self.pipe[:READ_BYTES]

@@ -228,6 +228,48 @@ def test_a_cancel_works_in_every_phase_and_leaves_nothing_alive(host, settings, 
     assert (done.status, done.phase, done.lora_path, done.lora_sha256) == ("cancelled", phase.value, None, None)
 
 
+# -- the wake-up: a cancel's signal makes the loop look at once --------------------------------------------
+
+# Instants within one of the loop's passes (a read of up to 0.2 s, then the pause to 0.25 s): during the
+# wait for output, and during the pause after it.
+CANCEL_AT = [3.013, 3.113, 3.213, 3.237]
+
+
+def cancel_woken(host: FakeHost, client_db, at: float, *, wake: bool) -> None:
+    def flag() -> None:
+        repo.request_cancel(client_db, 1, actor="api")
+        if wake:
+            host.wake()  # what the web sends once the flag is committed
+    host.at(T0 + at, flag)
+
+
+@pytest.mark.parametrize("at", CANCEL_AT)
+def test_a_wake_up_makes_the_loop_look_at_the_ledger_at_once(host, settings, db, client_db, at):
+    cancel_woken(host, client_db, at, wake=True)
+    job_id = supervise(host, settings, db, hanging_in_training())
+    (term,) = host.signals(TERM)
+    assert term.at - (T0 + at) < 1e-6  # the same instant of the fake clock: no poll period waited out
+    assert repo.get_job(client_db, job_id).status == "cancelled"
+
+
+@pytest.mark.parametrize("at", CANCEL_AT)
+def test_with_the_wake_up_lost_the_poll_still_cancels(host, settings, db, client_db, at):
+    cancel_woken(host, client_db, at, wake=False)
+    job_id = supervise(host, settings, db, hanging_in_training())
+    (term,) = host.signals(TERM)
+    assert 0 < term.at - (T0 + at) <= requests.CANCEL_POLL_S + runner.COALESCE_S
+    assert repo.get_job(client_db, job_id).status == "cancelled"
+
+
+def test_a_wake_up_with_no_cancel_flagged_changes_nothing(host, settings, db, client_db):
+    job = hanging_in_training().exit(5.0, 1)
+    for at in (1.0, 2.05, 3.3):
+        host.at(T0 + at, host.wake)
+    job_id = supervise(host, settings, db, job)
+    assert host.signals(TERM) == []
+    assert repo.get_job(client_db, job_id).failure_class == "trainer_crashed"
+
+
 # -- the ledger while it runs ------------------------------------------------------------------------------
 
 def test_the_ledger_is_written_about_once_an_interval_not_once_a_step(host, settings, db, client_db, ledger):

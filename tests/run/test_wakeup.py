@@ -1,0 +1,148 @@
+"""A cancel in tens of milliseconds: the web's cancel wakes the supervisor (run/local.py `wake_supervisor`) and
+the run loop's waits end on the wake-up fd (the loop's rule, that it then looks at the ledger on that very
+pass, is in test_loop_rules.py). Only the process the row recorded (boot id, pid, start time) is ever
+signalled."""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from lora_worker.host import processes
+from lora_worker.host.process_host import ProcessHost
+from lora_worker.run.local import WAKE_SIGNAL, listen_for_wakeups, wake_supervisor
+from tests.helpers import wait_for
+
+# -- the real host's waits -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def wake_fd():
+    """The supervisor's wake-up set-up (run/main.py), in this test process; put back afterwards."""
+    previous = signal.getsignal(WAKE_SIGNAL)
+    fd = listen_for_wakeups()
+    yield fd
+    old_w = signal.set_wakeup_fd(-1)
+    signal.signal(WAKE_SIGNAL, previous)
+    os.close(fd)
+    os.close(old_w)
+
+
+def signal_self_after(seconds: float, sig: int = WAKE_SIGNAL) -> threading.Timer:
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), sig))
+    timer.start()
+    return timer
+
+
+def test_the_real_pause_ends_when_the_wake_up_signal_arrives(wake_fd):
+    real = ProcessHost(wake_fd)
+    signal_self_after(0.05)
+    started = time.monotonic()
+    real.pause(5.0)
+    assert time.monotonic() - started < 1.0  # not the 5 s: PEP 475 alone would resume the wait
+    assert real.woken() and not real.woken()  # taken off the pipe once
+    started = time.monotonic()
+    real.pause(0.1)  # nothing pending: the whole pause
+    assert time.monotonic() - started >= 0.1
+
+
+def test_the_trainers_read_ends_on_a_wake_up_with_nothing_read(wake_fd, tmp_path):
+    real = ProcessHost(wake_fd)
+    trainer = real.spawn([sys.executable, "-c", "import time; time.sleep(30)"], cwd=tmp_path, env=dict(os.environ))
+    try:
+        signal_self_after(0.05)
+        started = time.monotonic()
+        assert trainer.read(5.0) == b""
+        assert time.monotonic() - started < 1.0
+        assert real.woken()
+    finally:
+        os.killpg(trainer.pid, signal.SIGKILL)
+        wait_for(lambda: trainer.poll() is not None, what="the sleeper reaped")
+        trainer.close()
+
+
+def test_the_trainers_read_after_the_end_of_its_pipe_also_ends_on_a_wake_up(wake_fd, tmp_path):
+    real = ProcessHost(wake_fd)
+    # a launcher that closed its output and lives on: the loop keeps passing, waiting in read
+    code = "import os, time; os.close(1); os.close(2); time.sleep(30)"
+    trainer = real.spawn([sys.executable, "-c", code], cwd=tmp_path, env=dict(os.environ))
+    try:
+        wait_for(lambda: trainer.read(0.05) is None, what="the end of the pipe")
+        signal_self_after(0.05)
+        started = time.monotonic()
+        assert trainer.read(5.0) is None
+        assert time.monotonic() - started < 1.0
+        assert real.woken()
+    finally:
+        os.killpg(trainer.pid, signal.SIGKILL)
+        wait_for(lambda: trainer.poll() is not None, what="the sleeper reaped")
+        trainer.close()
+
+
+def test_without_a_wake_up_fd_the_pause_is_a_plain_sleep():
+    real = ProcessHost()
+    started = time.monotonic()
+    real.pause(0.1)
+    assert time.monotonic() - started >= 0.1 and not real.woken()
+
+
+# -- who is signalled ----------------------------------------------------------------------------------------
+
+LISTENER = r"""
+import signal, sys, time
+signal.signal(signal.SIGURG, lambda *a: (sys.stdout.write("woken\n"), sys.stdout.flush()))
+print("listening", flush=True)
+time.sleep(30)
+"""
+
+
+@pytest.fixture
+def listener():
+    """A process that says "woken" on each wake-up signal it receives."""
+    proc = subprocess.Popen([sys.executable, "-c", LISTENER], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "listening\n"
+    with proc:  # closes its stdout
+        yield proc
+        proc.kill()
+
+
+def heard(proc: subprocess.Popen[str], within: float = 0.3) -> bool:
+    assert proc.stdout is not None
+    if not select.select([proc.stdout], [], [], within)[0]:
+        return False
+    assert proc.stdout.readline() == "woken\n"
+    return True
+
+
+def test_the_recorded_supervisor_is_woken(listener):
+    me = processes.identity_of(listener.pid)
+    assert me is not None
+    assert wake_supervisor(me.boot_id, me.pid, me.start_ticks)
+    assert heard(listener)
+
+
+@pytest.mark.parametrize("change", ["recycled pid", "another boot", "nothing recorded"])
+def test_a_process_that_is_not_the_recorded_one_is_never_signalled(listener, change):
+    me = processes.identity_of(listener.pid)
+    assert me is not None
+    boot_id, pid, ticks = me.boot_id, me.pid, me.start_ticks
+    if change == "recycled pid":
+        ticks -= 1  # the recorded supervisor started earlier: this pid now names another process
+    elif change == "another boot":
+        boot_id = "0" * 8 + boot_id[8:]
+    else:
+        pid = None  # type: ignore[assignment]
+    assert not wake_supervisor(boot_id, pid, ticks)
+    assert not heard(listener)
+
+
+def test_a_dead_supervisor_is_not_signalled():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    me = processes.identity_of(proc.pid)
+    proc.wait()
+    assert me is not None and not wake_supervisor(me.boot_id, me.pid, me.start_ticks)

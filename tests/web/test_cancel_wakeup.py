@@ -1,0 +1,75 @@
+"""POST /train/<id>/cancel wakes the running job's supervisor, the very process its row recorded, and nothing
+else: a row whose recorded identity no longer matches a live process is cancelled the same (202) and
+signals nobody. Here the "supervisor" is a listener process that says "woken" on each wake-up."""
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import sys
+
+import pytest
+
+from lora_worker.host import processes
+from lora_worker.host.locks import hold_lock, job_lock_path
+from lora_worker.ledger import repository as repo
+from lora_worker.states import JobState
+from tests.ledger.test_ledger import columns
+
+LISTENER = r"""
+import signal, sys, time
+signal.signal(signal.SIGURG, lambda *a: (sys.stdout.write("woken\n"), sys.stdout.flush()))
+print("listening", flush=True)
+time.sleep(30)
+"""
+
+
+@pytest.fixture
+def listener():
+    proc = subprocess.Popen([sys.executable, "-c", LISTENER], stdout=subprocess.PIPE, text=True)
+    with proc:
+        assert proc.stdout is not None and proc.stdout.readline() == "listening\n"
+        yield proc
+        proc.kill()
+
+
+def heard(proc: subprocess.Popen[str], within: float = 0.3) -> bool:
+    assert proc.stdout is not None
+    if not select.select([proc.stdout], [], [], within)[0]:
+        return False
+    assert proc.stdout.readline() == "woken\n"
+    return True
+
+
+def running_job(db, migrated, *, boot_id: str, pid: int, start_ticks: int) -> tuple[int, int]:
+    """A running job recorded as supervised by that process; this test holds its job lock for it."""
+    job = repo.create_job(db, columns())
+    repo.transition(db, job.id, JobState.RUNNING, actor="supervisor", boot_id=boot_id, supervisor_pid=pid,
+                    supervisor_start_ticks=start_ticks)
+    fd = hold_lock(job_lock_path(migrated, job.id))
+    assert fd is not None
+    return job.id, fd
+
+
+def test_a_cancel_wakes_the_recorded_supervisor(api, db, migrated, listener):
+    me = processes.identity_of(listener.pid)
+    assert me is not None
+    job_id, fd = running_job(db, migrated, boot_id=me.boot_id, pid=me.pid, start_ticks=me.start_ticks)
+    try:
+        response = api.post(f"/train/{job_id}/cancel")
+        assert response.status_code == 202 and response.get_json()["cancel_requested_at"]
+        assert heard(listener)
+    finally:
+        os.close(fd)
+
+
+def test_a_cancel_of_a_job_whose_recorded_pid_is_now_another_process_signals_nobody(api, db, migrated, listener):
+    me = processes.identity_of(listener.pid)
+    assert me is not None
+    job_id, fd = running_job(db, migrated, boot_id=me.boot_id, pid=me.pid, start_ticks=me.start_ticks - 1)
+    try:
+        response = api.post(f"/train/{job_id}/cancel")
+        assert response.status_code == 202 and response.get_json()["cancel_requested_at"]
+        assert not heard(listener)
+    finally:
+        os.close(fd)

@@ -73,3 +73,16 @@ def test_a_cancel_of_a_job_whose_recorded_pid_is_now_another_process_signals_nob
         assert not heard(listener)
     finally:
         os.close(fd)
+
+
+def test_an_operators_cancel_from_the_cli_wakes_the_recorded_supervisor_too(db, migrated, listener):
+    from tests.ops.test_jobs import jobs
+
+    me = processes.identity_of(listener.pid)
+    assert me is not None
+    job_id, fd = running_job(db, migrated, boot_id=me.boot_id, pid=me.pid, start_ticks=me.start_ticks)
+    try:
+        assert jobs(migrated, "cancel", str(job_id)) == (0, f"job {job_id}: cancel requested\n")
+        assert heard(listener)
+    finally:
+        os.close(fd)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from lora_worker.config import Settings, settings_to_json
 from lora_worker.errors import LaunchFailed
 from lora_worker.host.locks import is_locked, job_lock_path
+from lora_worker.run.detach import READY_FD_FLAG
 
 if TYPE_CHECKING:
     import subprocess
@@ -29,7 +30,6 @@ Launch = Callable[[int, Settings], None]
 SETTINGS_ENV = "LORA_WORKER_SETTINGS"
 LAUNCH_TIMEOUT_S = 20.0
 READY = b"1"  # what the supervisor writes on the ready pipe once it holds the job lock (run/main.py)
-READY_FD_FLAG = "--ready-fd="  # run/__main__.py's; spelled here too so the web never imports the supervisor
 # The cancel's wake-up. Its default action is to be ignored, so a wake-up that reaches a process not (or not
 # yet) listening for it does nothing at all; SIGUSR1 would kill it.
 WAKE_SIGNAL = signal.SIGURG

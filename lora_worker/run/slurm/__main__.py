@@ -1,25 +1,22 @@
-"""`python -m lora_worker.run.slurm`: become the worker's Slurm poller (process.py says what it is).
-
-As the supervisor's entry point: it forks once more; the first process waits until the poller holds its lock
-(or exits without it), then exits, so whoever started it reaps it at once; the poller lives on, re-parented.
+"""`python -m lora_worker.run.slurm [--ready-fd=N]`: become the worker's Slurm poller (process.py says what
+it is). Forked off as a job's supervisor is (run/detach.py); only `os` and `sys` come before the fork.
 """
 from __future__ import annotations
 
-import os
 import sys
+
+from lora_worker.run.detach import detach, ready_fd_arg
+
+USAGE = "usage: python -m lora_worker.run.slurm [--ready-fd=N]"
 
 
 def main(argv: list[str]) -> int:
-    if argv:
-        print("usage: python -m lora_worker.run.slurm", file=sys.stderr)
+    if len(argv) > 1 or (argv and ready_fd_arg(argv[0]) is None):
+        print(USAGE, file=sys.stderr)
         return 2
-    ready_r, ready_w = os.pipe()
-    if os.fork():
-        os.close(ready_w)
-        ok = os.read(ready_r, 1) == b"1"  # EOF (b"") if the poller exited before taking its lock
-        return 0 if ok else 1
-    os.close(ready_r)
-    os.setsid()
+    status, ready_w = detach(ready_fd_arg(argv[0]) if argv else None)
+    if status is not None:
+        return status
     from lora_worker.run.slurm.process import serve
 
     return serve(ready_w)

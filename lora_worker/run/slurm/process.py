@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,11 +19,10 @@ from pathlib import Path
 from lora_worker.config import Settings, load_settings, settings_from_json, settings_to_json
 from lora_worker.errors import LaunchFailed
 from lora_worker.host.locks import is_locked, take_lock
-from lora_worker.run.local import SETTINGS_ENV
+from lora_worker.run.local import READY, SETTINGS_ENV, start_detached
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT_S = 20.0
 LOCK_WAIT_S = 2.0
 
 
@@ -43,19 +41,10 @@ def ensure_poller(settings: Settings) -> None:
     env = dict(os.environ)
     env[SETTINGS_ENV] = settings_to_json(settings)
     try:
-        proc = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
-            [sys.executable, "-m", "lora_worker.run.slurm"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True, close_fds=True, env=env)
-    except OSError as exc:
-        raise LaunchFailed(f"Cannot start the Slurm poller: {exc}") from exc
-    try:
-        rc = proc.wait(timeout=START_TIMEOUT_S)
-    except subprocess.TimeoutExpired as exc:
-        proc.kill()
-        proc.wait()
-        raise LaunchFailed(f"The Slurm poller did not start in {START_TIMEOUT_S:g}s.") from exc
-    if rc != 0 and not poller_running(settings):  # a poller started by someone else meanwhile is as good
-        raise LaunchFailed(f"The Slurm poller exited with status {rc} before taking its lock.")
+        start_detached([sys.executable, "-m", "lora_worker.run.slurm"], env, what="The Slurm poller")
+    except LaunchFailed:
+        if not poller_running(settings):  # a poller started by someone else meanwhile is as good
+            raise
 
 
 def serve(ready_fd: int) -> int:
@@ -71,7 +60,7 @@ def serve(ready_fd: int) -> int:
         log.info("slurm poller: another poller holds %s", poller_lock_path(settings))
         os.close(ready_fd)
         return 1
-    os.write(ready_fd, b"1")
+    os.write(ready_fd, READY)
     os.close(ready_fd)
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.append(signum))

@@ -12,12 +12,12 @@ traceback and its argv dump. The ledger's `fail_job` lays the two out in the one
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from lora_worker.host.fs import FileId
 from lora_worker.host.processes import decode_wait_status, signal_name, split_wait_status
 from lora_worker.host.safetensors import ArtifactCheck, ExpectedLora
-from lora_worker.ledger.models import Job
-from lora_worker.ledger.repository import failure_text
+from lora_worker.ledger.statements import failure_text
 from lora_worker.run.explain import explain, quotable
 from lora_worker.run.parser import Progress
 from lora_worker.states import FailureClass, JobState
@@ -42,7 +42,24 @@ class Outcome:
         return failure_text(self.sentence, self.log_lines) if self.sentence is not None else None
 
 
-def recorded_lora(job: Job) -> ExpectedLora:
+class RecordedLora(Protocol):
+    """What dispatch recorded of the LoRA to come: a supervisor's JobRecord, or the web's ORM Job."""
+
+    @property
+    def lora_rank(self) -> int: ...
+    @property
+    def output_name(self) -> str: ...
+    @property
+    def lora_steps(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def lora_dtype(self) -> str: ...
+    @property
+    def output_dev_ino(self) -> str | None: ...
+
+
+def recorded_lora(job: RecordedLora) -> ExpectedLora:
     """The LoRA this job must produce, as dispatch recorded it in the row (never re-derived from the tier)."""
     return ExpectedLora(rank=job.lora_rank, output_name=job.output_name, steps=job.lora_steps, seed=job.seed,
                         dtype=job.lora_dtype,

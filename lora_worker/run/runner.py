@@ -9,17 +9,17 @@ state is written (retried until the ledger accepts it), and only then does the s
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import shlex
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lora_worker.config import Settings
-from lora_worker.host.fingerprint import SHA
 from lora_worker.host.locks import gpu_lock_path
 from lora_worker.host.processes import decode_wait_status
 from lora_worker.host import sandbox
-from lora_worker.host.safetensors import ArtifactCheck, verify_lora
 from lora_worker.ledger.statements import utcnow
 from lora_worker.ledger.supervisor import JobRecord, SupervisorLedger
 from lora_worker.run.eta import EtaClock, estimate_tail
@@ -35,7 +35,13 @@ from lora_worker.run.stopper import StopReason, Stopper, StopState
 from lora_worker.run.watchdog import Watchdog
 from lora_worker.states import FailureClass, JobState, Phase
 
+if TYPE_CHECKING:
+    from lora_worker.host.safetensors import ArtifactCheck
+
 log = logging.getLogger(__name__)
+# What only the end of a run uses: imported once the trainer runs (`load_the_end`), so that its start waits
+# for none of it (importlib.metadata alone is ~10 ms) and the end pays no import either.
+END_MODULES = ("lora_worker.run.explain", "lora_worker.host.safetensors", "lora_worker.host.fingerprint")
 
 GPU_LOCK_WAIT_S = 2.0  # an admission probe holds it shared for microseconds; a trainer holds it for hours
 DRAIN_GRACE_S = 10.0  # after the launcher exits, how long stragglers may hold the pipe
@@ -158,6 +164,7 @@ class JobRun:
         self.reporter.write()
         log.info("job %s: trainer group %s started", self.job_id, trainer.pid)
         self._learn_tail()  # only now: the trainer's start waits for nothing it does not need
+        load_the_end()
         self._supervise(trainer)
         self.stopper.ensure_gone(trainer.pid)
         trainer.close()
@@ -175,7 +182,7 @@ class JobRun:
                 now = self.host.monotonic()
                 self._check_exit(trainer, now)
                 self._tick(trainer, now)
-                if not busy:
+                if not busy and self._exited_at is None:  # once the launcher has exited, only the drain is left
                     # Let output gather in the pipe: one wake-up, read and parse per COALESCE_S instead of one
                     # per redraw. Nothing here must react faster; the ledger is written once a second.
                     self.host.sleep(max(0.0, COALESCE_S - (self.host.monotonic() - started)))
@@ -235,6 +242,8 @@ class JobRun:
     # -- the outcome -------------------------------------------------------------------------------------
 
     def _outcome(self, job: JobRecord, rc: int | None) -> Outcome:
+        from lora_worker.host.safetensors import verify_lora
+
         cancelled = self.stopper.reason is not None and self.stopper.reason.cancels
         artifact: ArtifactCheck | None = None
         if rc == 0 and self.stopper.reason is None and "model_saved" in self.output.progress.flags:
@@ -271,6 +280,8 @@ class JobRun:
 
     def _artifact_values(self, artifact: ArtifactCheck) -> dict[str, object]:
         """The verified file's hash and size, and what its metadata adds to the fingerprint."""
+        from lora_worker.host.fingerprint import SHA
+
         values: dict[str, object] = {"lora_sha256": artifact.sha256, "lora_size": artifact.size}
         md = artifact.metadata
         if md.get("ss_new_sd_model_hash"):
@@ -279,3 +290,8 @@ class JobRun:
         if not self.job.sd_scripts_commit and SHA.match(commit):
             values["sd_scripts_commit"] = commit  # no .git in the checkout; sd-scripts knew its own commit
         return values
+
+
+def load_the_end() -> None:
+    for name in END_MODULES:
+        importlib.import_module(name)

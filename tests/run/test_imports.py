@@ -23,6 +23,22 @@ def test_the_supervisor_entry_modules_import_no_web_framework_and_no_sqlalchemy(
     assert not NEVER & set(loaded), NEVER & set(loaded)
 
 
+def test_what_only_the_end_uses_is_not_loaded_before_the_trainer_starts():
+    # runner.load_the_end imports them once the trainer runs; the start pays for none of them.
+    from lora_worker.run.runner import END_MODULES
+
+    code = ("import json, sys, lora_worker.run.__main__, lora_worker.run.main, "
+            "lora_worker.run.runner, lora_worker.run.seam, lora_worker.ledger.supervisor; "
+            "print(json.dumps(sorted(sys.modules)))")
+    loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                           text=True).stdout))
+    assert not (set(END_MODULES) | {"importlib.metadata"}) & loaded
+    code = code.replace("; print", "; lora_worker.run.runner.load_the_end(); print")
+    loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                           text=True).stdout))
+    assert set(END_MODULES) <= loaded
+
+
 def test_the_web_s_ledger_path_is_what_the_check_would_see():
     # The check above can fail: the repository, which the web uses, does load SQLAlchemy.
     code = ("import json, sys, lora_worker.ledger.repository; "

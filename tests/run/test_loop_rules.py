@@ -141,7 +141,8 @@ def queued_job(settings: Settings, **overrides: object) -> int:
         api.dispose()
 
 
-def supervise(host: FakeHost, settings: Settings, db: SupervisorLedger, job: FakeJob | None = None, **row: object) -> int:
+def supervise(host: FakeHost, settings: Settings, db: SupervisorLedger, job: FakeJob | None = None,
+              **row: object) -> int:
     """Run a queued job to its end under the fake host, holding its job lock as main.serve does."""
     job_id = queued_job(settings, **row)
     host.job = job
@@ -482,3 +483,13 @@ def test_a_history_read_the_ledger_refuses_never_holds_up_the_trainer_and_is_ask
     assert len(refused) == 3 and refused[0] == T0 and refused[-1] < host.first("history_read").at
     assert host.first("history_read").at <= T0 + 3 * runner.COALESCE_S  # asked again on the next ticks
     assert [p.step for p in repo.progress_points(client_db, job_id)] == [1, 2, 3, 4]  # and the run went on
+
+
+def test_once_the_launcher_has_exited_the_end_is_written_without_another_pause(host, settings, db, ledger,
+                                                                               client_db):
+    exit_s = 2.1
+    supervise(host, settings, db, training(FakeJob(), steps=4, every_s=0.5).exit(exit_s, 1))
+    final = next(e for e in host.events if e.kind == "state_written" and e.detail[0] in TERMINAL)
+    # The exit is noticed when the pause it fell into ends (≤ COALESCE_S); from there the pipe's end, the
+    # last progress write and the final state follow at once, with no second pause.
+    assert final.at - (T0 + exit_s) <= runner.COALESCE_S

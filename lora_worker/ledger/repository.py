@@ -36,7 +36,7 @@ def create_job(db: Database, columns: dict[str, Any], *, actor: str = "api") -> 
             job = Job(status=JobState.QUEUED.value, created_at=now, updated_at=now, step=0, version=1, **columns)
             s.add(job)
             s.flush()
-            sql.record_event(_on(s), job.id, None, JobState.QUEUED, actor, "accepted")
+            _event(s, job.id, None, JobState.QUEUED, actor, "accepted")
     except sqlalchemy.exc.IntegrityError as exc:
         if "jobs.slot" not in str(exc):
             raise  # e.g. a duplicate idempotency key: the caller looks the key up again
@@ -131,7 +131,13 @@ def transition(db: Database, job_id: int, to: JobState, *, actor: str, reason: s
                **values: Any) -> bool:
     """Move a job to `to` if its current state allows it; False (and no write) if it does not."""
     with db.write() as s:
-        return sql.transition_in(_on(s), job_id, to, actor=actor, reason=reason, **values)
+        return transition_in(s, job_id, to, actor=actor, reason=reason, **values)
+
+
+def transition_in(s: Session, job_id: int, to: JobState, *, actor: str, reason: str | None = None,
+                  **values: Any) -> bool:
+    """`transition` inside the caller's Session: `statements.transition_in` on its connection."""
+    return sql.transition_in(_on(s), job_id, to, actor=actor, reason=reason, **values)
 
 
 def fail_job(db: Database, job_id: int, *, actor: str, failure_class: FailureClass, sentence: str,
@@ -162,8 +168,8 @@ def request_cancel(db: Database, job_id: int, *, actor: str, reason: str = "canc
                               job_id=job_id, status=state.value)
         now = utcnow()
         if state is JobState.QUEUED:
-            sql.transition_in(_on(s), job_id, JobState.CANCELLED, actor=actor, reason=reason,
-                              cancel_requested_at=now)
+            transition_in(s, job_id, JobState.CANCELLED, actor=actor, reason=reason,
+                          cancel_requested_at=now)
         elif job.cancel_requested_at is None:
             flagged = s.execute(
                 update(Job)
@@ -171,7 +177,7 @@ def request_cancel(db: Database, job_id: int, *, actor: str, reason: str = "canc
                 .values(cancel_requested_at=now, updated_at=now, version=Job.version + 1)
             )
             if flagged.rowcount == 1:
-                sql.record_event(_on(s), job_id, state, state, actor, reason)
+                _event(s, job_id, state, state, actor, reason)
         s.flush()
         s.refresh(job)
         return job
@@ -268,6 +274,10 @@ def finished_before(db: Database, cutoff: datetime) -> list[int]:
              .order_by(Job.id))
     with db.read() as s:
         return list(s.scalars(query))
+
+
+def _event(s: Session, job_id: int, frm: JobState | None, to: JobState, actor: str, reason: str | None) -> None:
+    sql.record_event(_on(s), job_id, frm, to, actor, reason)
 
 
 def _values(states: Iterable[JobState]) -> list[str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,21 +40,10 @@ class Statements(Protocol):
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> Cursor: ...
 
 
-# Every column of `jobs`; a test holds this to models.Job, which the migrations are held to.
-JOB_COLUMNS = frozenset({
-    "id", "slot", "status", "phase", "train_id", "dataset_dir", "base_model_path", "output_dir", "output_name",
-    "trigger", "subject_class", "repeats", "tier", "device_index", "seed", "max_grad_norm", "lora_target_modules",
-    "image_count", "argv", "env", "lora_file", "lora_rank", "lora_steps", "lora_dtype", "step", "total_steps",
-    "loss", "rate", "eta_s", "last_progress_at", "lora_path", "error", "failure_class", "exit_code", "signal",
-    "created_at", "started_at", "finished_at", "updated_at", "cancel_requested_at", "boot_id", "supervisor_pid",
-    "supervisor_start_ticks", "trainer_pid", "trainer_start_ticks", "version", "idempotency_key",
-    "request_sha256", "lora_sha256", "lora_size", "sd_scripts_commit", "trainer_versions", "dataset_sha256",
-    "base_model_sha256", "estimated_duration_s", "training_started_at", "eta_basis", "dataset_dev_ino",
-    "kohya_dev_ino", "output_dev_ino",
-})
-JSON_COLUMNS = frozenset({"argv", "env", "trainer_versions"})
+JSON_COLUMNS = frozenset({"argv", "env", "trainer_versions"})  # stored as JSON text (models.Job's JSON type)
 # Written by the statements themselves: a caller's value for one would be a second, conflicting write.
 MANAGED_COLUMNS = frozenset({"id", "status", "updated_at", "version"})
+_IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]*")
 
 
 # -- values as this schema stores them ------------------------------------------------------------------------
@@ -81,10 +71,12 @@ def bind(value: Any) -> Any:
 
 
 def _checked(columns: Iterable[str]) -> tuple[str, ...]:
+    """The names, sorted, once each is a plain identifier a caller may write (SQLite itself refuses a name
+    that is no column of jobs: "no such column")."""
     columns = tuple(sorted(columns))
-    unknown = [c for c in columns if c not in JOB_COLUMNS or c in MANAGED_COLUMNS]
-    if unknown:
-        raise ValueError(f"not columns of jobs a caller may write: {unknown}")
+    refused = [c for c in columns if not _IDENTIFIER.fullmatch(c) or c in MANAGED_COLUMNS]
+    if refused:
+        raise ValueError(f"not columns of jobs a caller may write: {refused}")
     return columns
 
 

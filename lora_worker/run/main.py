@@ -28,11 +28,11 @@ def serve(job_id: int, ready_fd: int) -> int:
     os.close(ready_fd)
     # Imported only now: the web's POST /train waits for the lock above, not for the runner to load. The
     # ledger is the stdlib sqlite3 path (ledger/supervisor.py): no SQLAlchemy in this process.
+    from lora_worker.run.seam import SupervisorHost
     from lora_worker.ledger.supervisor import SupervisorLedger
     from lora_worker.run.runner import attend
-    from lora_worker.run.seam import SupervisorHost
 
     # NORMAL: a power loss kills the run anyway, and the boot id reconciles it.
-    ledger = SupervisorLedger(settings.database_path, busy_timeout_s=settings.supervisor_busy_timeout_s,
-                              synchronous="NORMAL")
-    return attend(job_id, settings, SupervisorHost(), ledger, lock_fd)  # releases the job lock last
+    db = SupervisorLedger(settings.database_path, busy_timeout_s=settings.supervisor_busy_timeout_s,
+                          synchronous="NORMAL")
+    return attend(job_id, settings, SupervisorHost(), db, lock_fd)  # releases the job lock last

@@ -148,7 +148,8 @@ NOT_FAILED = {"QUEUED", "RUNNING", "SUCCEEDED", "CANCELLED"}
 # The one statement that writes a failed row, run by both ledger paths (the web's SQLAlchemy one and the
 # supervisor's sqlite3 one), each from its `fail_job`.
 ONE_WRITER = ("ledger/statements.py", "fail_in")
-PASS_THROUGH = ("ledger/repository.py", "transition")  # hands its caller's `to` on; its callers are checked
+# They hand their caller's `to` on; their callers are checked.
+PASS_THROUGH = {("ledger/repository.py", "transition"), ("ledger/repository.py", "transition_in")}
 
 
 def failed_writes(source: str, module: str) -> list[str]:
@@ -170,7 +171,7 @@ def failed_writes(source: str, module: str) -> list[str]:
 
     def check_call(node: ast.Call, where: str) -> None:
         name = getattr(node.func, "attr", getattr(node.func, "id", None))
-        if name in STATE_CHANGERS and (module, where) != PASS_THROUGH:
+        if name in STATE_CHANGERS and (module, where) not in PASS_THROUGH:
             index = STATE_CHANGERS[name]
             targets = node.args[index:index + 1] + [k.value for k in node.keywords if k.arg == "to"]
             target = targets[0] if targets else None

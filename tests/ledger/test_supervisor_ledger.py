@@ -42,9 +42,9 @@ def recording(seen: list[str], fail_on: str | None = None, error: str = "databas
     return Recording
 
 
-def test_the_statements_know_every_column_of_jobs_and_the_record_reads_only_columns():
-    assert statements.JOB_COLUMNS == set(Job.__table__.c.keys())
-    assert set(RECORD_COLUMNS) <= statements.JOB_COLUMNS
+def test_the_record_reads_columns_of_jobs_and_the_json_ones_are_the_models():
+    assert set(RECORD_COLUMNS) <= set(Job.__table__.c.keys())
+    assert statements.JSON_COLUMNS == {c.name for c in Job.__table__.c if c.type.__class__.__name__ == "JSON"}
 
 
 def test_the_record_is_the_row_as_the_orm_reads_it(db, ledger):
@@ -93,7 +93,12 @@ def test_progress_and_points_land_while_running_and_are_refused_after(db, ledger
     assert not ledger.update_running(job.id, step=3)
     assert repo.get_job(db, job.id).step == 2
     with pytest.raises(ValueError, match="not columns"):
-        ledger.update_running(job.id, status="succeeded")
+        ledger.update_running(job.id, status="succeeded")  # the statement's own column, never a caller's
+    with pytest.raises(ValueError, match="not columns"):
+        ledger.update_running(job.id, **{"step = 0, status": "succeeded"})
+    with pytest.raises(sqlite3.OperationalError, match="no such column"):
+        ledger.update_running(job.id, no_such_column=1)
+    assert repo.get_job(db, job.id).status == "failed"
 
 
 def test_the_cancel_probe_sees_the_flag_and_the_state(db, ledger):

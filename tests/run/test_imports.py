@@ -37,6 +37,7 @@ def test_what_only_the_end_uses_is_not_loaded_before_the_trainer_starts():
     loaded = set(json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                                            text=True).stdout))
     assert set(END_MODULES) <= loaded
+    assert "importlib.metadata" not in loaded  # dispatch's fingerprint needs it, the supervisor never does
 
 
 def test_the_web_s_ledger_path_is_what_the_check_would_see():

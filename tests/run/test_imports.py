@@ -59,22 +59,27 @@ def test_the_supervisor_takes_its_job_lock_before_loading_the_ledger():
     assert not {"sqlalchemy", "psutil"} & set(loaded)
 
 
-# Run as the supervisor's entry point: every process it becomes (both sides of its detaching fork inherit
-# the atexit handler) writes the top-level modules it had loaded when it exits.
+# Run as the supervisor's entry point: every process it becomes (both sides of its detaching fork) writes
+# the top-level modules it had loaded when it exits: at exit, or as the supervisor leaves (os._exit, main.leave).
 DUMP_AT_EXIT = """
 import atexit, json, os, sys
-def dump():
+def dump(how="teardown"):
     path = os.path.join(os.environ["MODULES_DUMP"], f"{os.getpid()}.json")
     with open(path, "w") as fh:
-        json.dump(sorted({m.split(".")[0] for m in sys.modules}), fh)
+        json.dump({"how": how, "modules": sorted({m.split(".")[0] for m in sys.modules})}, fh)
 atexit.register(dump)
+_exit = os._exit
+def dump_and_exit(rc):
+    dump("_exit")
+    _exit(rc)
+os._exit = dump_and_exit
 from lora_worker.run.__main__ import main
 sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_a_real_supervisor_runs_a_job_to_success_without_loading_any_web_framework_or_sqlalchemy(migrated, host,
-                                                                                                  tmp_path):
+def test_a_real_supervisor_runs_a_job_without_web_framework_or_sqlalchemy_and_leaves_without_teardown(
+        migrated, host, tmp_path):
     from lora_worker import create_app
     from lora_worker.config import Settings, settings_to_json
     from lora_worker.ledger import repository as repo
@@ -85,10 +90,14 @@ def test_a_real_supervisor_runs_a_job_to_success_without_loading_any_web_framewo
     dumps = tmp_path / "modules"
     dumps.mkdir()
 
+    stderr = tmp_path / "supervisor.err"
+
     def launch(job_id: int, settings: Settings) -> None:
         env = {**os.environ, SETTINGS_ENV: settings_to_json(settings), "MODULES_DUMP": str(dumps)}
-        first = subprocess.run([sys.executable, "-c", DUMP_AT_EXIT, str(job_id)], env=env, timeout=30,
-                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
+        with stderr.open("wb") as err:
+            first = subprocess.run([sys.executable, "-c", DUMP_AT_EXIT, str(job_id)], env=env, timeout=30,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                   start_new_session=True)
         assert first.returncode == 0
 
     set_modes(host.sd_scripts)
@@ -100,9 +109,13 @@ def test_a_real_supervisor_runs_a_job_to_success_without_loading_any_web_framewo
                         timeout=30, what="the end of the run")
         assert done.status == "succeeded", done.error
         dump = dumps / f"{done.supervisor_pid}.json"
-        loaded = set(wait_for(lambda: dump.exists() and json.loads(dump.read_text()), what="the supervisor's exit"))
+        left = wait_for(lambda: dump.exists() and json.loads(dump.read_text()), what="the supervisor's exit")
     finally:
         db.dispose()
         app.extensions["lora_worker"].db.dispose()
+    loaded = set(left["modules"])
     assert {"lora_worker", "sqlite3"} <= loaded  # the dump of a process that ran the job
     assert not NEVER & loaded, NEVER & loaded
+    # It left by os._exit (no teardown of its imports), and its last log line was flushed before it did.
+    assert left["how"] == "_exit"
+    assert f"job {job_id}: succeeded" in stderr.read_text().splitlines()[-1]

@@ -8,12 +8,10 @@ flood. The web worker is measured after a dispatch, a cancel and a few thousand 
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
 
 from bench.common import Row, arg_parser, bench_host, emit, peak_rss_mib, python, running_service
 from bench.stream import Runs
-from bench.supervisor_end import time_the_end
 from lora_worker.host import processes
 from tests.helpers import Host, set_modes, wait_for
 
@@ -31,7 +29,6 @@ print(json.dumps({{"kib": int(hwm.split()[1]), "third_party": sorted(t for t in 
 SUPERVISOR_IMPORTS = ("import lora_worker.run.__main__, lora_worker.run.main, lora_worker.run.runner, "
                       "lora_worker.run.seam, lora_worker.ledger.supervisor; lora_worker.run.runner.load_the_end()")
 RSS_TARGET_MIB = 25.0  # issue #18 (stdlib sqlite3 was measured at 16–19 MiB)
-END_TARGET_MS = 10.0
 
 
 def probe(imports: str) -> dict:
@@ -57,7 +54,6 @@ def web_worker(host: Host, requests: int) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = arg_parser(__doc__)
-    parser.add_argument("--ends", type=int, default=7, help="paced runs whose end is timed (bench/supervisor_end.py)")
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--bytes", type=int, default=100_000_000)
     args = parser.parse_args(argv)
@@ -71,32 +67,24 @@ def main(argv: list[str] | None = None) -> int:
         try:
             paced = runs.supervised("--redraws", "100" if args.quick else "600", "--rate", "60")
             flood = runs.supervised("--bytes", str(args.bytes))
-            ends = [time_the_end(runs) for _ in range(1 if args.quick else args.ends)]
         finally:
             runs.db.dispose()
         idle, loaded = web_worker(host, args.requests)
     sup_import = imported["kib"] / 1024
     rss = f"< {RSS_TARGET_MIB:g} MiB"
-    to_commit, teardown = (sorted(e[i] * 1e3 for e in ends) for i in (0, 1))
     rows = [
         Row("supervisor, realistic run (paced redraws)", f"{paced.peak_rss_mib:.1f} MiB",
             f"{bare:.1f} MiB (bare python)", paced.peak_rss_mib / bare, rss, paced.peak_rss_mib < RSS_TARGET_MIB),
         Row(f"supervisor, {args.bytes / 1e6:g} MB flood", f"{flood.peak_rss_mib:.1f} MiB",
             f"{paced.peak_rss_mib:.1f} MiB (realistic run)", flood.peak_rss_mib / paced.peak_rss_mib, rss,
             flood.peak_rss_mib < RSS_TARGET_MIB),
-        Row(f"supervisor's end: trainer exit → final state committed, median of {len(ends)} (max)",
-            f"{statistics.median(to_commit):.1f} ms ({to_commit[-1]:.1f} ms)"),
-        Row(f"supervisor's end: final state committed → supervisor exit, median of {len(ends)} (max)",
-            f"{statistics.median(teardown):.1f} ms ({teardown[-1]:.1f} ms)", target=f"≤ {END_TARGET_MS:g} ms",
-            met=statistics.median(teardown) <= END_TARGET_MS),
         Row("supervisor's imports alone", f"{sup_import:.1f} MiB", f"{bare:.1f} MiB (bare python)", sup_import / bare),
         Row(f"gunicorn worker after {args.requests} requests, a dispatch and a cancel", f"{loaded:.1f} MiB",
             f"{idle:.1f} MiB (after start-up)", loaded / idle),
     ]
     notes = ["third-party packages the supervisor imports: " + (", ".join(imported["third_party"]) or "none"),
              "no SQLAlchemy, Flask, Werkzeug, marshmallow, apispec or prometheus_client: "
-             "tests/run/test_imports.py asserts it",
-             "the end is timed from outside: /proc polled every 0.5 ms, the ledger's times in ms (±1 ms)"]
+             "tests/run/test_imports.py asserts it"]
     emit("Memory (peak RSS, VmHWM)", rows, notes)
     return 0
 

@@ -9,8 +9,8 @@ trainer's exception line, which `run/explain.py` finds and classes), when there 
 worker makes of it, with the exit status. `log_lines` are the log's last lines without the launcher's
 traceback and its argv dump. The ledger's `fail_job` lays the two out in the one shape every failed row has.
 
-The rules (`explain`) and the LoRA check are imported only when an end is decided: the supervisor loads them
-once its trainer runs (runner.py `load_the_end`), so the trainer's start waits for neither.
+The rules (`explain`) and the LoRA check are imported only when an end is decided (the supervisor loads the
+rules once its trainer runs, runner.py `load_the_end`), so the trainer's start waits for neither.
 """
 from __future__ import annotations
 

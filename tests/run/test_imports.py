@@ -1,6 +1,6 @@
-"""The supervisor runs for hours next to the trainer: it loads nothing of the web stack it does not need, and
-no SQLAlchemy (its ledger is the stdlib sqlite3 path, ledger/supervisor.py): 28 MiB and ~160 ms of its start,
-and most of its teardown at exit."""
+"""The supervisor runs for hours next to the trainer: it loads nothing of the web stack it does not need, no
+SQLAlchemy (its ledger is the stdlib sqlite3 path, ledger/supervisor.py: 28 MiB and ~160 ms of its start) and
+no psutil, and what only the end of a run uses is not loaded before the trainer starts."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,8 @@ import subprocess
 import sys
 
 WEB_ONLY = ("flask", "werkzeug", "marshmallow", "apispec", "prometheus_client", "jinja2", "click", "torch")
-NEVER = set(WEB_ONLY) | {"sqlalchemy", "alembic", "typing_extensions"}  # the web's and ops' ledger path
+# The web's and ops' ledger path, and psutil (host/processes.py reads /proc for what the supervisor asks).
+NEVER = set(WEB_ONLY) | {"sqlalchemy", "alembic", "typing_extensions", "psutil"}
 
 
 def test_the_supervisor_entry_modules_import_no_web_framework_and_no_sqlalchemy():
@@ -38,6 +39,7 @@ def test_what_only_the_end_uses_is_not_loaded_before_the_trainer_starts():
                                            text=True).stdout))
     assert set(END_MODULES) <= loaded
     assert "importlib.metadata" not in loaded  # dispatch's fingerprint needs it, the supervisor never does
+    assert "_hashlib" not in loaded  # OpenSSL: only once a LoRA is to be checked (runner.END_MODULES)
 
 
 def test_the_web_s_ledger_path_is_what_the_check_would_see():

@@ -40,10 +40,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 # What only the end of a run uses: imported once the trainer runs (`load_the_end`), so that its start waits
-# for none of it and the end pays no import either. The LoRA check is the exception, imported when a LoRA is
-# to be checked: its hashlib brings OpenSSL (3.5 MiB resident), which would otherwise sit under the whole run's
-# peak, a flood's included.
-END_MODULES = ("lora_worker.run.explain", "lora_worker.host.fingerprint")
+# for none of it (the LoRA check's hashlib brings OpenSSL: 3.5 MiB and a few ms) and the end pays no import.
+END_MODULES = ("lora_worker.run.explain", "lora_worker.host.safetensors", "lora_worker.host.fingerprint")
 
 GPU_LOCK_WAIT_S = 2.0  # an admission probe holds it shared for microseconds; a trainer holds it for hours
 DRAIN_GRACE_S = 10.0  # after the launcher exits, how long stragglers may hold the pipe

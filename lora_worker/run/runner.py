@@ -293,5 +293,6 @@ class JobRun:
 
 
 def load_the_end() -> None:
+    """Import END_MODULES; their users import them locally, so a run started without this still works."""
     for name in END_MODULES:
         importlib.import_module(name)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from lora_worker.ledger import repository as repo
@@ -170,7 +171,7 @@ def test_a_sandboxed_job_whose_launcher_outlived_its_supervisor_is_killed_namesp
                               "--dev", "/dev", "--", sys.executable, "-c", hider], start_new_session=True)
     try:
         def escapee() -> int | None:
-            return next((p for p in processes.psutil.pids() if marker in " ".join(_cmdline(p))), None)
+            return next((p for p in psutil.pids() if marker in " ".join(_cmdline(p))), None)
         from tests.helpers import wait_for
         hidden = wait_for(escapee, what="the escapee")
         job_id = running_job(db, boot_id=processes.boot_id(), trainer_pid=bwrap.pid,
@@ -186,8 +187,8 @@ def test_a_sandboxed_job_whose_launcher_outlived_its_supervisor_is_killed_namesp
 
 def _cmdline(pid: int) -> list[str]:
     try:
-        return processes.psutil.Process(pid).cmdline()
-    except processes.psutil.Error:
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
         return []
 
 

@@ -2,7 +2,6 @@
 package versions (from their metadata files, never by importing them)."""
 from __future__ import annotations
 
-import importlib.metadata
 import re
 from pathlib import Path
 
@@ -12,6 +11,8 @@ SHA = re.compile(r"^[0-9a-f]{40}$")
 
 def trainer_versions(accelerate: Path) -> dict[str, str]:
     """Versions of the packages that shape a run, from `<venv>/lib/python3*/site-packages/*.dist-info`."""
+    import importlib.metadata  # here, not above: the supervisor uses SHA only, and this is ~4 MiB and ~10 ms
+
     venv = accelerate.parent.parent
     site = [str(p) for p in sorted(venv.glob("lib/python3*/site-packages"))]
     found: dict[str, str] = {}

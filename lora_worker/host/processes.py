@@ -5,6 +5,10 @@ run loop uses into one object).
 A pid alone never identifies a process: the kernel reuses pids. A process is ours only if (boot id, pid, start
 time in clock ticks since boot) all match what the ledger recorded, and before a signal the process is pinned
 with a pidfd so it cannot be replaced between the check and the kill.
+
+What the supervisor calls reads /proc itself (`_pids`, `_stat`); psutil is loaded only by the web's and
+reconcile's looks at command lines, so the supervisor, which runs for hours next to the trainer, never
+carries it (1.6 MiB and ~5 ms before its trainer starts).
 """
 from __future__ import annotations
 
@@ -13,8 +17,6 @@ import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
-
-import psutil
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -35,23 +37,29 @@ def boot_id() -> str:
         return "unknown"
 
 
-def start_ticks(pid: int) -> int | None:
-    """Field 22 of /proc/<pid>/stat: start time in clock ticks since boot (immune to clock steps)."""
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat from field 3 (state) on; None once the process is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # The command name (field 2) may contain spaces and parentheses; fields resume after the last ')'.
-    fields = stat[stat.rfind(")") + 2:].split()
-    return int(fields[19])
+    return stat[stat.rfind(")") + 2:].split()
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def start_ticks(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat: start time in clock ticks since boot (immune to clock steps)."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields is not None else None
 
 
 def state_of(pid: int) -> str | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rfind(")") + 2:].split()[0]
+    fields = _stat(pid)
+    return fields[0] if fields is not None else None
 
 
 def identity_of(pid: int) -> Identity | None:
@@ -100,7 +108,7 @@ def signal_group(pgid: int, sig: int) -> bool:
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) members of a process group."""
     members = []
-    for pid in psutil.pids():
+    for pid in _pids():
         try:
             if os.getpgid(pid) == pgid and state_of(pid) not in (None, "Z", "X"):
                 members.append(pid)
@@ -109,28 +117,32 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def live_descendants(pid: int) -> list[psutil.Process]:
-    """Children, grandchildren, … of `pid` that are not zombies (setsid'd ones included)."""
-    try:
-        procs = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    alive = []
-    for proc in procs:
-        try:
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                alive.append(proc)
-        except psutil.NoSuchProcess:
-            continue
+def _children() -> dict[int, list[tuple[int, list[str]]]]:
+    """Every process by its parent: ppid -> [(pid, its stat fields)], one read of each /proc/<pid>/stat."""
+    tree: dict[int, list[tuple[int, list[str]]]] = {}
+    for pid in _pids():
+        fields = _stat(pid)
+        if fields is not None:
+            tree.setdefault(int(fields[1]), []).append((pid, fields))
+    return tree
+
+
+def live_descendants(pid: int) -> list[Identity]:
+    """Children, grandchildren, … of `pid` that are not zombies (setsid'd ones included), each as it is now."""
+    tree, boot = _children(), boot_id()
+    alive, parents = [], [pid]
+    while parents:
+        for child, fields in tree.get(parents.pop(), ()):
+            parents.append(child)
+            if fields[0] not in ("Z", "X"):
+                alive.append(Identity(boot, child, int(fields[19])))
     return alive
 
 
-def kill_all(procs: list[psutil.Process], sig: int) -> None:
+def kill_all(procs: list[Identity], sig: int) -> None:
+    """Signal each process that is still the one listed (a pid reused meanwhile is left alone)."""
     for proc in procs:
-        try:
-            proc.send_signal(sig)
-        except psutil.NoSuchProcess:
-            continue
+        signal_identity(proc, sig)
 
 
 def set_child_subreaper() -> bool:
@@ -151,16 +163,18 @@ def reap_orphans(keep: set[int]) -> None:
             return
     except ChildProcessError:
         return  # no children at all
-    for proc in psutil.Process().children():
-        if proc.pid in keep:
+    for pid, _fields in _children().get(os.getpid(), ()):
+        if pid in keep:
             continue
         try:
-            os.waitpid(proc.pid, os.WNOHANG)
+            os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             continue
 
 
 def cmdline_contains(pid: int, token: str) -> bool:
+    import psutil  # the web's and reconcile's, never the supervisor's
+
     try:
         return token in psutil.Process(pid).cmdline()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
@@ -169,6 +183,8 @@ def cmdline_contains(pid: int, token: str) -> bool:
 
 def processes_with_arg(token: str) -> list[int]:
     """Pids of live processes whose argv holds exactly `token`."""
+    import psutil
+
     found = []
     for proc in psutil.process_iter(["cmdline", "status"]):
         if proc.info["status"] != psutil.STATUS_ZOMBIE and token in (proc.info["cmdline"] or ()):
@@ -203,6 +219,8 @@ def decode_wait_status(returncode: int | None) -> str:
 
 def describe_process(pid: int) -> tuple[str | None, str]:
     """(process name, command line) for display and matching; unreadable processes give (None, "")."""
+    import psutil
+
     try:
         proc = psutil.Process(pid)
         return proc.name(), " ".join(proc.cmdline())
@@ -221,17 +239,14 @@ def pid_namespace(pid: int) -> str | None:
 def sandbox_init(launcher_pid: int) -> int | None:
     """The init of the PID namespace a sandbox launcher (bwrap) started: its child in another namespace."""
     own = pid_namespace(launcher_pid)
-    try:
-        children = psutil.Process(launcher_pid).children()
-    except psutil.NoSuchProcess:
-        return None
-    return next((c.pid for c in children if (ns := pid_namespace(c.pid)) and ns != own), None)
+    children = [pid for pid, _fields in _children().get(launcher_pid, ())]
+    return next((pid for pid in children if (ns := pid_namespace(pid)) and ns != own), None)
 
 
 def namespace_members(namespace: str) -> list[int]:
     """Live processes whose PID namespace is `namespace` (those of a nested one die with it as well)."""
     members = []
-    for pid in psutil.pids():
+    for pid in _pids():
         if pid_namespace(pid) == namespace and state_of(pid) not in (None, "Z", "X"):
             members.append(pid)
     return members

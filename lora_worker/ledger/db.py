@@ -23,6 +23,7 @@ from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
 from lora_worker.errors import LedgerBusy, LedgerReplaced, LedgerUnwritable
+from lora_worker.ledger.statements import file_identity, is_busy, is_unwritable, replaced
 
 Synchronous = Literal["FULL", "NORMAL"]
 
@@ -75,22 +76,18 @@ class Database:
         self._writing = sessionmaker(self.writer, expire_on_commit=False)
         self._reading = sessionmaker(self.reader, expire_on_commit=False)
         if self.identity is None:
-            self.identity = _identity_of(self.path)  # None until SQLite creates the file on first connect
+            self.identity = file_identity(self.path)  # None until SQLite creates the file on first connect
         for engine in (self.writer, self.reader):
             # Before BEGIN, so a refused transaction never starts.
             event.listen(engine, "begin", self._refuse_if_replaced, insert=True)
 
     def identity_problem(self) -> str | None:
         """Why the file at the ledger path is not the ledger this Database opened, or None."""
-        now = _identity_of(self.path)
-        if now is None:
-            return f"the ledger file {self.path} was deleted while the service ran; restart the service"
-        if self.identity is None:
+        now = file_identity(self.path)
+        problem = replaced(self.path, self.identity, now)
+        if problem is None and self.identity is None:
             self.identity = now
-        elif now != self.identity:
-            return (f"the ledger file {self.path} was replaced while the service ran (inode {self.identity[1]} "
-                    f"became {now[1]}); restart the service")
-        return None
+        return problem
 
     def _refuse_if_replaced(self, _conn: Connection) -> None:
         problem = self.identity_problem()
@@ -124,30 +121,6 @@ class Database:
     def dispose(self) -> None:
         self.writer.dispose()
         self.reader.dispose()
-
-
-def _identity_of(path: Path) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-BUSY = ("database is locked", "database is busy", "database table is locked")
-UNWRITABLE = ("database or disk is full", "disk i/o error", "attempt to write a readonly database")
-
-
-def is_busy(exc: BaseException) -> bool:
-    """Whether an error is SQLite saying another connection holds the lock past the busy timeout."""
-    text = str(getattr(exc, "orig", exc)).lower()
-    return any(marker in text for marker in BUSY)
-
-
-def is_unwritable(exc: BaseException) -> bool:
-    """Whether an error is the file system refusing the write (full disk, I/O error, read-only)."""
-    text = str(getattr(exc, "orig", exc)).lower()
-    return any(marker in text for marker in UNWRITABLE)
 
 
 @contextmanager

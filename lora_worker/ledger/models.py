@@ -1,7 +1,7 @@
 """The ledger's tables. The alembic migrations create exactly this schema (a test runs `alembic check`)."""
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import JSON, CheckConstraint, Float, ForeignKey, Index, Integer, String, Text, text
@@ -9,6 +9,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
+from lora_worker.ledger.statements import iso_utc, parse_utc, utcnow  # noqa: F401 - utcnow: one clock for both paths
 from lora_worker.states import ACTIVE_STATES, FailureClass, JobState, Phase
 
 
@@ -19,18 +20,10 @@ class UtcTimestamp(TypeDecorator[datetime]):
     cache_ok = True
 
     def process_bind_param(self, value: datetime | None, dialect: Dialect) -> str | None:
-        if value is None:
-            return None
-        return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{value.microsecond // 1000:03d}Z"
+        return None if value is None else iso_utc(value)  # the supervisor's sqlite3 path writes the same text
 
     def process_result_value(self, value: str | None, dialect: Dialect) -> datetime | None:
-        if value is None:
-            return None
-        return datetime.fromisoformat(value.replace("Z", "+00:00"))
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
+        return parse_utc(value)
 
 
 def _in(column: str, values: Any) -> str:

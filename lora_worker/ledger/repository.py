@@ -3,6 +3,8 @@
 Each state change is a compare-and-set inside one BEGIN IMMEDIATE transaction and leaves a `job_events`
 row, so a late writer (a supervisor whose job was reconciled meanwhile) loses instead of overwriting.
 A row becomes `failed` through `fail_job` only, so every failure reads the same way whoever wrote it.
+The statements the supervisor also issues (state changes, progress, the cancel probe, the ETA's history) are
+written once in `statements.py` and run here on the Session's own connection (`_Driver`).
 """
 from __future__ import annotations
 
@@ -12,13 +14,18 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy.exc
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import Connection, delete, func, select, update
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session, defer
 
 from lora_worker.errors import JobActive, JobFinished, JobNotFound
+from lora_worker.ledger import statements as sql
 from lora_worker.ledger.db import Database
-from lora_worker.ledger.models import Job, JobCount, JobEvent, ProgressPoint, UtcTimestamp, utcnow
-from lora_worker.states import ACTIVE_STATES, TERMINAL_STATES, TRANSITIONS, FailureClass, JobState
+from lora_worker.ledger.models import Job, JobCount, JobEvent, ProgressPoint, utcnow
+# The failure text's shape and the progress SQL live with the statements both ledger paths share.
+from lora_worker.ledger.statements import (FAILURE_MAX_CHARS, FAILURE_TAIL_LINES, PROGRESS_POINT_SQL,  # noqa: F401
+                                           SENTENCE_MAX_CHARS, failure_text)
+from lora_worker.states import ACTIVE_STATES, TERMINAL_STATES, FailureClass, JobState
 
 
 def create_job(db: Database, columns: dict[str, Any], *, actor: str = "api") -> Job:
@@ -102,16 +109,10 @@ def durations_of_similar_jobs(db: Database, *, tier: str, device_index: int, ima
 
 
 def save_and_teardown_durations(db: Database, *, tier: str, device_index: int, limit: int = 25) -> list[float]:
-    """Seconds from the last step to the end (the LoRA saved, the trainer torn down, the file verified) of the
-    latest succeeded jobs of this tier and device: the part of a run no step rate predicts. The last step's
-    time is its loss-curve point's, which keeps the time the step was first written."""
-    last_step_at = select(func.max(ProgressPoint.at)).where(ProgressPoint.job_id == Job.id).scalar_subquery()
-    seconds = (func.julianday(Job.finished_at) - func.julianday(last_step_at)) * 86400.0
-    query = (select(seconds).where(Job.status == JobState.SUCCEEDED.value, Job.tier == tier,
-                                   Job.device_index == device_index, Job.finished_at.is_not(None))
-             .order_by(Job.id.desc()).limit(limit))
-    with db.read() as s:
-        return [max(0.0, float(v)) for v in s.scalars(query) if v is not None]
+    """Seconds from the last step to the end of the latest succeeded jobs of this tier and device (see
+    `statements.save_and_teardown_in`)."""
+    with db.read_connection() as conn:
+        return sql.save_and_teardown_in(_Driver(conn), tier=tier, device_index=device_index, limit=limit)
 
 
 def active_job(db: Database) -> Job | None:
@@ -152,67 +153,21 @@ def transition(db: Database, job_id: int, to: JobState, *, actor: str, reason: s
 
 def transition_in(s: Session, job_id: int, to: JobState, *, actor: str, reason: str | None = None,
                   **values: Any) -> bool:
-    current = s.scalar(select(Job.status).where(Job.id == job_id))
-    if current is None or to not in TRANSITIONS[JobState(current)]:
-        return False
-    now = utcnow()
-    if to in TERMINAL_STATES:
-        values.setdefault("finished_at", now)
-        # Nothing is left to wait for: no writer of a terminal state (reconcile's included) leaves an ETA behind.
-        values.setdefault("eta_s", None)
-        values.setdefault("eta_basis", None)
-    result = s.execute(
-        update(Job)
-        .where(Job.id == job_id, Job.status == current)
-        .values(status=to.value, updated_at=now, version=Job.version + 1, **values)
-    )
-    if result.rowcount != 1:
-        return False
-    _event(s, job_id, JobState(current), to, actor, reason)
-    return True
-
-
-FAILURE_TAIL_LINES = 25  # the log lines a failure quotes: enough for a Python traceback's end
-FAILURE_MAX_CHARS = 4000  # the whole `error` text, sentence included
-SENTENCE_MAX_CHARS = 2000  # a sentence quoting a long line is cut, so the log lines keep their room
+    """`transition` inside the caller's Session: `statements.transition_in` on its connection."""
+    return sql.transition_in(_on(s), job_id, to, actor=actor, reason=reason, **values)
 
 
 def fail_job(db: Database, job_id: int, *, actor: str, failure_class: FailureClass, sentence: str,
              log_lines: Sequence[str] = (), **values: Any) -> bool:
-    """Move a job to `failed`, the one way any code does: False (and no write) if its state does not allow it.
+    """Move a job to `failed`, the one way any code but the supervisor does (its own ledger path runs the same
+    `statements.fail_in`): False (and no write) if its state does not allow it.
 
     The row gets `failure_class`, and `error = failure_text(sentence, log_lines)`; the job's event gets the
     sentence as its reason. `values` are other columns to write in the same transaction (exit status…).
     """
-    text = failure_text(sentence, log_lines)
     with db.write() as s:
-        return transition_in(s, job_id, JobState.FAILED, actor=actor, reason=text.split("\n", 1)[0],
-                             failure_class=failure_class.value, error=text, **values)
-
-
-def failure_text(sentence: str, log_lines: Sequence[str] = ()) -> str:
-    """The `error` of every failed row, in one shape:
-
-        <one sentence, on one line, as the caller wrote it, `.` last (unless it ends in . ! ?)>
-        <an empty line>
-        <the log's last non-blank lines, right-stripped, at most FAILURE_TAIL_LINES>
-
-    With no log lines it is the sentence alone. The sentence is at most SENTENCE_MAX_CHARS, the whole at most
-    FAILURE_MAX_CHARS: when the lines are too long their beginning is cut, marked `…`, because the end of a
-    log is what explains a failure. The first line is always the sentence (`v_failures` shows it as the
-    summary), and `sentence, _, lines = error.partition("\n\n")` takes the two apart.
-    """
-    # Never re-cased: a sentence may begin with the trainer's own line, quoted as it was written.
-    text = " ".join(sentence.split()) or "The job failed"
-    if len(text) > SENTENCE_MAX_CHARS:
-        text = text[:SENTENCE_MAX_CHARS - 2] + "…"
-    if text[-1] not in ".!?":
-        text += "."
-    tail = "\n".join([line.rstrip() for line in log_lines if line.strip()][-FAILURE_TAIL_LINES:])
-    if not tail:
-        return text
-    room = FAILURE_MAX_CHARS - len(text) - 2
-    return text + "\n\n" + (tail if len(tail) <= room else "…" + tail[len(tail) - room + 1:])
+        return sql.fail_in(_on(s), job_id, actor=actor, failure_class=failure_class, sentence=sentence,
+                           log_lines=log_lines, **values)
 
 
 def request_cancel(db: Database, job_id: int, *, actor: str, reason: str = "cancel requested") -> Job:
@@ -249,56 +204,33 @@ def request_cancel(db: Database, job_id: int, *, actor: str, reason: str = "canc
 
 def update_running(db: Database, job_id: int, *, points: Iterable[tuple[int, float | None, datetime]] = (),
                    **values: Any) -> bool:
-    """Write progress (or identity) of a running job; False once the job is no longer running.
-
-    The supervisor calls this every second for the whole run, so it speaks SQL to the driver directly: a
-    tenth of the ORM's CPU (bench/stream.py). Still one BEGIN IMMEDIATE transaction, still compare-and-set.
-    """
-    columns = tuple(sorted(values))
-    sql = _RUNNING_UPDATE_SQL.get(columns) or _running_update_sql(columns)
-    now = _bind(utcnow())
+    """Write progress (or identity) of a running job; False once the job is no longer running."""
     with db.write_connection() as conn:
-        result = conn.exec_driver_sql(sql, (*(_bind(values[c]) for c in columns), now, job_id))
-        if result.rowcount != 1:
-            return False
-        rows = [(job_id, step, loss, _bind(at)) for step, loss, at in points]
-        if rows:
-            conn.exec_driver_sql(PROGRESS_POINT_SQL, rows)
-    return True
+        return sql.update_running_in(_Driver(conn), job_id, points, **values)
 
 
 def cancel_state(db: Database, job_id: int) -> tuple[str | None, bool]:
-    """(status, whether a cancel is requested): the supervisor's twice-a-second probe, kept cheap."""
+    """(status, whether a cancel is requested)."""
     with db.read_connection() as conn:
-        row = conn.exec_driver_sql(
-            "SELECT status, cancel_requested_at IS NOT NULL FROM jobs WHERE id = ?", (job_id,)).first()
-    return (row[0], bool(row[1])) if row else (None, False)
+        return sql.cancel_state_in(_Driver(conn), job_id)
 
 
-# A step seen again (its second redraw carries the new loss, the bar's close repeats it) updates the loss and
-# keeps the time the step was first written: that time is when the step happened.
-PROGRESS_POINT_SQL = ("INSERT INTO job_progress (job_id, step, loss, at) VALUES (?, ?, ?, ?) "
-                      "ON CONFLICT (job_id, step) DO UPDATE SET loss = excluded.loss")
-_RUNNING_UPDATE_SQL: dict[tuple[str, ...], str] = {}
-_TIMESTAMP = UtcTimestamp()
+class _Driver:
+    """A SQLAlchemy connection as `statements.py` speaks to it: the DB-API's qmark SQL, straight to the
+    driver, in the connection's transaction (a tenth of the ORM's CPU on the hot paths; bench/stream.py)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def execute(self, statement: str, params: Sequence[Any] = ()) -> CursorResult[Any]:
+        return self.conn.exec_driver_sql(statement, tuple(params))
+
+    def executemany(self, statement: str, rows: Iterable[Sequence[Any]]) -> CursorResult[Any]:
+        return self.conn.exec_driver_sql(statement, [tuple(r) for r in rows])  # type: ignore[arg-type]
 
 
-def _running_update_sql(columns: tuple[str, ...]) -> str:
-    unknown = [c for c in columns if c not in Job.__table__.c]
-    if unknown:
-        raise ValueError(f"not columns of jobs: {unknown}")
-    assignments = "".join(f"{c} = ?, " for c in columns)
-    sql = (f"UPDATE jobs SET {assignments}updated_at = ?, version = version + 1 "
-           f"WHERE id = ? AND status = '{JobState.RUNNING.value}'")
-    _RUNNING_UPDATE_SQL[columns] = sql
-    return sql
-
-
-def _bind(value: Any) -> Any:
-    """A Python value as the driver stores it in this schema (timestamps as ISO-8601 UTC text)."""
-    if isinstance(value, datetime):
-        return _TIMESTAMP.process_bind_param(value, None)  # type: ignore[arg-type]
-    return value
+def _on(s: Session) -> _Driver:
+    return _Driver(s.connection())
 
 
 def progress_points(db: Database, job_id: int) -> list[ProgressPoint]:
@@ -364,8 +296,7 @@ def finished_before(db: Database, cutoff: datetime) -> list[int]:
 
 
 def _event(s: Session, job_id: int, frm: JobState | None, to: JobState, actor: str, reason: str | None) -> None:
-    s.add(JobEvent(job_id=job_id, at=utcnow(), from_status=frm.value if frm else None, to_status=to.value,
-                   actor=actor, reason=reason))
+    sql.record_event(_on(s), job_id, frm, to, actor, reason)
 
 
 def _values(states: Iterable[JobState]) -> list[str]:

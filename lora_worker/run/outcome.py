@@ -8,19 +8,23 @@ A failure names its cause first. Its `sentence` is one line: the line that expla
 trainer's exception line, which `run/explain.py` finds and classes), when there is one, then ` — ` and what the
 worker makes of it, with the exit status. `log_lines` are the log's last lines without the launcher's
 traceback and its argv dump. The ledger's `fail_job` lays the two out in the one shape every failed row has.
+
+The rules (`explain`) and the LoRA check are imported only when an end is decided (the supervisor loads the
+rules once its trainer runs, runner.py `load_the_end`), so the trainer's start waits for neither.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from lora_worker.host.fs import FileId
 from lora_worker.host.processes import decode_wait_status, signal_name, split_wait_status
-from lora_worker.host.safetensors import ArtifactCheck, ExpectedLora
-from lora_worker.ledger.models import Job
-from lora_worker.ledger.repository import failure_text
-from lora_worker.run.explain import explain, quotable
-from lora_worker.run.parser import Progress
+from lora_worker.ledger.statements import failure_text
 from lora_worker.states import FailureClass, JobState
+
+if TYPE_CHECKING:
+    from lora_worker.host.safetensors import ArtifactCheck, ExpectedLora
+    from lora_worker.run.parser import Progress
 
 ERROR_TAIL_LINES = 25
 CAUSE_MAX_CHARS = 1500  # the explaining line in a sentence; the ledger caps the sentence at 2000
@@ -42,8 +46,27 @@ class Outcome:
         return failure_text(self.sentence, self.log_lines) if self.sentence is not None else None
 
 
-def recorded_lora(job: Job) -> ExpectedLora:
+class RecordedLora(Protocol):
+    """What dispatch recorded of the LoRA to come: a supervisor's JobRecord, or the web's ORM Job."""
+
+    @property
+    def lora_rank(self) -> int: ...
+    @property
+    def output_name(self) -> str: ...
+    @property
+    def lora_steps(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def lora_dtype(self) -> str: ...
+    @property
+    def output_dev_ino(self) -> str | None: ...
+
+
+def recorded_lora(job: RecordedLora) -> ExpectedLora:
     """The LoRA this job must produce, as dispatch recorded it in the row (never re-derived from the tier)."""
+    from lora_worker.host.safetensors import ExpectedLora
+
     return ExpectedLora(rank=job.lora_rank, output_name=job.output_name, steps=job.lora_steps, seed=job.seed,
                         dtype=job.lora_dtype,
                         output_dir_id=FileId.parse(job.output_dev_ino) if job.output_dev_ino else None)
@@ -51,6 +74,8 @@ def recorded_lora(job: Job) -> ExpectedLora:
 
 def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], cancelled: bool = False,
            stalled_in: str | None = None, artifact: ArtifactCheck | None = None) -> Outcome:
+    from lora_worker.run.explain import quotable
+
     exit_code, signal = split_wait_status(returncode)
     if signal is None and progress.signal is not None:
         signal = progress.signal  # the launcher survived and reported how the trainer died
@@ -71,6 +96,8 @@ def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], c
 def _classify(returncode: int | None, signal: int | None, saved: bool, artifact: ArtifactCheck | None,
               stalled_in: str | None, log_tail: list[str]) -> tuple[FailureClass, str, str | None]:
     """(class, the worker's summary, the explaining line or None), strongest evidence first."""
+    from lora_worker.run.explain import explain
+
     if stalled_in is not None:
         return FailureClass.STALLED, f"No progress in phase {stalled_in} within its limit; the job was killed", None
     why = explain(log_tail) if not (returncode == 0 and saved) else None

@@ -14,10 +14,10 @@ import os
 import stat
 
 from lora_worker.host import fs, kohya
-from lora_worker.ledger.models import Job
+from lora_worker.ledger.supervisor import JobRecord
 
 
-def what_moved(job: Job) -> str | None:
+def what_moved(job: JobRecord) -> str | None:
     """Why the trainer must not start (a sentence), or None when everything is as it was checked."""
     folder = kohya.folder_name(job.repeats, job.trigger, job.subject_class)
     directories = (("dataset_dir", job.dataset_dir, job.dataset_dev_ino),

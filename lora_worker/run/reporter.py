@@ -10,9 +10,8 @@ import math
 from collections.abc import Callable
 from datetime import datetime
 
-from lora_worker.ledger import repository as repo
-from lora_worker.ledger.db import Database
-from lora_worker.ledger.models import utcnow
+from lora_worker.ledger.statements import utcnow
+from lora_worker.ledger.supervisor import SupervisorLedger
 from lora_worker.run.eta import EtaClock
 from lora_worker.run.output import TrainerOutput
 from lora_worker.run.persist import FIRST_DELAY_S, MAX_DELAY_S, TRANSIENT
@@ -26,7 +25,7 @@ Point = tuple[int, float | None, datetime]
 class ProgressReporter:
     """`on_lost` is called when the ledger says the job is no longer running (someone else ended it)."""
 
-    def __init__(self, db: Database, job_id: int, host: RunHost, output: TrainerOutput, clock: EtaClock,
+    def __init__(self, db: SupervisorLedger, job_id: int, host: RunHost, output: TrainerOutput, clock: EtaClock,
                  interval_s: float, on_lost: Callable[[], None]) -> None:
         self.db = db
         self.job_id = job_id
@@ -75,7 +74,7 @@ class ProgressReporter:
     def write(self, points: list[Point] | None = None, **values: object) -> bool:
         self.last_write = self.host.monotonic()
         try:
-            if not repo.update_running(self.db, self.job_id, points=points or (), **self.pending_values, **values):
+            if not self.db.update_running(self.job_id, points=points or (), **self.pending_values, **values):
                 self.on_lost()
             self.pending_values = {}
             return True

@@ -9,8 +9,7 @@ from __future__ import annotations
 import logging
 import signal
 
-from lora_worker.ledger import repository as repo
-from lora_worker.ledger.db import Database
+from lora_worker.ledger.supervisor import SupervisorLedger
 from lora_worker.run.persist import TRANSIENT
 from lora_worker.run.seam import Trainer
 from lora_worker.run.stopper import StopReason, Stopper
@@ -23,7 +22,7 @@ LOST = "the job is no longer running in the ledger"
 
 
 class StopRequests:
-    def __init__(self, db: Database, job_id: int, stopper: Stopper) -> None:
+    def __init__(self, db: SupervisorLedger, job_id: int, stopper: Stopper) -> None:
         self.db = db
         self.job_id = job_id
         self.stopper = stopper
@@ -52,7 +51,7 @@ class StopRequests:
 
     def _poll_ledger(self, trainer: Trainer) -> None:
         try:
-            status, cancel = repo.cancel_state(self.db, self.job_id)
+            status, cancel = self.db.cancel_state(self.job_id)
         except TRANSIENT as exc:
             log.warning("job %s: cannot read the ledger (%s); will retry", self.job_id, exc)
             return

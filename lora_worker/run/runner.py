@@ -9,25 +9,24 @@ state is written (retried until the ledger accepts it), and only then does the s
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import shlex
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lora_worker.config import Settings
-from lora_worker.host.fingerprint import SHA
 from lora_worker.host.locks import gpu_lock_path
 from lora_worker.host.processes import decode_wait_status
 from lora_worker.host import sandbox
-from lora_worker.host.safetensors import ArtifactCheck, verify_lora
-from lora_worker.ledger import repository as repo
-from lora_worker.ledger.db import Database
-from lora_worker.ledger.models import Job, utcnow
+from lora_worker.ledger.statements import utcnow
+from lora_worker.ledger.supervisor import JobRecord, SupervisorLedger
 from lora_worker.run.eta import EtaClock, estimate_tail
 from lora_worker.run.logfile import JobLog
 from lora_worker.run.outcome import Outcome, decide, recorded_lora
 from lora_worker.run.output import TrainerOutput
-from lora_worker.run.persist import persist
+from lora_worker.run.persist import TRANSIENT, persist
 from lora_worker.run.reader import OutputReader
 from lora_worker.run.reporter import ProgressReporter, finite
 from lora_worker.run.requests import StopRequests
@@ -36,14 +35,20 @@ from lora_worker.run.stopper import StopReason, Stopper, StopState
 from lora_worker.run.watchdog import Watchdog
 from lora_worker.states import FailureClass, JobState, Phase
 
+if TYPE_CHECKING:
+    from lora_worker.host.safetensors import ArtifactCheck
+
 log = logging.getLogger(__name__)
+# What only the end of a run uses: imported once the trainer runs (`load_the_end`), so that its start waits
+# for none of it (the LoRA check's hashlib brings OpenSSL: 3.5 MiB and a few ms) and the end pays no import.
+END_MODULES = ("lora_worker.run.explain", "lora_worker.host.safetensors", "lora_worker.host.fingerprint")
 
 GPU_LOCK_WAIT_S = 2.0  # an admission probe holds it shared for microseconds; a trainer holds it for hours
 DRAIN_GRACE_S = 10.0  # after the launcher exits, how long stragglers may hold the pipe
 COALESCE_S = 0.25  # the loop's shortest period while the trainer writes little (reader.BUSY_BYTES)
 
 
-def attend(job_id: int, settings: Settings, host: RunHost, db: Database, job_lock: int) -> int:
+def attend(job_id: int, settings: Settings, host: RunHost, db: SupervisorLedger, job_lock: int) -> int:
     """Run the job while holding its lock (`job_lock`), and release the lock last: from then on reconcile may
     treat the job as unattended."""
     try:
@@ -52,7 +57,7 @@ def attend(job_id: int, settings: Settings, host: RunHost, db: Database, job_loc
         log.exception("job %s: supervisor failed", job_id)
         return 1
     finally:
-        db.dispose()
+        db.close()
         host.release_lock(job_lock)
     return 0
 
@@ -60,24 +65,23 @@ def attend(job_id: int, settings: Settings, host: RunHost, db: Database, job_loc
 class Runner:
     """Supervises one job from `queued` to a terminal state."""
 
-    def __init__(self, job_id: int, settings: Settings, db: Database, host: RunHost) -> None:
+    def __init__(self, job_id: int, settings: Settings, db: SupervisorLedger, host: RunHost) -> None:
         self.job_id = job_id
         self.settings = settings
         self.db = db
         self.host = host
 
     def run(self) -> None:
-        job = persist(lambda: repo.find_job(self.db, self.job_id), f"job {self.job_id}: read the job",
-                      self.host.sleep)
+        job = persist(lambda: self.db.find_job(self.job_id), f"job {self.job_id}: read the job", self.host.sleep)
         if job is None or job.status != JobState.QUEUED.value:
             log.info("job %s is %s; nothing to run", self.job_id, job.status if job else "missing")
             return
         me = self.host.identity()
         assert me is not None
-        if not persist(lambda: repo.transition(
-                self.db, self.job_id, JobState.RUNNING, actor="supervisor", reason="supervisor started",
-                started_at=utcnow(), phase=Phase.LAUNCHING.value, boot_id=me.boot_id, supervisor_pid=me.pid,
-                supervisor_start_ticks=me.start_ticks), f"job {self.job_id}: record the start", self.host.sleep):
+        if not persist(lambda: self.db.mark_running(
+                self.job_id, started_at=utcnow(), phase=Phase.LAUNCHING.value, boot_id=me.boot_id,
+                supervisor_pid=me.pid, supervisor_start_ticks=me.start_ticks),
+                f"job {self.job_id}: record the start", self.host.sleep):
             log.info("job %s left the queue before it started", self.job_id)
             return
         JobRun(job, self.settings, self.db, self.host).run()
@@ -86,7 +90,7 @@ class Runner:
 class JobRun:
     """One started job: its trainer, from the GPU lock to the terminal state."""
 
-    def __init__(self, job: Job, settings: Settings, db: Database, host: RunHost) -> None:
+    def __init__(self, job: JobRecord, settings: Settings, db: SupervisorLedger, host: RunHost) -> None:
         self.job = job
         self.job_id = job.id
         self.settings = settings
@@ -95,11 +99,9 @@ class JobRun:
         self.joblog = JobLog(settings.log_dir, job.id, head_bytes=settings.log_head_bytes,
                              tail_bytes=settings.log_tail_bytes)
         self.output = TrainerOutput(self.joblog, self._on_output)
-        # The save and teardown after the last step, as jobs of this tier and device took them.
-        tails = persist(lambda: repo.save_and_teardown_durations(db, tier=job.tier, device_index=job.device_index),
-                        f"job {job.id}: read the history", host.sleep)
-        self.clock = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s,
-                              tail_s=estimate_tail(tails))
+        # The tail (save and teardown after the last step) is learned from the history once the trainer runs.
+        self.clock = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s)
+        self._tail_learned = False
         self.reader = OutputReader(host, self.output)
         self.reporter = ProgressReporter(db, job.id, host, self.output, self.clock, settings.progress_interval_s,
                                          on_lost=self._lost)
@@ -124,7 +126,7 @@ class JobRun:
         self._finish(outcome)
         self.joblog.close()
 
-    def _run_guarded(self, job: Job) -> Outcome:
+    def _run_guarded(self, job: JobRecord) -> Outcome:
         try:
             return self._run_trainer(job)
         except Exception as exc:
@@ -138,7 +140,7 @@ class JobRun:
 
     # -- the trainer -------------------------------------------------------------------------------------
 
-    def _run_trainer(self, job: Job) -> Outcome:
+    def _run_trainer(self, job: JobRecord) -> Outcome:
         simulated = "SIMULATED trainer (a test double: no GPU, nothing learned); " if self.settings.simulated else ""
         self.output.note(f"{simulated}job {job.id}: {shlex.join(job.argv)}")
         self.output.note(f"sandbox: {sandbox.describe(self.settings)}")
@@ -161,6 +163,8 @@ class JobRun:
         self.reporter.keep(trainer_pid=trainer.pid, trainer_start_ticks=ident.start_ticks if ident else None)
         self.reporter.write()
         log.info("job %s: trainer group %s started", self.job_id, trainer.pid)
+        self._learn_tail()  # only now: the trainer's start waits for nothing it does not need
+        load_the_end()
         self._supervise(trainer)
         self.stopper.ensure_gone(trainer.pid)
         trainer.close()
@@ -180,7 +184,7 @@ class JobRun:
                 now = self.host.monotonic()
                 self._check_exit(trainer, now)
                 self._tick(trainer, now)
-                if not busy:
+                if not busy and self._exited_at is None:  # once the launcher has exited, only the drain is left
                     # Let output gather in the pipe: one wake-up, read and parse per COALESCE_S instead of one
                     # per redraw. The ledger is written once a second; only a wake-up ends the pause early.
                     self.host.pause(max(0.0, COALESCE_S - (self.host.monotonic() - started)))
@@ -210,7 +214,20 @@ class JobRun:
 
     # -- periodic work -----------------------------------------------------------------------------------
 
+    def _learn_tail(self) -> None:
+        """The save and teardown after the last step, as jobs of this tier and device took them. Read once the
+        trainer runs, and never waited on: a ledger that refuses the read is asked again on the next tick."""
+        try:
+            tails = self.db.save_and_teardown_durations(tier=self.job.tier, device_index=self.job.device_index)
+        except TRANSIENT as exc:
+            log.warning("job %s: cannot read the history yet (%s); will retry", self.job_id, exc)
+            return
+        self.clock.tail_s = estimate_tail(tails)
+        self._tail_learned = True
+
     def _tick(self, trainer: Trainer, now: float) -> None:
+        if not self._tail_learned:
+            self._learn_tail()
         self.output.tick(now)
         self.host.reap_orphans(keep={trainer.pid})
         if self.reporter.due(now):
@@ -226,7 +243,9 @@ class JobRun:
 
     # -- the outcome -------------------------------------------------------------------------------------
 
-    def _outcome(self, job: Job, rc: int | None) -> Outcome:
+    def _outcome(self, job: JobRecord, rc: int | None) -> Outcome:
+        from lora_worker.host.safetensors import verify_lora
+
         cancelled = self.stopper.reason is not None and self.stopper.reason.cancels
         artifact: ArtifactCheck | None = None
         if rc == 0 and self.stopper.reason is None and "model_saved" in self.output.progress.flags:
@@ -246,16 +265,14 @@ class JobRun:
 
         def write() -> bool:
             if outcome.state is JobState.SUCCEEDED:
-                return repo.transition(self.db, self.job_id, JobState.SUCCEEDED, actor="supervisor",
-                                       reason="trainer finished and the LoRA verified",
-                                       **values, **self.artifact_values)
+                return self.db.mark_succeeded(self.job_id, reason="trainer finished and the LoRA verified",
+                                              **values, **self.artifact_values)
             if outcome.state is JobState.CANCELLED:
-                return repo.transition(self.db, self.job_id, JobState.CANCELLED, actor="supervisor",
-                                       reason="cancelled; every process of the job is gone", **values)
-            return repo.fail_job(self.db, self.job_id, actor="supervisor",
-                                 failure_class=outcome.failure_class or FailureClass.SUPERVISOR_LOST,
-                                 sentence=outcome.sentence or "The run failed", log_lines=outcome.log_lines,
-                                 **values)
+                return self.db.mark_cancelled(self.job_id, reason="cancelled; every process of the job is gone",
+                                              **values)
+            return self.db.fail_job(self.job_id, failure_class=outcome.failure_class or FailureClass.SUPERVISOR_LOST,
+                                    sentence=outcome.sentence or "The run failed", log_lines=outcome.log_lines,
+                                    **values)
 
         # The outcome is known and must not be lost: keep trying, holding the job lock meanwhile.
         if not persist(write, f"job {self.job_id}: write the final state", self.host.sleep):
@@ -265,6 +282,8 @@ class JobRun:
 
     def _artifact_values(self, artifact: ArtifactCheck) -> dict[str, object]:
         """The verified file's hash and size, and what its metadata adds to the fingerprint."""
+        from lora_worker.host.fingerprint import SHA
+
         values: dict[str, object] = {"lora_sha256": artifact.sha256, "lora_size": artifact.size}
         md = artifact.metadata
         if md.get("ss_new_sd_model_hash"):
@@ -273,3 +292,9 @@ class JobRun:
         if not self.job.sd_scripts_commit and SHA.match(commit):
             values["sd_scripts_commit"] = commit  # no .git in the checkout; sd-scripts knew its own commit
         return values
+
+
+def load_the_end() -> None:
+    """Import END_MODULES; their users import them locally, so a run started without this still works."""
+    for name in END_MODULES:
+        importlib.import_module(name)

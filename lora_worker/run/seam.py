@@ -14,7 +14,7 @@ from typing import Protocol
 from lora_worker.host import sandbox
 from lora_worker.host.process_host import ProcessHost
 from lora_worker.host.processes import Identity
-from lora_worker.ledger.models import Job
+from lora_worker.ledger.supervisor import JobRecord
 from lora_worker.config import Settings
 from lora_worker.run.prelaunch import what_moved
 
@@ -56,10 +56,10 @@ class RunHost(Protocol):
 
     def become_subreaper(self) -> bool: ...
 
-    def what_moved(self, job: Job) -> str | None:
+    def what_moved(self, job: JobRecord) -> str | None:
         """Why the trainer must not start (a directory swapped, a link planted since the check), or None."""
 
-    def command_for(self, job: Job, settings: Settings) -> list[str]:
+    def command_for(self, job: JobRecord, settings: Settings) -> list[str]:
         """The stored argv as it runs: inside the job's sandbox, or as it is with sandbox = "none"."""
 
     def spawn(self, argv: list[str], *, cwd: Path, env: Mapping[str, str]) -> Trainer:
@@ -86,9 +86,9 @@ class RunHost(Protocol):
 class SupervisorHost(ProcessHost):
     """The real RunHost: the OS seam, and the job's files looked at once more right before exec."""
 
-    def what_moved(self, job: Job) -> str | None:
+    def what_moved(self, job: JobRecord) -> str | None:
         return what_moved(job)
 
-    def command_for(self, job: Job, settings: Settings) -> list[str]:
+    def command_for(self, job: JobRecord, settings: Settings) -> list[str]:
         paths = sandbox.JobPaths(Path(job.dataset_dir), Path(job.base_model_path), Path(job.output_dir))
         return sandbox.wrap(job.argv, paths, settings, sandbox.host_facts(settings))

@@ -33,7 +33,7 @@ def test_reap_orphans_does_not_list_processes_while_no_child_has_exited(monkeypa
         def listing(*_args: object) -> None:
             raise AssertionError("listed /proc with no exited child")
 
-        monkeypatch.setattr(processes.psutil, "Process", listing)
+        monkeypatch.setattr(processes, "_children", listing)
         processes.reap_orphans(keep=set())
     finally:
         sleeper.kill()
@@ -78,3 +78,28 @@ def test_an_exit_status_is_worded_one_way_for_the_log_and_the_error():
     assert [processes.decode_wait_status(rc) for rc in (0, 2, -9, -77, None)] == [
         "exit status 0", "exit status 2", "killed by SIGKILL", "killed by signal 77", "no exit status"]
     assert processes.split_wait_status(-15) == (None, 15) and processes.split_wait_status(1) == (1, None)
+
+
+def test_descendants_are_listed_from_proc_through_a_new_session_and_zombies_left_out():
+    # A child, and its child in a session of its own (as a daemonising trainer would): both descend from us.
+    code = ("import os, subprocess, sys, time\n"
+            "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'], start_new_session=True)\n"
+            "print(g.pid, flush=True)\ntime.sleep(30)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        grandchild = int(child.stdout.readline())  # type: ignore[union-attr]
+        wait_for(lambda: exited(dead.pid), what="the zombie")
+        found = {p.pid: p for p in processes.live_descendants(os.getpid())}
+        assert {child.pid, grandchild} <= set(found) and dead.pid not in found
+        assert found[grandchild].start_ticks == processes.start_ticks(grandchild)
+        processes.kill_all([found[grandchild]], signal.SIGKILL)
+        wait_for(lambda: processes.state_of(grandchild) in (None, "Z"), what="the grandchild killed")
+        stale = processes.Identity(processes.boot_id(), child.pid, found[child.pid].start_ticks + 1)
+        processes.kill_all([stale], signal.SIGKILL)  # not the process listed (a reused pid): left alone
+        assert processes.state_of(child.pid) not in (None, "Z")
+    finally:
+        child.kill()
+        child.wait()
+        child.stdout.close()  # type: ignore[union-attr]
+        dead.wait()

@@ -1,5 +1,6 @@
-"""One failure path: `repository.fail_job` is the only way a row becomes `failed`, and every failed row reads
-the same way, whoever wrote it: a sentence, an empty line, the log's last lines (`failure_text`)."""
+"""One failure path: `statements.fail_in`, run by `repository.fail_job` and by the supervisor's `fail_job`, is
+the only way a row becomes `failed`, and every failed row reads the same way, whoever wrote it: a sentence, an
+empty line, the log's last lines (`failure_text`)."""
 from __future__ import annotations
 
 import ast
@@ -144,11 +145,17 @@ def test_reconciles_failure_has_the_shape_and_quotes_the_run_log(db, migrated):
 
 STATE_CHANGERS = {"transition": 2, "transition_in": 2}  # name -> index of the target state among the arguments
 NOT_FAILED = {"QUEUED", "RUNNING", "SUCCEEDED", "CANCELLED"}
+# The one statement that writes a failed row, run by both ledger paths (the web's SQLAlchemy one and the
+# supervisor's sqlite3 one), each from its `fail_job`.
+ONE_WRITER = ("ledger/statements.py", "fail_in")
+# They hand their caller's `to` on; their callers are checked.
+PASS_THROUGH = {("ledger/repository.py", "transition"), ("ledger/repository.py", "transition_in")}
 
 
 def failed_writes(source: str, module: str) -> list[str]:
-    """Places that may move a row to failed other than `fail_job`: a state change whose target is not a
-    literal JobState other than FAILED, a `status=` write outside `transition_in`, or SQL writing 'failed'."""
+    """Places that may move a row to failed other than `statements.fail_in`: a state change whose target is
+    not a literal JobState other than FAILED, a `status=` write, SQL writing 'failed', or a call of `fail_in`
+    from anywhere but a ledger path's `fail_job`."""
     found: list[str] = []
 
     def visit(node: ast.AST, where: str) -> None:
@@ -164,17 +171,18 @@ def failed_writes(source: str, module: str) -> list[str]:
 
     def check_call(node: ast.Call, where: str) -> None:
         name = getattr(node.func, "attr", getattr(node.func, "id", None))
-        in_repository = module == "ledger/repository.py"
-        if name in STATE_CHANGERS and not (in_repository and where == "transition"):  # it passes `to` through
+        if name in STATE_CHANGERS and (module, where) not in PASS_THROUGH:
             index = STATE_CHANGERS[name]
             targets = node.args[index:index + 1] + [k.value for k in node.keywords if k.arg == "to"]
             target = targets[0] if targets else None
             state = (target.attr if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
                      and target.value.id == "JobState" else None)
-            if not (state in NOT_FAILED or (state == "FAILED" and in_repository and where == "fail_job")):
+            if not (state in NOT_FAILED or (state == "FAILED" and (module, where) == ONE_WRITER)):
                 found.append(f"{module}:{node.lineno} {where}: {name}(… {ast.unparse(target) if target else '?'})")
-        if name == "values" and any(k.arg == "status" for k in node.keywords) and where != "transition_in":
+        if name == "values" and any(k.arg == "status" for k in node.keywords):
             found.append(f"{module}:{node.lineno} {where}: .values(status=…)")
+        if name == ONE_WRITER[1] and not (module.startswith("ledger/") and where == "fail_job"):
+            found.append(f"{module}:{node.lineno} {where}: {name}(…) outside a ledger path's fail_job")
 
     visit(ast.parse(source), "<module>")
     return found
@@ -185,21 +193,36 @@ def test_the_detector_finds_every_other_way_to_fail_a_row():
         "repo.transition(db, 1, JobState.FAILED, actor='x')": 1,
         "repo.transition(db, 1, outcome.state, actor='x')": 1,  # may be FAILED at run time
         "transition_in(s, 1, to=JobState.FAILED, actor='x')": 1,
+        "sql.transition_in(conn, 1, JobState.FAILED, actor='x')": 1,
         "s.execute(update(Job).values(status='failed'))": 1,
         "conn.exec_driver_sql(\"UPDATE jobs SET status = 'failed' WHERE id = ?\", (1,))": 1,
+        "conn.execute(\"UPDATE jobs SET status = 'failed' WHERE id = ?\", (1,))": 1,
+        "def mark_failed(self):\n    return sql.fail_in(conn, 1, actor='x', failure_class=F, sentence='s')": 1,
         "repo.transition(db, 1, JobState.CANCELLED, actor='x')": 0,
         "repo.fail_job(db, 1, actor='x', failure_class=FailureClass.STALLED, sentence='s')": 0,
+        "self.ledger.fail_job(1, failure_class=FailureClass.STALLED, sentence='s')": 0,
     }
     assert {code: len(failed_writes(code, "web/x.py")) for code in snippets} == snippets
+    # inside ledger/ too: a second writer next to the one is found
+    second = "def mark_failed(conn):\n    return transition_in(conn, 1, JobState.FAILED, actor='x')"
+    assert len(failed_writes(second, "ledger/statements.py")) == 1
+    assert len(failed_writes(second.replace("mark_failed", "fail_in"), "ledger/statements.py")) == 0
 
 
-def test_no_code_but_fail_job_moves_a_row_to_failed():
+def test_no_code_but_fail_in_moves_a_row_to_failed():
     found = [hit for path in sorted(PACKAGE.rglob("*.py"))
              for hit in failed_writes(path.read_text(), str(path.relative_to(PACKAGE)))]
     assert found == []
 
 
+def test_both_ledger_paths_fail_a_row_through_the_one_writer():
+    callers = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+                     if re.search(r"\bfail_in\(", path.read_text()) and path.name != "statements.py")
+    assert callers == ["ledger/repository.py", "ledger/supervisor.py"]
+
+
 def test_every_writer_of_a_failed_row_calls_fail_job():
     callers = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
-                     if re.search(r"\bfail_job\(", path.read_text()) and path.name != "repository.py")
+                     if re.search(r"\bfail_job\(", path.read_text())
+                     and not str(path.relative_to(PACKAGE)).startswith("ledger/"))
     assert callers == ["dispatch/dispatcher.py", "reconcile.py", "run/runner.py", "run/slurm/poller.py"]

@@ -97,7 +97,8 @@ def test_watch_at_a_terminal_redraws_one_panel_in_place_through_the_phases_to_th
 
 @pytest.mark.slow
 def test_watch_through_a_pipe_prints_one_plain_line_per_change_and_ends_with_the_failure(client, host, migrated):
-    set_modes(host.sd_scripts, launcher_delay_s=0.6, load_s=0.4, step_s=0.01, oom_at_step=150)  # each phase > a poll
+    # Each phase outlasts a poll, launching also the watch's own start (the supervisor execs the launcher at once).
+    set_modes(host.sd_scripts, launcher_delay_s=1.5, load_s=0.6, step_s=0.01, oom_at_step=150)
     job_id = client.post("/train", json=host.payload()).get_json()["worker_job_id"]
     result = subprocess.run(lora_worker("jobs", "watch"), env={**os.environ, **settings_env(migrated)},
                             capture_output=True, text=True, timeout=120)  # no id: the active job

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lora_worker.host.processes import Identity
-from lora_worker.ledger.models import Job
+from lora_worker.ledger.supervisor import JobRecord
 
 READ_BYTES = 1 << 16
 LAUNCHER_PID = 4200
@@ -130,7 +130,7 @@ class FakeHost:
         self.record("what_moved")
         return self.moved
 
-    def command_for(self, job: Job, settings: object) -> list[str]:
+    def command_for(self, job: JobRecord, settings: object) -> list[str]:
         return list(job.argv)  # the sandbox's own command is tested on the real OS (tests/host/test_sandbox.py)
 
     def spawn(self, argv: list[str], *, cwd: Path, env: Mapping[str, str]) -> FakeJob:

@@ -8,12 +8,12 @@ import sqlite3
 from dataclasses import replace
 
 import pytest
-import sqlalchemy.exc
-from sqlalchemy import event
 
 from lora_worker.config import DEFAULT_STALL_LIMITS_S, Settings
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
+from lora_worker.ledger.statements import SAVE_AND_TEARDOWN_SQL
+from lora_worker.ledger.supervisor import SupervisorLedger
 from lora_worker.run import requests, runner
 from lora_worker.run.runner import attend
 from lora_worker.run.eta import DEFAULT_TAIL_S
@@ -61,9 +61,10 @@ def settings(tmp_path) -> Settings:
 
 @pytest.fixture
 def db(settings):
-    database = Database.open(settings.database_path)
+    """The supervisor's own ledger path (stdlib sqlite3), as main.serve opens it."""
+    database = SupervisorLedger(settings.database_path, synchronous="NORMAL")
     yield database
-    database.dispose()
+    database.close()
 
 
 @pytest.fixture
@@ -76,26 +77,45 @@ def client_db(settings):
 
 class Ledger:
     """The supervisor's ledger, recording each state change it commits on the host's timeline, and refusing
-    every write ("database is locked") inside the windows of fake time in `busy`."""
+    every write ("database is locked", as sqlite3 raises it) inside the windows of fake time in `busy`."""
 
-    def __init__(self, db: Database, host: FakeHost) -> None:
+    def __init__(self, db: SupervisorLedger, host: FakeHost) -> None:
         self.host = host
         self.busy: list[tuple[float, float]] = []
         self.refuse_final = 0  # how many tries to write a terminal state are refused
-        event.listen(db.writer, "before_cursor_execute", self._before)
+        self.refuse_history = 0  # how many reads of the ETA's history are refused
+        before = self._before
 
-    def _before(self, conn, cursor, statement, params, context, executemany) -> None:  # type: ignore[no-untyped-def]
+        class Recorded(sqlite3.Connection):
+            def execute(self, statement: str, params=()):  # type: ignore[no-untyped-def, override]
+                before(statement, params, False)
+                return super().execute(statement, params)
+
+            def executemany(self, statement: str, rows):  # type: ignore[no-untyped-def, override]
+                rows = list(rows)
+                before(statement, rows, True)
+                return super().executemany(statement, rows)
+
+        db.connection_class = Recorded  # the connection is opened on first use
+
+    def _before(self, statement: str, params, executemany: bool) -> None:  # type: ignore[no-untyped-def]
         verb = statement.lstrip().split(None, 1)[0].upper()
+        if statement == SAVE_AND_TEARDOWN_SQL:
+            if self.refuse_history > 0:
+                self.refuse_history -= 1
+                self.host.record("ledger_refused")
+                raise sqlite3.OperationalError("database is locked")  # as a WAL recovery's lock would
+            self.host.record("history_read")
         if verb not in ("INSERT", "UPDATE"):
             return
         final = "INSERT INTO job_events" in statement and params[3] in TERMINAL
         if final and self.refuse_final > 0:
             self.refuse_final -= 1
             self.host.record("ledger_refused")
-            raise sqlalchemy.exc.OperationalError(statement, params, sqlite3.OperationalError("database is locked"))
+            raise sqlite3.OperationalError("database is locked")
         if any(start <= self.host.now < end for start, end in self.busy):
             self.host.record("ledger_refused")
-            raise sqlalchemy.exc.OperationalError(statement, params, sqlite3.OperationalError("database is locked"))
+            raise sqlite3.OperationalError("database is locked")
         if "INSERT INTO job_events" in statement:
             self.host.record("state_written", params[3])  # (job_id, at, from_status, to_status, …)
         if statement.startswith("UPDATE jobs"):
@@ -121,7 +141,8 @@ def queued_job(settings: Settings, **overrides: object) -> int:
         api.dispose()
 
 
-def supervise(host: FakeHost, settings: Settings, db: Database, job: FakeJob | None = None, **row: object) -> int:
+def supervise(host: FakeHost, settings: Settings, db: SupervisorLedger, job: FakeJob | None = None,
+              **row: object) -> int:
     """Run a queued job to its end under the fake host, holding its job lock as main.serve does."""
     job_id = queued_job(settings, **row)
     host.job = job
@@ -481,3 +502,36 @@ def test_a_bug_in_the_loop_stops_every_process_and_fails_the_job_as_supervisor_l
     done = repo.get_job(client_db, job_id)
     assert (done.status, done.failure_class) == ("failed", "supervisor_lost")
     assert "internal error (RuntimeError: a bug)" in done.error
+
+
+# -- exec early ---------------------------------------------------------------------------------------------------
+
+def test_the_trainer_starts_right_after_running_is_written_and_the_history_is_read_after_it(host, settings, db,
+                                                                                              ledger, client_db):
+    job_id = supervise(host, settings, db, training(FakeJob(), steps=3, every_s=0.5).exit(2.0, 1))
+    kinds = [k for k in host.kinds() if k in ("state_written", "spawn", "history_read")]
+    assert kinds[:3] == ["state_written", "spawn", "history_read"]  # running, the exec, then the ETA's history
+    assert host.first("state_written", "running").at == host.first("spawn").at  # nothing waited in between
+    assert repo.get_job(client_db, job_id).failure_class == "trainer_crashed"
+
+
+def test_a_history_read_the_ledger_refuses_never_holds_up_the_trainer_and_is_asked_again(host, settings, db,
+                                                                                           ledger, client_db):
+    ledger.refuse_history = 3
+    job = training(FakeJob(), steps=4, every_s=0.5).exit(2.5, 1)
+    job_id = supervise(host, settings, db, job)
+    assert host.first("spawn").at == T0  # started at once
+    refused = [e.at for e in host.events if e.kind == "ledger_refused"]
+    assert len(refused) == 3 and refused[0] == T0 and refused[-1] < host.first("history_read").at
+    assert host.first("history_read").at <= T0 + 3 * runner.COALESCE_S  # asked again on the next ticks
+    assert [p.step for p in repo.progress_points(client_db, job_id)] == [1, 2, 3, 4]  # and the run went on
+
+
+def test_once_the_launcher_has_exited_the_end_is_written_without_another_pause(host, settings, db, ledger,
+                                                                               client_db):
+    exit_s = 2.1
+    supervise(host, settings, db, training(FakeJob(), steps=4, every_s=0.5).exit(exit_s, 1))
+    final = next(e for e in host.events if e.kind == "state_written" and e.detail[0] in TERMINAL)
+    # The exit is noticed when the pause it fell into ends (≤ COALESCE_S); from there the pipe's end, the
+    # last progress write and the final state follow at once, with no second pause.
+    assert final.at - (T0 + exit_s) <= runner.COALESCE_S

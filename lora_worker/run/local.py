@@ -123,7 +123,7 @@ def wake_supervisor(boot_id: str | None, pid: int | None, start_ticks: int | Non
 
 
 def listen_for_wakeups() -> int:
-    """Make WAKE_SIGNAL (and any other signal with a Python handler, SIGTERM included) readable on the fd
+    """Make WAKE_SIGNAL, SIGCHLD (and any other signal with a Python handler, SIGTERM included) readable on the fd
     returned: the run loop waits on it next to the trainer's pipe. A flag set by a handler would not do:
     select and sleep resume after a handler (PEP 475), so the loop would still wait out its period."""
     wake_r, wake_w = os.pipe()
@@ -131,6 +131,9 @@ def listen_for_wakeups() -> int:
     os.set_blocking(wake_w, False)  # the C-level handler writes a byte per signal; a full pipe drops it
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
     signal.signal(WAKE_SIGNAL, _woken)
+    # A child's exit wakes the loop too: the launcher's end is seen at once, not when the pause runs out
+    # (up to 0.25 s between the trainer's exit and the final state otherwise).
+    signal.signal(signal.SIGCHLD, _woken)
     return wake_r
 
 

@@ -24,11 +24,12 @@ from tests.helpers import wait_for
 @pytest.fixture
 def wake_fd():
     """The supervisor's wake-up set-up (run/main.py), in this test process; put back afterwards."""
-    previous = signal.getsignal(WAKE_SIGNAL)
+    previous = signal.getsignal(WAKE_SIGNAL), signal.getsignal(signal.SIGCHLD)
     fd = listen_for_wakeups()
     yield fd
     old_w = signal.set_wakeup_fd(-1)
-    signal.signal(WAKE_SIGNAL, previous)
+    signal.signal(WAKE_SIGNAL, previous[0])
+    signal.signal(signal.SIGCHLD, previous[1])
     os.close(fd)
     os.close(old_w)
 
@@ -49,6 +50,20 @@ def test_the_real_pause_ends_when_the_wake_up_signal_arrives(wake_fd):
     started = time.monotonic()
     real.pause(0.1)  # nothing pending: the whole pause
     assert time.monotonic() - started >= 0.1
+
+
+def test_the_real_pause_ends_when_the_launcher_exits(wake_fd, tmp_path):
+    real = ProcessHost(wake_fd)
+    trainer = real.spawn([sys.executable, "-c", "import os, time; os.close(1); os.close(2); time.sleep(0.2)"],
+                         cwd=tmp_path, env=dict(os.environ))
+    try:
+        started = time.monotonic()
+        while trainer.poll() is None and time.monotonic() - started < 5.0:
+            real.pause(5.0)  # a pause as long as this would end the test by its bound if SIGCHLD did not end it
+        assert trainer.poll() is not None and time.monotonic() - started < 2.0
+        assert real.woken()
+    finally:
+        trainer.close()
 
 
 def test_the_trainers_read_ends_on_a_wake_up_with_nothing_read(wake_fd, tmp_path):

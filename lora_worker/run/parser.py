@@ -79,8 +79,8 @@ FLAG_GROUPS = ("model_saved", "no_data", "cuda_oom", "caption_invalid", "model_l
 # Where a marker can begin a message, found over a run of log lines in a few C-level passes instead of a regex
 # scan of every character (MARKER_SEARCH is ~0.1 µs a character): each branch of MARKERS begins, at the start of
 # the message, with one of MESSAGE_STARTS, or holds one of INNER_LITERALS (the branches that begin with a
-# name). The message starts a line, follows a glued redraw's `]`, or follows a rich logger's level; a hit is a
-# candidate only, parsed again by MARKERS and LINE_PREFIX, so these may find more, never less
+# name). A message begins a line, or follows a glued redraw's `]`, after LINE_PREFIX's spaces, time and level.
+# A hit is a candidate only, parsed again with MARKERS and LINE_PREFIX, so these may find more, never less
 # (tests/run/test_stream.py walks MARKERS to keep it so).
 MESSAGE_STARTS = (
     "loading model for process ", "load StableDiffusion checkpoint: ", "load Diffusers pretrained models",
@@ -91,12 +91,30 @@ MESSAGE_STARTS = (
 )
 INNER_LITERALS = (b"HFValidationError: ", b"OfflineModeIsEnabled: ", b"We couldn't connect to 'https://huggingface",
                   b": error: ")
-LEVELS = (b"DEBUG", b"INFO", b"WARNING", b"ERROR", b"CRITICAL")
-_STARTS = b"(?:" + b"|".join(re.escape(m.encode()) for m in MESSAGE_STARTS) + b")"
-AT_LINE_START = re.compile(rb"[ \t]*" + _STARTS)
-AFTER_NEWLINE = re.compile(rb"\n[ \t]*" + _STARTS)  # a literal first: the engine skips to each \n in C
-AFTER_BAR = re.compile(rb"\][ \t]*" + _STARTS)
-AFTER_LEVEL = re.compile(rb"(?:" + b"|".join(LEVELS) + rb")[ \t]+" + _STARTS)
+
+
+def _by_first_character(literals: tuple[str, ...]) -> bytes:
+    """An alternation of `literals`, grouped by their first character: the engine tries one branch per
+    character that can start a message, not one per literal."""
+    groups: dict[str, list[str]] = {}
+    for literal in literals:
+        groups.setdefault(literal[0], []).append(literal[1:])
+    return b"|".join(re.escape(first.encode()) + b"(?:" + b"|".join(re.escape(r.encode()) for r in rest) + b")"
+                     for first, rest in groups.items())
+
+
+_LEVEL = rb"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)[ \t]+"
+_MESSAGE = (rb"[ \t]*(?:" + _by_first_character(MESSAGE_STARTS) + rb"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[ \t]+" + _LEVEL
+            + rb"(?:" + _by_first_character(MESSAGE_STARTS) + rb")|" + _LEVEL + rb"(?:"
+            + _by_first_character(MESSAGE_STARTS) + rb"))")
+AT_LINE_START = re.compile(_MESSAGE)
+AFTER_NEWLINE = re.compile(rb"\n" + _MESSAGE)  # a literal first: the engine skips to each \n in C
+AFTER_BAR = re.compile(rb"\]" + _MESSAGE)
+# A short run of log lines (an epoch line between two runs of redraws) is looked at with one search for all of
+# the above; a long one with a search each, each of which skips to its first character in C.
+SMALL_RUN = 2048
+SMALL_RUN_CANDIDATE = re.compile(AFTER_NEWLINE.pattern + b"|" + AFTER_BAR.pattern + b"|"
+                                 + b"|".join(re.escape(literal) for literal in INNER_LITERALS))
 MAX_PENDING = 64 * 1024  # a stream that never ends a segment must not grow without bound
 # Every string MARKERS matches holds one of these characters, and a redraw of the `steps` bar none: a run of
 # redraws without them cannot hold a marker (tests/run/test_parser.py walks MARKERS to keep this true). Looking
@@ -207,96 +225,82 @@ class Parser:
             self._scan_markers(seg.decode("utf-8", "replace"))
 
     def _region(self, data: bytes, lo: int, hi: int) -> None:
-        """The whole segments of data[lo:hi] (each ends in \r or \n; lo starts one), in order: runs of log lines
-        and lines of redraws."""
+        """The whole segments of data[lo:hi] (each ends in \\r or \\n; lo starts one), in order: those that may
+        hold a marker one by one, and of the redraws between them only each step's newest."""
         pos = lo
-        while pos < hi:
-            cr = data.find(b"\r", pos, hi)
-            if cr < 0:
-                self._lines(data, pos, hi)
-                return
-            start = data.rfind(b"\n", pos, cr) + 1 or pos
-            if start > pos:
-                self._lines(data, pos, start)
-            end = data.find(b"\n", cr, hi) + 1 or hi
-            self._redraws(data, start, end)
-            pos = end
-
-    def _lines(self, data: bytes, lo: int, hi: int) -> None:
-        """Lines without a redraw, data[lo:hi], each ending in \\n: a bar written as a line is parsed on its own,
-        the log lines between such lines only where a marker can begin a message."""
-        pos = lo
-        while pos < hi:
-            if data.startswith(STEPS, pos):
-                end = data.find(b"\n", pos, hi)
-                self._segment(data[pos:end])
-                pos = end + 1
-                continue
-            bar = data.find(b"\n" + STEPS, pos, hi)
-            end = bar + 1 if bar >= 0 else hi
-            self._log_lines(data, pos, end)
-            pos = end
-
-    def _log_lines(self, data: bytes, lo: int, hi: int) -> None:
-        starts: set[int] = set()
-        if AT_LINE_START.match(data, lo):
-            starts.add(lo)
-        for pattern in (AFTER_NEWLINE, AFTER_BAR):
-            starts.update(_line_start(data, m.start(), lo) for m in pattern.finditer(data, lo, hi))
-        if any(data.find(level, lo, hi) >= 0 for level in LEVELS):
-            starts.update(_line_start(data, m.start(), lo) for m in AFTER_LEVEL.finditer(data, lo, hi))
-        for literal in INNER_LITERALS:
-            at = data.find(literal, lo, hi)
-            while at >= 0:
-                starts.add(_line_start(data, at, lo))
-                at = data.find(literal, data.find(b"\n", at, hi), hi)
-        for start in sorted(starts):
-            if start < hi:
-                self._scan_markers(data[start:data.find(b"\n", start, hi)].decode("utf-8", "replace"))
-
-    def _redraws(self, data: bytes, lo: int, hi: int) -> None:
-        """A line of redraws, data[lo:hi]: its segments that may hold a marker are parsed whole, in order; of the
-        redraws between them, only each step's newest."""
-        pos = lo
-        while True:
-            guard = min((at for g in MARKER_GUARD_BYTES if (at := data.find(g, pos, hi)) >= 0), default=-1)
-            if guard < 0:
-                self._bars(data, pos, hi)
-                return
-            start = _segment_start(data, guard, pos)
-            end = _segment_end(data, guard, hi)
+        for start, end in self._candidates(data, lo, hi):
             self._bars(data, pos, start)
             self._segment(data[start:end])
             pos = end + 1
-            if pos >= hi:
-                return
+        self._bars(data, pos, hi)
+
+    def _candidates(self, data: bytes, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Where the segments that may hold a marker lie in data[lo:hi], in order: in a line of redraws, those
+        holding a guard character; in a run of log lines, those where a marker can begin the message."""
+        found: list[tuple[int, int]] = []
+        pos = lo
+        while pos < hi:
+            cr = data.find(b"\r", pos, hi)
+            start = hi if cr < 0 else data.rfind(b"\n", pos, cr) + 1 or pos
+            if start > pos:
+                found += ((s, data.find(b"\n", s, start)) for s in _message_starts(data, pos, start))
+            if cr < 0:
+                break
+            end = data.find(b"\n", cr, hi) + 1 or hi
+            while (guard := min((at for g in MARKER_GUARD_BYTES if (at := data.find(g, start, end)) >= 0),
+                                default=-1)) >= 0:
+                found.append((_segment_start(data, guard, start), _segment_end(data, guard, end)))
+                start = found[-1][1] + 1
+            pos = end
+        return found
 
     def _bars(self, data: bytes, lo: int, hi: int) -> None:
         """The `steps` redraws of data[lo:hi] (whole segments, none holding a marker): for each step, its newest
-        redraw is applied, in order. A step's redraws are found from its newest back to its first with one
-        search for the step's `| n/total [`, so a run of hundreds of redraws costs a few passes, not one each."""
+        redraw is applied, in order. From the newest redraw back, the newest of the step before is found with
+        one backward search for its `| n-1/total [`, so a run of hundreds of redraws costs one pass over it, not
+        a parse of each; a step that was not drawn is found by bisection."""
         newest_first: list[re.Match[str]] = []
-        end = hi
-        while end > lo:
-            at = data.rfind(STEPS, lo, end)
-            if at < 0:
-                break
-            end = at
-            if at > lo and data[at - 1] not in (10, 13):
-                continue  # "validation steps:", or text that mentions steps: not the training bar
-            text = data[at:_segment_end(data, at, hi)].decode("utf-8", "replace")
-            m = BAR.match(text)
-            if m is None:
-                continue  # cut short, or not the bar: the one before it may be
+        found = self._newest_bar(data, lo, hi)
+        while found is not None:
+            at, m = found
             newest_first.append(m)
-            counter = text[text.rfind("|", 0, m.start(1)):text.index("[", m.end(2)) + 1].encode()
-            first = data.find(counter, lo, at)
-            if first >= 0:
-                start = _segment_start(data, first, lo)
-                if data.startswith(STEPS, start):
-                    end = start  # from there to here, every redraw is of this step
+            found = self._bar_before(data, lo, at, m)
         for m in reversed(newest_first):
             self._apply(m)
+
+    def _newest_bar(self, data: bytes, lo: int, hi: int) -> tuple[int, re.Match[str]] | None:
+        """The newest `steps` redraw that parses in data[lo:hi], and where its segment starts."""
+        end = hi
+        while (at := data.rfind(STEPS, lo, end)) >= 0:
+            end = at
+            if (m := _bar_at(data, at, lo, hi)) is not None:
+                return at, m
+            # cut short, or not the bar: the one before it may be
+        return None
+
+    def _bar_before(self, data: bytes, lo: int, at: int, m: re.Match[str]) -> tuple[int, re.Match[str]] | None:
+        """The newest redraw in data[lo:at] of a step before m's (the redraw whose segment starts at `at`).
+
+        Every redraw of a step has the same bytes up to its counter (`steps:  45%|████▌     | 765/1700 [`), so
+        whether a segment is of this step is one comparison at a known offset: a bisection over the run finds
+        the step's first redraw in a few of them, without reading the redraws between."""
+        if int(m[1]) == 0:
+            return None
+        text = m.string
+        offset, counter = len(text[:m.start(1)].encode()), text[m.start(1):text.index("[", m.end(2)) + 1].encode()
+        if data.startswith(counter, lo + offset):
+            return None  # the whole run is of this step
+        first, last = lo, at  # the segment at `first` is of another step, the one at `last` of this one
+        while True:
+            mid = (first + last) // 2
+            cr = data.rfind(b"\r", first + 1, mid + 1)
+            if cr < 0 and (cr := data.find(b"\r", mid + 1, last - 1)) < 0:
+                break  # no segment starts between them: `last` is the step's first redraw
+            if data.startswith(counter, cr + 1 + offset):
+                last = cr + 1
+            else:
+                first = cr + 1
+        return self._newest_bar(data, lo, last)
 
     def _bar(self, text: str) -> None:
         m = BAR.match(text)
@@ -368,15 +372,42 @@ def _first_break(data: bytes, last_cr: int, last_nl: int) -> int:
     return nl if nl >= 0 else cr
 
 
+def _message_starts(data: bytes, lo: int, hi: int) -> list[int]:
+    """The starts of the log lines in data[lo:hi] (no \\r there, each ends in \\n) where a marker can begin
+    the message, in order: a superset of where MARKERS can count, found with C-level searches."""
+    if hi - lo <= SMALL_RUN and not AT_LINE_START.match(data, lo):
+        if (first := SMALL_RUN_CANDIDATE.search(data, lo, hi)) is None:
+            return []
+        lo = _line_start(data, first.start(), lo)  # the lines before the first hit hold none
+    starts: set[int] = set()
+    if AT_LINE_START.match(data, lo):
+        starts.add(lo)
+    for pattern in (AFTER_NEWLINE, AFTER_BAR):
+        starts.update(_line_start(data, m.start(), lo) for m in pattern.finditer(data, lo, hi))
+    for literal in INNER_LITERALS:
+        at = data.find(literal, lo, hi)
+        while at >= 0:
+            starts.add(_line_start(data, at, lo))
+            at = data.find(literal, data.find(b"\n", at, hi), hi)
+    return sorted(s for s in starts if s < hi)
+
+
+def _bar_at(data: bytes, at: int, lo: int, hi: int) -> re.Match[str] | None:
+    """The `steps` redraw whose segment starts at `at`, parsed, or None."""
+    if at > lo and data[at - 1] not in (10, 13):
+        return None  # "validation steps:", or text that mentions steps: not the training bar
+    return BAR.match(data[at:_segment_end(data, at, hi)].decode("utf-8", "replace"))
+
+
 def _segment_start(data: bytes, pos: int, lo: int) -> int:
     return max(data.rfind(b"\r", lo, pos), data.rfind(b"\n", lo, pos)) + 1 or lo
 
 
 def _segment_end(data: bytes, pos: int, hi: int) -> int:
     """Where the segment holding `pos` ends (its \r or \n), or `hi`."""
-    nl = data.find(b"\n", pos, hi)
-    cr = data.find(b"\r", pos, nl if nl >= 0 else hi)
-    return cr if cr >= 0 else nl if nl >= 0 else hi
+    cr = data.find(b"\r", pos, hi)  # in a run of redraws the next \r is near, the next \n may be far
+    nl = data.find(b"\n", pos, cr if cr >= 0 else hi)
+    return nl if nl >= 0 else cr if cr >= 0 else hi
 
 
 def _line_start(data: bytes, pos: int, lo: int) -> int:

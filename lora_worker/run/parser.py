@@ -256,9 +256,8 @@ class Parser:
 
     def _bars(self, data: bytes, lo: int, hi: int) -> None:
         """The `steps` redraws of data[lo:hi] (whole segments, none holding a marker): for each step, its newest
-        redraw is applied, in order. From the newest redraw back, the newest of the step before is found with
-        one backward search for its `| n-1/total [`, so a run of hundreds of redraws costs one pass over it, not
-        a parse of each; a step that was not drawn is found by bisection."""
+        redraw is applied, in order. They are found from the newest back, a step at a time (`_bar_before`), so a
+        run of hundreds of redraws costs a few comparisons per step, not a parse of each redraw."""
         newest_first: list[re.Match[str]] = []
         found = self._newest_bar(data, lo, hi)
         while found is not None:
@@ -293,7 +292,7 @@ class Parser:
         first, last = lo, at  # the segment at `first` is of another step, the one at `last` of this one
         while True:
             mid = (first + last) // 2
-            cr = data.rfind(b"\r", first + 1, mid + 1)
+            cr = data.rfind(b"\r", first + 1, min(mid + 1, last - 1))
             if cr < 0 and (cr := data.find(b"\r", mid + 1, last - 1)) < 0:
                 break  # no segment starts between them: `last` is the step's first redraw
             if data.startswith(counter, cr + 1 + offset):

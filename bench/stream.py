@@ -121,6 +121,9 @@ def flood(runs: Runs, size: int, repeats: int, *, lines: bool = False) -> tuple[
     pairs = []
     for _ in range(repeats):  # interleaved, so drift on a noisy machine hits both alike
         pairs.append((runs.bare(*args), runs.supervised(*args)))
+    # The same job without the flood (the capture's phase lines and end only): what a job costs once, from
+    # its first byte to its exit, whatever it writes.
+    fixed = statistics.median(runs.supervised("--bytes", "0").cpu_s for _ in range(repeats))
     ratios = [s.cpu_s / b.cpu_s for b, s in pairs]
     sup = statistics.median(s.cpu_s for _, s in pairs)
     base = statistics.median(b.cpu_s for b, _ in pairs)
@@ -130,6 +133,10 @@ def flood(runs: Runs, size: int, repeats: int, *, lines: bool = False) -> tuple[
     rows = [
         Row(f"CPU for {mb:g} MB of {what} (median of {repeats})", f"{sup:.3f} s", f"{base:.3f} s (bare reader)",
             ratio, f"≤ {target:g}×", ratio <= target),
+        Row("… of which the job's own start and end (the same job with no flood: its phase lines, outcome, "
+            "last writes, exit; median)", f"{fixed:.3f} s"),
+        Row("… the rest, what the flood itself costs", f"{sup - fixed:.3f} s", f"{base:.3f} s (bare reader)",
+            (sup - fixed) / base),
         Row("CPU per MB", f"{sup / mb * 1e3:.2f} ms", f"{base / mb * 1e3:.2f} ms"),
         Row("read() calls (median)", f"{statistics.median(s.reads for _, s in pairs):.0f}",
             f"{statistics.median(b.reads for b, _ in pairs):.0f}"),
@@ -173,7 +180,24 @@ def parse_path(size: int) -> tuple[list[Row], list[str]]:
         per_chunk = statistics.median(times) / len(chunks) * 1e6
         rows.append(Row(f"parse path alone, {what}: CPU per 64 KiB chunk (median of 3)", f"{per_chunk:.1f} µs",
                         f"{len(chunks)} chunks, {statistics.median(times) * 1e3:.0f} ms in all"))
-    return rows, []
+    exits = sorted(interpreter_exit() for _ in range(5))
+    rows.append(Row("interpreter exit after the supervisor's imports (SQLAlchemy, psutil, the runner), median of 5",
+                    f"{exits[2] * 1e3:.1f} ms", f"{exits[0] * 1e3:.1f}–{exits[-1] * 1e3:.1f} ms"))
+    return rows, ["the exit is part of every supervisor's CPU above: a process that imports what the supervisor "
+                  "imports, then exits; its CPU after its last instruction (rusage at exit less the CPU it had "
+                  "used by then)"]
+
+
+def interpreter_exit() -> float:
+    """CPU seconds a process spends exiting (module teardown, freeing) after importing what the supervisor runs."""
+    code = ("import time, lora_worker.run.main, lora_worker.run.runner, lora_worker.host.process_host; "
+            "print(time.process_time(), flush=True)")
+    proc = subprocess.Popen([python(), "-c", code], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    before = float(proc.stdout.read())
+    _, _, usage = os.wait4(proc.pid, 0)
+    proc.returncode = 0
+    return usage.ru_utime + usage.ru_stime - before
 
 
 def realistic(runs: Runs, real_s: float, compressed_redraws: int, compressed_s: float) -> tuple[list[Row], list[str]]:

@@ -98,7 +98,7 @@ class JobLog:
             self._hold(self._open + data)
             return b""
         first = data.find(b"\n")
-        pieces = [_collapse(self._open + data[:first], 0, first + len(self._open)), b"\n"]
+        pieces: list[bytes | memoryview] = [_collapse(self._open + data[:first], 0, first + len(self._open)), b"\n"]
         _collapse_lines(data, first + 1, last + 1, pieces)
         self._hold(data[last + 1:])
         written = _valid_utf8(b"".join(pieces))
@@ -305,19 +305,19 @@ def _last_non_blank(data: bytes, lo: int, hi: int) -> tuple[int, int] | None:
     return None
 
 
-def _collapse_lines(data: bytes, lo: int, hi: int, pieces: list[bytes]) -> None:
+def _collapse_lines(data: bytes, lo: int, hi: int, pieces: list[bytes | memoryview]) -> None:
     """The complete lines data[lo:hi] (it ends in \\n), collapsed, appended to `pieces`: lines without a `\\r`
     in runs as they are, each line of redraws on its own."""
     pos = lo
     while pos < hi:
         cr = data.find(b"\r", pos, hi)
         if cr < 0:
-            pieces.append(data[pos:hi])
+            pieces.append(memoryview(data)[pos:hi])  # copied once, by the join
             return
         start = data.rfind(b"\n", pos, cr) + 1 or pos
         end = data.find(b"\n", cr, hi)
         if start > pos:
-            pieces.append(data[pos:start])
+            pieces.append(memoryview(data)[pos:start])
         pieces.append(_collapse(data, start, end))
         pieces.append(b"\n")
         pos = end + 1

@@ -93,20 +93,23 @@ INNER_LITERALS = (b"HFValidationError: ", b"OfflineModeIsEnabled: ", b"We couldn
                   b": error: ")
 
 
-def _by_first_character(literals: tuple[str, ...]) -> bytes:
-    """An alternation of `literals`, grouped by their first character: the engine tries one branch per
-    character that can start a message, not one per literal."""
-    groups: dict[str, list[str]] = {}
-    for literal in literals:
-        groups.setdefault(literal[0], []).append(literal[1:])
-    return b"|".join(re.escape(first.encode()) + b"(?:" + b"|".join(re.escape(r.encode()) for r in rest) + b")"
-                     for first, rest in groups.items())
+def _message_pattern() -> bytes:
+    """`[ \\t]*` and then a message start, bare or after a rich logger's time and level, as one alternation whose
+    every branch begins with a different character: the engine rejects a line with one comparison per branch,
+    without entering nested groups."""
+    starts: dict[bytes, list[bytes]] = {}
+    for literal in MESSAGE_STARTS:
+        starts.setdefault(re.escape(literal[0].encode()), []).append(re.escape(literal[1:].encode()))
+    message = b"(?:" + b"|".join(first + b"(?:" + b"|".join(rest) + b")" for first, rest in starts.items()) + b")"
+    branches = [first + b"(?:" + b"|".join(rest) + b")" for first, rest in starts.items()]
+    levels = (b"DEBUG", b"INFO", b"WARNING", b"ERROR", b"CRITICAL")
+    assert not {level[:1] for level in levels} & set(starts)
+    branches += [level[:1] + level[1:] + rb"[ \t]+" + message for level in levels]
+    branches.append(rb"\d\d\d\d-\d\d-\d\d \d\d:\d\d:\d\d[ \t]+(?:" + b"|".join(levels) + rb")[ \t]+" + message)
+    return rb"[ \t]*(?:" + b"|".join(branches) + b")"
 
 
-_LEVEL = rb"(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)[ \t]+"
-_MESSAGE = (rb"[ \t]*(?:" + _by_first_character(MESSAGE_STARTS) + rb"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[ \t]+" + _LEVEL
-            + rb"(?:" + _by_first_character(MESSAGE_STARTS) + rb")|" + _LEVEL + rb"(?:"
-            + _by_first_character(MESSAGE_STARTS) + rb"))")
+_MESSAGE = _message_pattern()
 AT_LINE_START = re.compile(_MESSAGE)
 AFTER_NEWLINE = re.compile(rb"\n" + _MESSAGE)  # a literal first: the engine skips to each \n in C
 AFTER_BAR = re.compile(rb"\]" + _MESSAGE)

@@ -102,9 +102,8 @@ def _message_pattern() -> bytes:
         starts.setdefault(re.escape(literal[0].encode()), []).append(re.escape(literal[1:].encode()))
     message = b"(?:" + b"|".join(first + b"(?:" + b"|".join(rest) + b")" for first, rest in starts.items()) + b")"
     branches = [first + b"(?:" + b"|".join(rest) + b")" for first, rest in starts.items()]
-    levels = (b"DEBUG", b"INFO", b"WARNING", b"ERROR", b"CRITICAL")
-    assert not {level[:1] for level in levels} & set(starts)
-    branches += [level[:1] + level[1:] + rb"[ \t]+" + message for level in levels]
+    levels = (b"DEBUG", b"INFO", b"WARNING", b"ERROR", b"CRITICAL")  # none begins as a message start does
+    branches += [level + rb"[ \t]+" + message for level in levels]
     branches.append(rb"\d\d\d\d-\d\d-\d\d \d\d:\d\d:\d\d[ \t]+(?:" + b"|".join(levels) + rb")[ \t]+" + message)
     return rb"[ \t]*(?:" + b"|".join(branches) + b")"
 

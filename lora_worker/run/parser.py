@@ -95,8 +95,8 @@ INNER_LITERALS = (b"HFValidationError: ", b"OfflineModeIsEnabled: ", b"We couldn
 
 def _message_pattern() -> bytes:
     """`[ \\t]*` and then a message start, bare or after a rich logger's time and level, as one alternation whose
-    every branch begins with a different character: the engine rejects a line with one comparison per branch,
-    without entering nested groups."""
+    every branch begins with a different character: the engine tries one branch per character, without entering
+    nested groups."""
     starts: dict[bytes, list[bytes]] = {}
     for literal in MESSAGE_STARTS:
         starts.setdefault(re.escape(literal[0].encode()), []).append(re.escape(literal[1:].encode()))
@@ -105,7 +105,10 @@ def _message_pattern() -> bytes:
     levels = (b"DEBUG", b"INFO", b"WARNING", b"ERROR", b"CRITICAL")  # none begins as a message start does
     branches += [level + rb"[ \t]+" + message for level in levels]
     branches.append(rb"\d\d\d\d-\d\d-\d\d \d\d:\d\d:\d\d[ \t]+(?:" + b"|".join(levels) + rb")[ \t]+" + message)
-    return rb"[ \t]*(?:" + b"|".join(branches) + b")"
+    # The characters the branches begin with, looked at first: most lines begin otherwise, and are rejected
+    # with one class test instead of one test per branch.
+    first = b"[" + b"".join(starts) + b"".join(level[:1] for level in levels) + rb"\d]"
+    return rb"[ \t]*(?=" + first + rb")(?:" + b"|".join(branches) + b")"
 
 
 _MESSAGE = _message_pattern()

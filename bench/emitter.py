@@ -10,7 +10,10 @@ All output is rendered before the first byte is written, so writing costs the em
 the reader, not the emitter, sets the pace:
   --bytes N        redraw until the body holds N bytes, written as fast as the pipe takes it, in writes of
                    --write-size bytes (64 KiB: a full pipe), so every reader sees the same full chunks;
-  --rate R         write each redraw alone (as tqdm does) at R redraws a second, on an absolute schedule.
+  --rate R         write each redraw alone (as tqdm does) at R redraws a second, on an absolute schedule;
+  --lines          with --bytes: the body is log lines instead of redraws, each ending in `\\n` (the capture's
+                   own lines before the training bar, those that are no phase line, over and over): a chatty
+                   trainer, whose every line is parsed, logged and kept for the error tail.
 --go FILE: write FILE.ready (our pid) once rendered, and start only when FILE exists, so the bench can read the
 reader's CPU time at the first byte.
 """
@@ -53,6 +56,29 @@ def bar(step: int, total: int, loss: float | None) -> bytes:
     postfix = f", avr_loss={loss:.3g}" if loss is not None else ""
     return (f"\rsteps: {int(frac * 100):3d}%|{body}| {step}/{total} [{_clock(elapsed)}<{_clock(left)},"
             f"  3.70s/it{postfix}]").encode()
+
+
+# The capture's lines that name a phase or an outcome: a flood of log lines repeats the others, so the job's
+# phase stays put (each phase change is a ledger write, which is not what the flood measures).
+PHASE_LINES = (b"loading model for process", b"load StableDiffusion", b"caching latents", b"caching Text Encoder",
+               b"import network module", b"total optimization steps", b"model saved.", b"saving checkpoint:")
+
+
+def log_lines(head: list[tuple[int, bytes]]) -> list[bytes]:
+    """The `\\n`-terminated log lines of the capture's head that are no redraw and name no phase."""
+    text = b"".join(data for fd, data in head if fd == 1)
+    lines = [line + b"\n" for line in text.split(b"\n")[:-1]]
+    return [line for line in lines if line.strip() and not any(p in line for p in PHASE_LINES)]
+
+
+def line_body(lines: list[bytes], max_bytes: int) -> list[tuple[int, bytes]]:
+    """Log lines on stdout, over and over, until they hold `max_bytes`."""
+    events, size, i = [], 0, 0
+    while size < max_bytes:
+        events.append((1, lines[i % len(lines)]))
+        size += len(events[-1][1])
+        i += 1
+    return events
 
 
 def _clock(seconds: int) -> str:
@@ -122,11 +148,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--bytes", type=int)
     parser.add_argument("--redraws", type=int)
     parser.add_argument("--rate", type=float, help="redraws a second; without it, as fast as the pipe takes it")
+    parser.add_argument("--lines", action="store_true", help="with --bytes: log lines instead of redraws")
     parser.add_argument("--write-size", type=int, default=1 << 16)
     parser.add_argument("--go")
     args = parser.parse_args(argv)
     head, tail = load_capture(args.capture)
-    middle = body(args.total_steps, args.redraws, args.bytes, args.epoch_steps)
+    if args.lines:
+        middle = line_body(log_lines(head), args.bytes or 0)
+    else:
+        middle = body(args.total_steps, args.redraws, args.bytes, args.epoch_steps)
     if args.rate is None:
         middle = coalesce(middle, args.write_size)
     if args.go:

@@ -10,6 +10,10 @@ reads and discards.
 
 - flood: the emitter pre-renders N bytes and writes them in 64 KiB writes, so the pipe stays full and both
   readers take it in the same 64 KiB chunks (the read() counts in the table show it).
+- log-line flood: the same volume as `\n`-terminated log lines (the capture's own), not redraws: each is a
+  line the supervisor must look at for a marker, write to the run log and keep for the error tail.
+- parse path alone: the supervisor's output path (`TrainerOutput`: bytes, parser, run log, error tail) in
+  this process, over the same two floods in 64 KiB chunks: CPU per chunk, without process start or end.
 - realistic: redraws written one by one, paced (10 a second, and many more compressed in time). The CPU
   share is read over the middle of the run, from CPU samples every 20 ms, so the one-time costs of a job's
   start and end are reported apart (a 10-minute run pays them once).
@@ -19,6 +23,7 @@ from __future__ import annotations
 import os
 import statistics
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +33,9 @@ from bench.common import (BENCH_DIR, CAPTURE, Row, arg_parser, bench_host, cpu_s
 from lora_worker.ledger.db import Database
 from lora_worker.host import processes
 from lora_worker.run.local import launch_supervisor
+from lora_worker.run.logfile import JobLog
+from lora_worker.run.output import TrainerOutput
+from bench import emitter
 from tests.helpers import Host, wait_for
 
 EMITTER = BENCH_DIR / "emitter.py"
@@ -108,18 +116,27 @@ class Runs:
         return bare(self.go(), *args)
 
 
-def flood(runs: Runs, size: int, repeats: int) -> tuple[list[Row], list[str]]:
+def flood(runs: Runs, size: int, repeats: int, *, lines: bool = False) -> tuple[list[Row], list[str]]:
+    args = ("--bytes", str(size), *(("--lines",) if lines else ()))
     pairs = []
     for _ in range(repeats):  # interleaved, so drift on a noisy machine hits both alike
-        pairs.append((runs.bare("--bytes", str(size)), runs.supervised("--bytes", str(size))))
+        pairs.append((runs.bare(*args), runs.supervised(*args)))
+    # The same job without the flood (the capture's phase lines and end only): what a job costs once, from
+    # its first byte to its exit, whatever it writes.
+    fixed = statistics.median(runs.supervised("--bytes", "0").cpu_s for _ in range(repeats))
     ratios = [s.cpu_s / b.cpu_s for b, s in pairs]
     sup = statistics.median(s.cpu_s for _, s in pairs)
     base = statistics.median(b.cpu_s for b, _ in pairs)
     ratio = statistics.median(ratios)
     mb = size / 1e6
+    what, target = ("log lines", 30.0) if lines else ("output", 1.5)
     rows = [
-        Row(f"CPU for {mb:g} MB of output (median of {repeats})", f"{sup:.3f} s", f"{base:.3f} s (bare reader)",
-            ratio, "≤ 1.5×", ratio <= 1.5),
+        Row(f"CPU for {mb:g} MB of {what} (median of {repeats})", f"{sup:.3f} s", f"{base:.3f} s (bare reader)",
+            ratio, f"≤ {target:g}×", ratio <= target),
+        Row("… of which the job's own start and end (the same job with no flood: its phase lines, outcome, "
+            "last writes, exit; median)", f"{fixed:.3f} s"),
+        Row("… the rest, what the flood itself costs", f"{sup - fixed:.3f} s", f"{base:.3f} s (bare reader)",
+            (sup - fixed) / base),
         Row("CPU per MB", f"{sup / mb * 1e3:.2f} ms", f"{base / mb * 1e3:.2f} ms"),
         Row("read() calls (median)", f"{statistics.median(s.reads for _, s in pairs):.0f}",
             f"{statistics.median(b.reads for b, _ in pairs):.0f}"),
@@ -128,9 +145,59 @@ def flood(runs: Runs, size: int, repeats: int) -> tuple[list[Row], list[str]]:
         Row("peak RSS of the reader (max)", f"{max(s.peak_rss_mib for _, s in pairs):.1f} MiB",
             f"{max(b.peak_rss_mib for b, _ in pairs):.1f} MiB"),
     ]
-    notes = [f"ratios of the {repeats} pairs: " + ", ".join(f"{r:.2f}×" for r in ratios),
+    notes = [f"ratios of the {repeats} pairs: " + ", ".join(f"{r:.2f}×" for r in ratios)
+             + f" (min {min(ratios):.2f}×, max {max(ratios):.2f}×)",
              f"threads in the measured processes: supervisor {pairs[0][1].threads}, bare reader {pairs[0][0].threads}"]
     return rows, notes
+
+
+def flood_chunks(size: int, *, lines: bool) -> list[bytes]:
+    """What the emitter writes for a flood of `size` bytes, as the 64 KiB chunks a reader takes it in."""
+    head, tail = emitter.load_capture(str(CAPTURE))
+    middle = emitter.line_body(emitter.log_lines(head), size) if lines else emitter.body(3000, None, size, 150)
+    data = b"".join(d for _, d in head + emitter.coalesce(middle, 1 << 16) + tail)
+    return [data[i:i + (1 << 16)] for i in range(0, len(data), 1 << 16)]
+
+
+def parse_path(size: int) -> tuple[list[Row], list[str]]:
+    """CPU of the output path alone (TrainerOutput: bytes, parser, run log, error tail) per 64 KiB chunk, in
+    this process: what the supervisor's own ratio is made of, less process start, the loop and the ledger."""
+    rows = []
+    for lines, what in ((False, "redraw flood"), (True, "log-line flood")):
+        chunks = flood_chunks(size, lines=lines)
+        times = []
+        for _ in range(3):
+            with tempfile.TemporaryDirectory(prefix="lora-bench-parse-") as tmp:
+                output = TrainerOutput(JobLog(Path(tmp), 1, head_bytes=1 << 20, tail_bytes=1 << 20),
+                                       lambda phase, step: None)
+                start = time.thread_time()
+                for i, chunk in enumerate(chunks):
+                    output.consume(chunk, i * 0.001)
+                    output.tick(i * 0.001)
+                output.end()
+                times.append(time.thread_time() - start)
+                output.joblog.close()
+        per_chunk = statistics.median(times) / len(chunks) * 1e6
+        rows.append(Row(f"parse path alone, {what}: CPU per 64 KiB chunk (median of 3)", f"{per_chunk:.1f} µs",
+                        f"{len(chunks)} chunks, {statistics.median(times) * 1e3:.0f} ms in all"))
+    exits = sorted(interpreter_exit() for _ in range(5))
+    rows.append(Row("interpreter exit after the supervisor's imports (SQLAlchemy, psutil, the runner), median of 5",
+                    f"{exits[2] * 1e3:.1f} ms", f"{exits[0] * 1e3:.1f}–{exits[-1] * 1e3:.1f} ms"))
+    return rows, ["the exit is part of every supervisor's CPU above: a process that imports what the supervisor "
+                  "imports, then exits; its CPU after its last instruction (rusage at exit less the CPU it had "
+                  "used by then)"]
+
+
+def interpreter_exit() -> float:
+    """CPU seconds a process spends exiting (module teardown, freeing) after importing what the supervisor runs."""
+    code = ("import time, lora_worker.run.main, lora_worker.run.runner, lora_worker.host.process_host; "
+            "print(time.process_time(), flush=True)")
+    proc = subprocess.Popen([python(), "-c", code], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    before = float(proc.stdout.read())
+    _, _, usage = os.wait4(proc.pid, 0)
+    proc.returncode = 0
+    return usage.ru_utime + usage.ru_stime - before
 
 
 def realistic(runs: Runs, real_s: float, compressed_redraws: int, compressed_s: float) -> tuple[list[Row], list[str]]:
@@ -167,7 +234,7 @@ def realistic(runs: Runs, real_s: float, compressed_redraws: int, compressed_s: 
 def main(argv: list[str] | None = None) -> int:
     parser = arg_parser(__doc__)
     parser.add_argument("--bytes", type=int, default=100_000_000)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--real-s", type=float, default=30.0, help="seconds of the run at the real rate")
     parser.add_argument("--compressed-s", type=float, default=30.0, help="seconds for 6000 compressed redraws")
     args = parser.parse_args(argv)
@@ -179,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rows, notes = flood(runs, args.bytes, args.repeats)
             emit("Stream overhead: flood of realistic output", rows, notes)
+            rows, notes = flood(runs, args.bytes, args.repeats, lines=True)
+            emit("Stream overhead: flood of log lines", rows, notes)
+            rows, notes = parse_path(args.bytes)
+            emit("Stream overhead: the parse path alone", rows, notes)
             rows, notes = realistic(runs, args.real_s, 6000 if not args.quick else 20, args.compressed_s)
             emit("Stream overhead: CPU share in a realistic run", rows, notes)
         finally:

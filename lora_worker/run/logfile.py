@@ -67,7 +67,12 @@ def append_note(log_dir: Path, job_id: int, message: str, *, head_bytes: int) ->
 
 class JobLog:
     """Append-only writer used by the supervisor, of a log file it created itself. Write errors (a full disk)
-    never stop supervision."""
+    never stop supervision.
+
+    It takes the output as bytes and writes each chunk's complete lines in one write, each line collapsed to what
+    a terminal would show (`collapse_redraws`); the line still open is kept as its newest non-blank segment and
+    its last one, all a later collapse can need, so a run of redraws never piles up. Nothing is decoded but the
+    segments a collapse keeps; what is written is valid UTF-8 (bad bytes replaced, as the API reads them)."""
 
     def __init__(self, log_dir: Path, job_id: int, *, head_bytes: int, tail_bytes: int) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -78,43 +83,49 @@ class JobLog:
         self._tail = None
         self._tail_start = 0
         self._tail_size = 0
-        self._pending = ""  # the open line: the newest redraw of a bar, or a line still without its newline
+        self._open = b""  # the open line: the newest redraw of a bar, or a line still without its newline
         self._redraw_dirty = False
         self._redraw_at = time.monotonic()
         self.write_errors = 0
 
-    def feed(self, text: str) -> None:
-        """Add decoded output; complete lines are written, each keeping only its last `\\r` redraw."""
-        buffered = self._pending + text
-        head, sep, rest = buffered.rpartition("\n")
-        if sep:
-            self._write("\n".join(collapse_redraws(line) for line in head.split("\n")) + "\n")
-        else:
-            rest = buffered
-        if "\r" in rest:
-            rest = rest[rest.rfind("\r"):]  # older redraws of an open bar are never needed again
-            self._redraw_dirty = True
-        self._pending = rest[-65536:]
+    def feed(self, data: bytes | str) -> bytes:
+        """Add output; its complete lines are written, each keeping only its last non-blank `\\r` segment.
+        Returns what was written (the error tail is taken from it)."""
+        if isinstance(data, str):
+            data = data.encode("utf-8", "replace")
+        last = data.rfind(b"\n")
+        if last < 0:
+            self._hold(self._open + data)
+            return b""
+        first = data.find(b"\n")
+        pieces: list[bytes | memoryview] = [_collapse(self._open + data[:first], 0, first + len(self._open)), b"\n"]
+        _collapse_lines(data, first + 1, last + 1, pieces)
+        self._hold(data[last + 1:])
+        written = _valid_utf8(b"".join(pieces))
+        self._write(written)
+        return written
 
     def tick(self, now: float | None = None) -> None:
         """Copy an open progress bar into the log now and then, so the log shows a long run moving."""
         now = time.monotonic() if now is None else now
         if self._redraw_dirty and now - self._redraw_at >= REDRAW_EVERY_S:
-            if self._pending.startswith("\r") and self._pending.strip():
-                self._write(self._pending.strip("\r").rstrip() + "\n")
+            cr = self._open.rfind(b"\r")
+            bar = self._open[cr + 1:].decode("utf-8", "replace").rstrip() if cr >= 0 else ""
+            if bar.strip():
+                self._write(bar.encode() + b"\n")
             self._redraw_dirty = False
             self._redraw_at = now
 
     def note(self, message: str) -> None:
         """A line of our own, marked so it is never mistaken for trainer output."""
-        self._write(f"[lora-worker] {message}\n")
+        self._write(f"[lora-worker] {message}\n".encode("utf-8", "replace"))
 
     def end_of_output(self) -> None:
         """The trainer is gone: a last line left without its newline (a killed bar) is written as it is."""
-        line = collapse_redraws(self._pending).rstrip()
+        line = _collapse(self._open, 0, len(self._open)).decode("utf-8", "replace").rstrip()
         if line:
-            self._write(line + "\n")
-        self._pending = ""
+            self._write(line.encode() + b"\n")
+        self._open = b""
 
     def close(self) -> None:
         self.end_of_output()
@@ -125,8 +136,16 @@ class JobLog:
                 except OSError:
                     self.write_errors += 1
 
-    def _write(self, text: str) -> None:
-        data = text.encode("utf-8", "replace")
+    def _hold(self, line: bytes) -> None:
+        """Keep the open line, less the segments no collapse can pick any more."""
+        cr = line.rfind(b"\r")
+        if cr >= 0:
+            self._redraw_dirty = True
+            keep = _last_non_blank(line, 0, cr)
+            line = (line[keep[0]:keep[1]] if keep else b"") + line[cr:]
+        self._open = line[-65536:]
+
+    def _write(self, data: bytes) -> None:
         try:
             if self._tail is None and self._head_size + len(data) <= self.head_bytes:
                 self._head.write(data)
@@ -261,6 +280,57 @@ def collapse_redraws(line: str) -> str:
         if segment.strip():
             return segment.rstrip()
     return ""
+
+
+def _collapse(data: bytes, lo: int, hi: int) -> bytes:
+    """`collapse_redraws` of the line data[lo:hi], on bytes: only the segment it keeps is decoded."""
+    if data.find(b"\r", lo, hi) < 0:
+        return data[lo:hi]
+    keep = _last_non_blank(data, lo, hi)
+    return data[keep[0]:keep[1]].decode("utf-8", "replace").rstrip().encode() if keep else b""
+
+
+def _last_non_blank(data: bytes, lo: int, hi: int) -> tuple[int, int] | None:
+    """Where the last `\\r` segment of data[lo:hi] that is not blank lies."""
+    end = hi
+    while end >= lo:
+        cr = data.rfind(b"\r", lo, end)
+        start = cr + 1 if cr >= 0 else lo
+        segment = data[start:end]
+        if segment.strip() and segment.decode("utf-8", "replace").strip():
+            return start, end
+        if cr < 0:
+            return None
+        end = cr
+    return None
+
+
+def _collapse_lines(data: bytes, lo: int, hi: int, pieces: list[bytes | memoryview]) -> None:
+    """The complete lines data[lo:hi] (it ends in \\n), collapsed, appended to `pieces`: lines without a `\\r`
+    in runs as they are, each line of redraws on its own."""
+    pos = lo
+    while pos < hi:
+        cr = data.find(b"\r", pos, hi)
+        if cr < 0:
+            pieces.append(memoryview(data)[pos:hi])  # copied once, by the join
+            return
+        start = data.rfind(b"\n", pos, cr) + 1 or pos
+        end = data.find(b"\n", cr, hi)
+        if start > pos:
+            pieces.append(memoryview(data)[pos:start])
+        pieces.append(_collapse(data, start, end))
+        pieces.append(b"\n")
+        pos = end + 1
+
+
+def _valid_utf8(data: bytes) -> bytes:
+    if data.isascii():
+        return data
+    try:
+        data.decode()
+        return data
+    except UnicodeDecodeError:
+        return data.decode("utf-8", "replace").encode()
 
 
 def _whole_characters(data: bytes) -> bytes:

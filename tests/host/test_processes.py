@@ -103,3 +103,25 @@ def test_descendants_are_listed_from_proc_through_a_new_session_and_zombies_left
         child.wait()
         child.stdout.close()  # type: ignore[union-attr]
         dead.wait()
+
+
+def test_a_flood_is_taken_a_pipeful_per_read_from_an_enlarged_pipe_in_order(tmp_path):
+    import fcntl
+    from pathlib import Path
+
+    from lora_worker.host.process_host import DRAIN_BYTES, PIPE_BYTES, READ_BYTES, ProcessHost
+
+    code = ("import os, sys\n"
+            "for i in range(16): os.write(1, bytes([65 + i]) * 65536)\n")
+    trainer = ProcessHost().spawn([sys.executable, "-c", code], cwd=tmp_path, env={})
+    try:
+        granted = fcntl.fcntl(trainer._fd, fcntl.F_GETPIPE_SZ)
+        assert granted >= min(PIPE_BYTES, int(Path("/proc/sys/fs/pipe-max-size").read_text()))
+        wait_for(lambda: trainer.poll() is not None, what="the writer's exit")  # its 1 MiB waits in the pipe
+        chunks = []
+        while (data := trainer.read(0.05)) is not None:
+            chunks.append(data)
+        assert b"".join(chunks) == b"".join(bytes([65 + i]) * 65536 for i in range(16))
+        assert max(map(len, chunks)) > READ_BYTES and max(map(len, chunks)) <= DRAIN_BYTES
+    finally:
+        trainer.close()

@@ -135,3 +135,25 @@ def test_a_read_limit_inside_a_character_never_splits_it(tmp_path):
         assert "\ufffd" not in chunk.text and chunk.offset == offset + len(chunk.text.encode())
         offset, text = chunk.offset, text + chunk.text
     assert text == "steps: 100%|██████████| 3/3\n"
+
+
+def test_a_bar_left_open_then_blanked_by_pad_spaces_in_a_later_chunk_is_what_the_line_keeps(tmp_path):
+    # tqdm's pad after a shorter redraw can come in the next read: the line still shows the redraw.
+    log = JobLog(tmp_path, 1, head_bytes=1 << 20, tail_bytes=1 << 20)
+    log.feed(b"\rsteps: 100%|##| 3/3 [00:03<00:00, 1.0s/it]")
+    log.feed(b"\r   ")
+    log.feed(b"\nTraceback: boom\n\rsteps:  50%|#| 1/2")
+    log.feed(b"\r  ")
+    log.close()
+    assert (tmp_path / "job-1.log").read_text() == (
+        "steps: 100%|##| 3/3 [00:03<00:00, 1.0s/it]\nTraceback: boom\nsteps:  50%|#| 1/2\n")
+
+
+def test_each_chunk_is_one_write_however_many_lines_it_holds(tmp_path, monkeypatch):
+    log = JobLog(tmp_path, 1, head_bytes=1 << 20, tail_bytes=1 << 20)
+    writes = []
+    real = log._head.write
+    monkeypatch.setattr(log._head, "write", lambda data: writes.append(bytes(data)) or real(data))
+    log.feed(b"".join(b"line %d\r\rline %d again\n" % (i, i) for i in range(500)) + b"open")
+    assert len(writes) == 1 and writes[0].count(b"\n") == 500
+    log.close()

@@ -11,8 +11,7 @@ import re._parser as sre_parse
 import pytest
 
 from lora_worker.states import Phase
-from lora_worker.run.logfile import JobLog
-from lora_worker.run.parser import MARKER_GUARD, MARKERS, Decoder, Parser, drop_superseded_redraws
+from lora_worker.run.parser import MARKER_GUARD, MARKERS, Decoder, Parser
 from tests.helpers import DATA
 
 
@@ -178,67 +177,6 @@ def test_every_marker_holds_a_guard_character_and_no_steps_redraw_does():
     assert _always_guarded(sre_parse.parse(MARKERS.pattern), MARKER_GUARD)
     redraws = [d for s, d in chunks("run5_epochs_saves") + chunks("run1_simple") if d.startswith(b"\rsteps:")]
     assert redraws and not any(g.encode() in d for d in redraws for g in MARKER_GUARD)
-
-
-BAR_OF = "\rsteps:  {pct:2d}%|███▎      | {step}/300 [00:11<00:23, 11.74s/it, avr_loss=0.{loss:03d}]".format
-
-
-def test_redraws_that_a_later_one_overwrites_are_dropped_before_decoding():
-    bars = "".join(BAR_OF(pct=i // 3, step=i, loss=i) for i in range(1, 100)).encode()
-    chunk = b"loss=0.5]" + bars  # the end of a redraw the last chunk cut
-    kept = drop_superseded_redraws(chunk)
-    assert kept == b"loss=0.5]" + (BAR_OF(pct=32, step=98, loss=98) + BAR_OF(pct=33, step=99, loss=99)).encode()
-    for intruder in (b"\n", b"\rmodel saved.", "\rcaching latents…".encode()):
-        mixed = chunk[:500] + intruder + chunk[500:]
-        assert drop_superseded_redraws(mixed) == mixed  # a line end or a possible marker: nothing dropped
-
-
-def _read_all(items: list[tuple[str, bytes]], tmp_path) -> tuple[object, ...]:
-    parser, decoder = Parser(), Decoder()
-    log = JobLog(tmp_path, 1, head_bytes=1 << 20, tail_bytes=1 << 20)
-    points = []
-    for _stream, data in items:
-        text = decoder.decode(data)
-        parser.feed(text)
-        log.feed(text)
-        points += parser.take_points()
-    parser.close()
-    log.close()
-    p = parser.progress
-    return (p.phase, p.step, p.total_steps, p.loss, p.flags, p.checkpoints, points,
-            (tmp_path / "job-1.log").read_text())
-
-
-def test_a_flood_of_redraws_reads_the_same_as_without_dropping(tmp_path, monkeypatch):
-    body = "".join(BAR_OF(pct=i // 30, step=i // 10 + 1, loss=i % 997) for i in range(3000))
-    stderr = (body[:40_000] + "\nTraceback (most recent call last):\ntorch.OutOfMemoryError: CUDA out of memory. "
-              + body[40_000:] + "\n").encode()
-    stdout = b"".join(f"\nepoch {e}/9\n\nsaving checkpoint: /out/ohwx-{e:06d}.safetensors\n".encode()
-                      for e in range(1, 9)) + b"model saved.\n"
-    rng = random.Random(11)
-    items = []
-    for stream, data in (("stdout", stdout), ("stderr", stderr)):
-        pos = 0
-        while pos < len(data):
-            size = rng.choice((7, 300, 4096, 65536))
-            items.append((stream, data[pos:pos + size]))
-            pos += size
-    fast = _read_all(items, tmp_path / "fast")
-    monkeypatch.setattr("lora_worker.run.parser.drop_superseded_redraws", lambda data: data)
-    assert fast == _read_all(items, tmp_path / "plain")
-
-
-def test_redraws_are_dropped_line_by_line_in_a_merged_stream():
-    from lora_worker.run.parser import drop_superseded_redraws_by_line
-    redraws = b"".join(f"\rsteps:  {n:2d}%|#   | {n}/100 [00:0{n % 10}<00:09,  1.00s/it, avr_loss=0.5]".encode()
-                       for n in range(1, 40))
-    chunk = redraws + b"\nepoch is incremented. current_epoch: 0, epoch: 1\n" + redraws
-    kept = drop_superseded_redraws_by_line(chunk)
-    assert len(kept) < len(chunk) / 5 and kept.count(b"\n") == 2
-    whole, cut = Parser(), Parser()
-    whole.feed(chunk.decode())
-    cut.feed(kept.decode())
-    assert (cut.progress.step, cut.progress.loss) == (whole.progress.step, whole.progress.loss) == (39, 0.5)
 
 
 # -- the trainer's text is data ----------------------------------------------------------------------------------

@@ -13,9 +13,6 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from apispec import APISpec
-from apispec.ext.marshmallow import MarshmallowPlugin
-from apispec_webframeworks.flask import FlaskPlugin
 from flask import Blueprint, Flask, Response, current_app, jsonify
 from marshmallow import Schema
 from werkzeug.routing import Rule
@@ -108,6 +105,11 @@ def openapi_document() -> Response:
 
 
 def build_document(app: Flask) -> dict[str, Any]:
+    # apispec is imported here, on the first request for the document, not in every worker that never serves it.
+    from apispec import APISpec
+    from apispec.ext.marshmallow import MarshmallowPlugin
+    from apispec_webframeworks.flask import FlaskPlugin
+
     spec = APISpec(title="lora-worker", version=_package_version(), openapi_version=OPENAPI_VERSION,
                    plugins=[FlaskPlugin(), MarshmallowPlugin()],
                    info={"description": "Runs SDXL LoRA training on demand; see the README."},

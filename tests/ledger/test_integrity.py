@@ -98,3 +98,27 @@ def test_a_damaged_history_page_is_caught_by_migrate_and_doctor(migrated, capsys
     assert cli.main(["doctor"]) == 1
     assert "[FAIL] ledger:" in capsys.readouterr().out
     assert path.read_bytes() == before  # refused, never repaired or rewritten
+
+
+# -- the schema the code needs, known without alembic --------------------------------------------------------
+
+def test_the_head_revision_read_from_the_files_is_alembics():
+    from alembic.script import ScriptDirectory
+
+    from lora_worker.ledger.migrate import alembic_config, head_revision
+
+    assert head_revision() == ScriptDirectory.from_config(alembic_config(Path("unused"))).get_current_head()
+
+
+def test_migrations_with_two_heads_are_refused(tmp_path, monkeypatch):
+    from lora_worker.errors import ConfigError
+    from lora_worker.ledger import migrate
+
+    (tmp_path / "versions").mkdir()
+    for name, rev, down in (("a", "0001", "None"), ("b", "0002", '"0001"'), ("c", "0003", '"0001"')):
+        (tmp_path / "versions" / f"{name}.py").write_text(f'revision: str = "{rev}"\ndown_revision = {down}\n')
+    monkeypatch.setattr(migrate, "MIGRATIONS_DIR", tmp_path)
+    with pytest.raises(ConfigError, match="2 heads"):
+        migrate.head_revision()
+    (tmp_path / "versions" / "d.py").write_text('revision = "0004"\ndown_revision = ("0002", "0003")\n')
+    assert migrate.head_revision() == "0004"  # a merge revision joins them

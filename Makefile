@@ -67,9 +67,12 @@ chaos: $(VENV)/.installed
 # The benchmarks (bench/, docs/benchmarks.md): tables of ratios against baselines measured in the same run.
 # They report and never fail on a number, and are not part of `make test`, which only runs each one at tiny
 # sizes (tests/test_bench_smoke.py) to check it still works.
-# bench/status.py needs wrk (apt-get install -y wrk). About 10 minutes.
+# Every row also goes to var/bench.json as data (value, baseline, ratio, target, met): `python -m bench --json`.
+# bench/status.py's throughput rows need wrk (apt-get install -y wrk); without it they are skipped, and said so.
+# About 12 minutes.
 bench: $(VENV)/.installed
-	$(BIN)/python -m bench
+	mkdir -p var
+	$(BIN)/python -m bench --json var/bench.json
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .hypothesis

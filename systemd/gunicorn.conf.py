@@ -7,6 +7,7 @@ headers or body holds a socket, never a thread (lora_worker/web/buffered_worker.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import Any
 
@@ -31,9 +32,26 @@ control_socket_disable = True
 
 
 def post_fork(server: Any, worker: Any) -> None:
-    """Tell the app, built in this worker after the fork, the addresses gunicorn really listens on.
+    """Tell the app, built in this worker after the fork, the addresses gunicorn really listens on, and keep
+    glibc to a few malloc arenas before the worker starts its threads.
 
     The app refuses to run without a token unless every one of them is loopback; reading `bind` from the
     settings alone would miss a --bind given on the command line.
     """
     os.environ["LORA_WORKER_BIND"] = ",".join(server.cfg.bind)
+    limit_malloc_arenas(MALLOC_ARENAS)
+
+
+# glibc gives each thread that allocates its own arena (up to 8 per core), each keeping freed memory: with 8
+# request threads and 1000 long pollers the worker held ~7 MiB more than with one (77.7 against 70.4 MiB).
+# The threads run Python under one GIL, so they hardly ever contend for malloc's lock.
+MALLOC_ARENAS = 2
+M_ARENA_MAX = -8  # malloc.h
+
+
+def limit_malloc_arenas(arenas: int) -> None:
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(M_ARENA_MAX, arenas)
+    except (OSError, AttributeError):  # not glibc: nothing to limit
+        pass

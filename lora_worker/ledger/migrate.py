@@ -1,24 +1,34 @@
-"""Schema migrations (alembic, from the repository's `migrations/`) and the start-up checks of the ledger."""
+"""Schema migrations (alembic, from the repository's `migrations/`) and the start-up checks of the ledger.
+
+alembic is imported only where a migration runs: the web worker checks the schema version on every start, and
+alembic alone is ~10 MiB of its resident memory (its head revision is read from the migration files instead).
+"""
 from __future__ import annotations
 
 import os
 import re
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
-
-from alembic import command
-from alembic.config import Config
-from alembic.script import ScriptDirectory
+from typing import TYPE_CHECKING
 
 from lora_worker.config import REPO_ROOT, Settings
 from lora_worker.errors import ConfigError, LedgerCorrupt
 
+if TYPE_CHECKING:
+    from alembic.config import Config
+
 MIGRATIONS_DIR = REPO_ROOT / "migrations"
 RUN_LOG_NAME = re.compile(r"job-([0-9]+)\.")  # job-<id>.log, job-<id>.tail.log, and logs moved aside
+# A revision file's own id and its parents', as alembic writes them (`revision: str = "0008"` too).
+REVISION_LINE = re.compile(r"^(revision|down_revision)\b[^=\n]*=(.*)$", re.M)
+QUOTED = re.compile(r"""["']([^"']+)["']""")
 
 
 def alembic_config(db_path: Path) -> Config:
     """An alembic Config for `db_path`, built in code so no alembic.ini is needed."""
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     cfg.set_main_option("sqlalchemy.url", f"sqlite:///{db_path}")
@@ -39,11 +49,25 @@ def upgrade(db_path: Path, revision: str = "head") -> None:
     db_path.parent.mkdir(parents=True, exist_ok=True)
     if db_path.exists():
         verify_integrity(db_path)
+    from alembic import command
+
     command.upgrade(alembic_config(db_path), revision)
 
 
 def head_revision() -> str:
-    return ScriptDirectory.from_config(alembic_config(Path("unused"))).get_current_head() or ""
+    """The schema the code needs: the one revision in `migrations/versions` that no other revises (what
+    alembic's `get_current_head` says; tests/ledger holds them equal), read without importing alembic."""
+    revisions: dict[str, list[str]] = {}
+    for path in sorted((MIGRATIONS_DIR / "versions").glob("*.py")):
+        fields = {name: QUOTED.findall(value) for name, value in REVISION_LINE.findall(path.read_text())}
+        if fields.get("revision"):
+            revisions[fields["revision"][0]] = fields.get("down_revision", [])
+    revised = {parent for parents in revisions.values() for parent in parents}
+    heads = sorted(set(revisions) - revised)
+    if len(heads) != 1:
+        raise ConfigError(f"The migrations in {MIGRATIONS_DIR} have {len(heads)} heads ({', '.join(heads)}), "
+                          "not one.")
+    return heads[0]
 
 
 def current_revision(db_path: Path) -> str | None:
@@ -57,17 +81,39 @@ def current_revision(db_path: Path) -> str | None:
     return row[0] if row else None
 
 
+# What a start-up check reads whole: the schema (page 1 and the header with it), the schema version and the
+# ledger's few small tables. None of them grows with the history, so neither does the check. The full check,
+# every page of every table and index, runs where a file-sized cost is paid once, not on each worker start:
+# `lora-worker migrate` (the unit's ExecStartPre, `make run`) and `lora-worker doctor`.
+BOUNDED_TABLES = ("sqlite_master", "alembic_version", "sqlite_sequence", "job_counts")
+
+
 def verify_integrity(db_path: Path) -> None:
-    """Refuse a damaged ledger loudly, without touching it (no repair, no rewrite)."""
+    """Refuse a damaged ledger loudly, without touching it (no repair, no rewrite): every page is read."""
+    _quick_check(db_path, lambda conn: ["PRAGMA quick_check"])
+
+
+def verify_structure(db_path: Path) -> None:
+    """The start-up check: what `verify_integrity` promises, for the header, the schema and the small tables
+    only, at a cost that does not grow with the file. A damaged page of the job history is left to the full
+    check (see BOUNDED_TABLES)."""
+    def statements(conn: sqlite3.Connection) -> list[str]:
+        present = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        return [f"PRAGMA quick_check({table})" for table in BOUNDED_TABLES
+                if table == "sqlite_master" or table in present]
+    _quick_check(db_path, statements)
+
+
+def _quick_check(db_path: Path, statements: Callable[[sqlite3.Connection], list[str]]) -> None:
     try:
         conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
         try:
-            rows = conn.execute("PRAGMA quick_check").fetchall()
+            rows = [row for sql in statements(conn) for row in conn.execute(sql).fetchall() if row != ("ok",)]
         finally:
             conn.close()
     except sqlite3.DatabaseError as exc:
         raise LedgerCorrupt(f"ledger {db_path} is not a readable SQLite database: {exc}") from exc
-    if rows != [("ok",)]:
+    if rows:
         detail = "; ".join(str(r[0]) for r in rows[:5])
         raise LedgerCorrupt(f"ledger {db_path} failed PRAGMA quick_check: {detail}")
 
@@ -109,11 +155,14 @@ def prepare_state_dir(settings: Settings) -> None:
 
 
 def check_ledger(settings: Settings) -> None:
-    """Refuse to serve from a damaged ledger or one whose schema is not the code's."""
+    """Refuse to serve from a damaged ledger or one whose schema is not the code's.
+
+    Run on every worker start (and by the commands that read the ledger), so it checks only what does not grow
+    with the history (`verify_structure`); `lora-worker migrate` and `doctor` read every page."""
     path = settings.database_path
     if not path.exists():
         raise ConfigError(f"No ledger at {path}; run `lora-worker migrate` first.")
-    verify_integrity(path)
+    verify_structure(path)
     current, head = current_revision(path), head_revision()
     if current != head:
         raise ConfigError(f"Ledger {path} is at schema {current}, the code needs {head}; "

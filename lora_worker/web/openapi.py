@@ -13,9 +13,6 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from apispec import APISpec
-from apispec.ext.marshmallow import MarshmallowPlugin
-from apispec_webframeworks.flask import FlaskPlugin
 from flask import Blueprint, Flask, Response, current_app, jsonify
 from marshmallow import Schema
 from werkzeug.routing import Rule
@@ -50,6 +47,7 @@ class Doc:
     parameters: tuple[dict[str, Any], ...] = ()  # other OpenAPI parameter objects, e.g. a request header
     media_type: str = JSON
     also: dict[int, str] | None = None  # other success statuses with the same body, and when they come
+    headers: dict[str, Any] | None = None  # headers of the success response (OpenAPI header objects)
 
 
 IDEMPOTENCY_KEY = {
@@ -73,7 +71,11 @@ DOCS: dict[str, Doc] = {
     "train.list_jobs": Doc("Recent jobs, newest first; `next_before_id` pages back.", 200, JobListSchema,
                            errors=("validation_failed", *LEDGER), query=JobListQuerySchema),
     "train.status": Doc("One job: state, phase, progress, outcome; with `since`, a long poll.", 200, JobSchema,
-                        errors=JOB_READ_ERRORS, query=StatusQuerySchema),
+                        errors=JOB_READ_ERRORS, query=StatusQuerySchema,
+                        headers={"Retry-After": {
+                            "description": "Only on a long poll that found every slot taken, answered at once: "
+                                           "seconds to wait before polling again",
+                            "schema": {"type": "integer", "minimum": 1}}}),
     "train.progress": Doc("The loss curve: (step, loss, t) thinned to at most `points`.", 200, ProgressSeriesSchema,
                           errors=JOB_READ_ERRORS, query=ProgressQuerySchema),
     "train.job_log": Doc("A job's run log: its last lines, or from a logical byte offset.", 200, LogSchema,
@@ -103,6 +105,11 @@ def openapi_document() -> Response:
 
 
 def build_document(app: Flask) -> dict[str, Any]:
+    # apispec is imported here, on the first request for the document, not in every worker that never serves it.
+    from apispec import APISpec
+    from apispec.ext.marshmallow import MarshmallowPlugin
+    from apispec_webframeworks.flask import FlaskPlugin
+
     spec = APISpec(title="lora-worker", version=_package_version(), openapi_version=OPENAPI_VERSION,
                    plugins=[FlaskPlugin(), MarshmallowPlugin()],
                    info={"description": "Runs SDXL LoRA training on demand; see the README."},
@@ -128,6 +135,8 @@ def documented_methods(rule: Rule) -> list[str]:
 def _operation(rule: Rule, doc: Doc) -> dict[str, Any]:
     responses: dict[int, Any] = {doc.status: {"description": doc.summary,
                                               "content": {doc.media_type: {"schema": doc.response}}}}
+    if doc.headers:
+        responses[doc.status]["headers"] = doc.headers
     for status, when in (doc.also or {}).items():
         responses[status] = {"description": when, "content": {doc.media_type: {"schema": doc.response}}}
     codes = doc.errors if rule.endpoint in OPEN_ENDPOINTS else ("unauthorized", *doc.errors)

@@ -3,6 +3,8 @@ dispatch itself lives in `lora_worker.dispatch`."""
 from __future__ import annotations
 
 import logging
+import math
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +33,26 @@ MAX_JOB_ID = 2**63 - 1  # SQLite's INTEGER; anything larger cannot name a job
 LONG_POLL_INTERVAL_S = 0.2
 
 
+@dataclass(frozen=True)
+class Polled:
+    """A long poll's answer: the job, and `retry_after_s` when it could not wait (every slot was taken)."""
+
+    job: Job
+    retry_after_s: int | None = None
+
+
+def retry_after_s(wait_s: float) -> int:
+    """How long a long poll turned away should wait before it asks again: between half and all of the wait it
+    asked for, in whole seconds (Retry-After's unit), drawn at random.
+
+    Answering it at once with nothing more made the turned-away pollers ask again at once, a busy loop (with
+    256 of them, ~800 requests a second, and another client's request waited 295 ms). The client was ready to
+    wait `wait_s` for news anyway; the spread keeps pollers turned away together from coming back together.
+    """
+    whole = max(1, math.ceil(wait_s))
+    return random.randint(max(1, math.ceil(whole / 2)), whole)
+
+
 @dataclass
 class Worker:
     """What every operation needs: settings, the ledger, NVML, and the backend that runs jobs."""
@@ -51,12 +73,18 @@ class Worker:
 
     # -- reading -----------------------------------------------------------------------------------------
 
-    def job(self, job_id: int, *, wait_s: float = 0.0, since: int | None = None) -> Job:
-        """A job as the ledger has it. With `since`, wait up to `wait_s` for its version to differ from it."""
+    def job(self, job_id: int, *, wait_s: float = 0.0, since: int | None = None) -> Polled:
+        """A job as the ledger has it. With `since`, wait up to `wait_s` for its version to differ from it;
+        when no long-poll slot is free, the job at once with the seconds to wait before asking again."""
         job = self._job_now(job_id)
-        if since is None or job.version != since:
-            return job
-        return self._wait(job, wait_s, lambda j: j.version != since)
+        if since is None or job.version != since or wait_s <= 0:
+            return Polled(job)
+        if not self._long_polls.acquire(blocking=False):
+            return Polled(job, retry_after_s=retry_after_s(wait_s))
+        try:
+            return Polled(self._waited(job, wait_s, lambda j: j.version != since))
+        finally:
+            self._long_polls.release()
 
     def _wait(self, job: Job, wait_s: float, done: Callable[[Job], bool]) -> Job:
         """`job` as it is once `done(job)` holds, or after `wait_s` seconds.
@@ -67,14 +95,18 @@ class Worker:
         if wait_s <= 0 or done(job) or not self._long_polls.acquire(blocking=False):
             return job
         try:
-            deadline = time.monotonic() + wait_s
-            while (left := deadline - time.monotonic()) > 0:
-                time.sleep(min(LONG_POLL_INTERVAL_S, left))
-                job = self._job_now(job.id)
-                if done(job):
-                    break
+            return self._waited(job, wait_s, done)
         finally:
             self._long_polls.release()
+
+    def _waited(self, job: Job, wait_s: float, done: Callable[[Job], bool]) -> Job:
+        """The wait itself, in a long-poll slot the caller holds."""
+        deadline = time.monotonic() + wait_s
+        while (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(LONG_POLL_INTERVAL_S, left))
+            job = self._job_now(job.id)
+            if done(job):
+                break
         return job
 
     def progress(self, job_id: int, points: int) -> tuple[Job, list[ProgressPoint]]:

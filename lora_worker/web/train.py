@@ -36,8 +36,14 @@ def list_jobs() -> Response:
 
 @bp.get("/train/<int:job_id>")
 def status(job_id: int) -> Response:
+    """With `since` and `wait`, a long poll; one that found no free slot is answered at once with the job and a
+    `Retry-After`: wait that long before polling again."""
     query = StatusQuerySchema().load(request.args)
-    return jsonify(JobSchema().dump(worker().job(job_id, wait_s=query["wait"], since=query["since"])))
+    polled = worker().job(job_id, wait_s=query["wait"], since=query["since"])
+    response = jsonify(JobSchema().dump(polled.job))
+    if polled.retry_after_s is not None:
+        response.headers["Retry-After"] = str(polled.retry_after_s)
+    return response
 
 
 @bp.get("/train/<int:job_id>/progress")

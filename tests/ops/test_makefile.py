@@ -74,3 +74,8 @@ def test_the_gunicorn_that_make_run_starts_listens_where_the_config_files_bind_s
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
         log.close()
+
+
+def test_make_bench_writes_every_row_to_var_bench_json(tmp_path):
+    (line,) = [line for line in recipe("bench", tmp_path / "venv") if "-m bench" in line]
+    assert line.endswith("-m bench --json var/bench.json")

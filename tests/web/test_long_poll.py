@@ -11,6 +11,7 @@ import pytest
 from lora_worker import create_app
 from lora_worker.ledger import repository as repo
 from lora_worker.states import JobState
+from lora_worker.web.service import retry_after_s
 from lora_worker.host.locks import hold_lock, job_lock_path
 from tests.helpers import set_modes, wait_for
 from tests.service import Service
@@ -60,18 +61,36 @@ def test_out_of_bounds_waits_are_422(api, supervised, query):
     assert response.status_code == 422 and response.is_json
 
 
-def test_when_the_long_poll_slots_are_taken_the_answer_comes_at_once(migrated, db, supervised):
+def test_when_the_long_poll_slots_are_taken_the_answer_comes_at_once_with_retry_after(migrated, db, supervised):
     job_id, version = supervised
     app = create_app(replace(migrated, long_poll_slots=1), launch=Launches())
     client = app.test_client()
-    holder = threading.Thread(target=lambda: client.get(f"/train/{job_id}?wait=2&since={version}"))
+    held: list = []
+    holder = threading.Thread(target=lambda: held.append(client.get(f"/train/{job_id}?wait=2&since={version}")))
     holder.start()
     time.sleep(0.3)
     started = time.monotonic()
-    assert client.get(f"/train/{job_id}?wait=5&since={version}").status_code == 200
+    turned_away = client.get(f"/train/{job_id}?wait=6&since={version}")
     assert time.monotonic() - started < 1
+    assert turned_away.status_code == 200 and turned_away.get_json()["version"] == version
+    assert 3 <= int(turned_away.headers["Retry-After"]) <= 6  # half to all of the wait asked for
     holder.join()
+    assert "Retry-After" not in held[0].headers  # the poll that had a slot waited: nothing to retry
     app.extensions["lora_worker"].db.dispose()
+
+
+def test_answers_that_did_not_need_a_slot_carry_no_retry_after(api, supervised):
+    job_id, version = supervised
+    for query in ("", f"?wait=10&since={version - 1}", f"?wait=0&since={version}"):
+        response = api.get(f"/train/{job_id}{query}")
+        assert response.status_code == 200 and "Retry-After" not in response.headers
+
+
+def test_retry_after_spreads_pollers_turned_away_together():
+    draws = [retry_after_s(25) for _ in range(300)]
+    assert min(draws) >= 13 and max(draws) <= 25
+    assert len(set(draws)) > 5  # not one instant at which they all come back
+    assert {retry_after_s(0.2) for _ in range(20)} == {1}  # whole seconds, never 0
 
 
 @pytest.mark.slow

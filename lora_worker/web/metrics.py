@@ -41,6 +41,10 @@ class LedgerCollector:
                         [f.value for f in FailureClass], counts.failures_by_class)
         yield _durations(counts.durations)
         yield _reconcile_actions(counts.reconcile_actions)
+        queued = GaugeMetricFamily("lora_worker_queue_depth",
+                                   "Jobs accepted and waiting to start (on Slurm: waiting for a GPU).")
+        queued.add_metric([], counts.by_status.get(JobState.QUEUED.value, 0))
+        yield queued
         yield from _active_job(self.worker)
         yield from _gpu_memory(self.worker)
 
@@ -92,7 +96,8 @@ def _reconcile_actions(actions: dict[tuple[str, str], int]) -> GaugeMetricFamily
 
 def _active_job(w: Worker) -> Iterator[Metric]:
     job = repo.active_job(w.db)
-    active = GaugeMetricFamily("lora_worker_active_jobs", "Jobs queued or running (0 or 1).")
+    active = GaugeMetricFamily("lora_worker_active_jobs",
+                               "Jobs queued or running (0 or 1 locally; on Slurm, 1 while any is).")
     active.add_metric([], 0 if job is None else 1)
     yield active
     phase = GaugeMetricFamily("lora_worker_active_job_phase", "1 for the phase the active job is in.",

@@ -8,7 +8,7 @@ from typing import Any
 
 from marshmallow import RAISE, Schema, ValidationError, fields, missing, post_load, validate, validates
 
-from lora_worker.config import DEFAULT_LORA_TARGETS, LORA_TARGET_PRESETS, SDXL_HPARAMS, TIERS
+from lora_worker.config import BACKENDS, DEFAULT_LORA_TARGETS, LORA_TARGET_PRESETS, SDXL_HPARAMS, TIERS
 from lora_worker.dispatch.request import TrainRequest
 from lora_worker.states import ACTIVE_STATES, TERMINAL_STATES, JobState, Phase
 
@@ -224,6 +224,11 @@ class JobSchema(Schema):
     trainer_versions = fields.Dict(keys=fields.String(), values=fields.String(), allow_none=True)
     dataset_sha256 = fields.String(allow_none=True, metadata={"description": "hash of image names, sizes, captions"})
     base_model_sha256 = fields.String(allow_none=True)
+    backend = fields.String(validate=validate.OneOf(list(BACKENDS)), metadata={
+        "description": "where the job runs: this host's supervisor (local) or a Slurm cluster (slurm)"})
+    slurm_job_id = fields.String(allow_none=True, metadata={"description": "Slurm's id of the job; null for local"})
+    queue_reason = fields.String(allow_none=True, metadata={
+        "description": "why Slurm keeps the queued job waiting (Resources, Priority, …); null otherwise"})
 
 
 class AcceptedSchema(Schema):

@@ -202,4 +202,4 @@ def test_no_code_but_fail_job_moves_a_row_to_failed():
 def test_every_writer_of_a_failed_row_calls_fail_job():
     callers = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
                      if re.search(r"\bfail_job\(", path.read_text()) and path.name != "repository.py")
-    assert callers == ["dispatch/dispatcher.py", "reconcile.py", "run/runner.py"]
+    assert callers == ["dispatch/dispatcher.py", "reconcile.py", "run/runner.py", "run/slurm/poller.py"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import shutil
 import sqlite3
+from pathlib import Path
 from datetime import timedelta
 
 import pytest
@@ -22,6 +23,19 @@ def finished_job(db: Database) -> int:
     job = repo.create_job(db, columns())
     repo.transition(db, job.id, JobState.FAILED, actor="supervisor", failure_class="trainer_crashed")
     return job.id
+
+
+def old_failed_job(path: Path) -> int:
+    """A failed job and its event, written as an older ledger holds them."""
+    from tests.run.slurm.test_migration import old_row
+
+    job_id = old_row(path, "failed")
+    conn = sqlite3.connect(path)
+    with conn:
+        conn.execute("INSERT INTO job_events (job_id, at, from_status, to_status, actor) "
+                     "VALUES (?, '2026-12-01T10:01:00.000Z', 'running', 'failed', 'supervisor')", (job_id,))
+    conn.close()
+    return job_id
 
 
 # -- the file the service opened -------------------------------------------------------------------------------
@@ -109,7 +123,7 @@ def test_migration_0007_keeps_every_row_and_id_and_continues_above_them(tmp_path
     path = tmp_path / "ledger.sqlite3"
     upgrade(path, "0006")  # the ledger just before 0007
     db = Database.open(path)
-    ids = [finished_job(db) for _ in range(3)]
+    ids = [old_failed_job(path) for _ in range(3)]  # by SQL: the models know later columns (0009's)
     events = len(repo.job_events(db, ids[0]))
     repo.delete_jobs(db, [ids[-1]])  # before 0007, this id would be handed out again
     db.dispose()

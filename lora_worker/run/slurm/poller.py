@@ -98,7 +98,12 @@ class Poller:
         ended, answered = self._accounting(gone)
         for job in jobs:
             sid = job.slurm_job_id
-            known = (ended.get(sid) or live.get(sid)) if sid else None
+            # squeue alone says what is live: a job it does not list is not, whatever sacct's record says
+            # (slurmdbd keeps RUNNING for a job slurmctld lost). sacct says how a job ended.
+            record = ended.get(sid) if sid else None
+            if record is not None and stage(record) != "ended":
+                record = None
+            known = (record or live.get(sid)) if sid else None
             try:
                 self.follow(job, known, answered=answered or (sid in live))
             except TRANSIENT as exc:

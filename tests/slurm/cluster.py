@@ -217,14 +217,21 @@ PartitionName=debug Nodes={n} MaxTime=INFINITE State=UP
         return self
 
     def start_slurmd(self) -> None:
-        self._daemon("slurmd", "slurmd.pid")
+        self.start_daemon("slurmd")
 
     def stop_slurmd(self, sig: int = signal.SIGTERM) -> None:
-        """TERM: a clean stop (jobs carry on under their slurmstepd); KILL: the node is lost."""
-        pid = self.pids.pop("slurmd", None)
+        self.stop_daemon("slurmd", sig)
+
+    def start_daemon(self, name: str) -> None:
+        """slurmd or slurmctld, again after a stop."""
+        self._daemon(name, f"{name}.pid")
+
+    def stop_daemon(self, name: str, sig: int = signal.SIGTERM) -> None:
+        """TERM: a clean stop (running jobs carry on under their slurmstepd); KILL of slurmd: the node is lost."""
+        pid = self.pids.pop(name, None)
         if pid:
             _kill_and_wait(pid, sig)
-        (self.root / "run" / "slurmd.pid").unlink(missing_ok=True)
+        (self.root / "run" / f"{name}.pid").unlink(missing_ok=True)
 
     def _start_munge(self) -> None:
         key = self.root / "etc" / "munge.key"
@@ -280,13 +287,17 @@ PartitionName=debug Nodes={n} MaxTime=INFINITE State=UP
         path = self.root / "log" / name
         return path.read_text(errors="replace") if path.exists() else ""
 
-    def node_state(self) -> str:
-        """The node's state as sinfo prints it, lower case, without the flag suffixes (`*` not responding …)."""
-        out = self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip()
-        return out.rstrip("*~#$@+%!-^").lower()
+    def wait_node(self, *states: str, timeout: float) -> None:
+        """Until the node is in one of `states` and responding (sinfo adds `*` while slurmd is silent)."""
+        seen: list[str] = []
 
-    def wait_node(self, state: str, timeout: float) -> None:
-        _wait(lambda: self.node_state() == state, timeout, f"node {state}")
+        def there() -> bool:
+            seen.append(self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip())
+            return seen[-1] in states
+        try:
+            _wait(there, timeout, f"node {'/'.join(states)}")
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc} (it says {seen[-1:]}; slurmd's log ends: {self.log('slurmd.log')[-800:]})")
 
     def resume_node(self) -> None:
         """After a lost node: back to service (ReturnToService=2 does it once slurmd registers; this is sure)."""

@@ -1,7 +1,7 @@
 """The real single-node Slurm (tests/slurm/cluster.py), started once per test session for the tests here.
 
 Where it cannot run (no root, or a program missing) every test here is skipped, naming what is missing, so
-`pytest -ra` lists the reason: never a silent pass. CI sets LORA_WORKER_TEST_SLURM=required (.ci/run
+`pytest -ra` lists the reason: never a silent pass. CI sets LW_SLURM_TESTS=required (.ci/run
 installs the packages first), and then a missing piece fails the session instead of skipping it.
 
 At the end of the session the cluster is stopped and must leave nothing behind: no daemon, no slurmstepd, no
@@ -21,7 +21,7 @@ import pytest
 
 from tests.slurm.cluster import DAEMONS, Cluster, alive, missing_programs
 
-REQUIRED_ENV = "LORA_WORKER_TEST_SLURM"
+REQUIRED_ENV = "LW_SLURM_TESTS"
 
 
 def _unavailable() -> str | None:

@@ -14,6 +14,8 @@ log it finds is moved aside and written again in full (run/logfile.py keeps the 
 - known to no command for UNKNOWN_CYCLES cycles in a row (each of them answering): `settle` with nothing.
 - a cancel the API flagged: a pending job gets a plain `scancel`; a running one `scancel --signal=TERM --full`,
   then `--signal=KILL --full` after `cancel_grace_s`. The row becomes `cancelled` once Slurm says it ended.
+- a running job silent past its phase's stall limit (the supervisor's Watchdog, counted from when the poller
+  first saw it run) is stopped the same way and ends `failed` (stalled).
 A command that does not answer changes nothing this cycle: silence is never taken for an ending.
 """
 from __future__ import annotations
@@ -41,6 +43,7 @@ from lora_worker.run.reporter import finite
 from lora_worker.run.slurm.sbatch import log_path, rc_path
 from lora_worker.run.slurm.scheduler import Scheduler, SchedulerUnavailable, SlurmJob
 from lora_worker.run.slurm.states import settle, stage
+from lora_worker.run.watchdog import Watchdog
 from lora_worker.states import FailureClass, JobState, Phase
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,8 @@ class Followed:
     cancel_pending_sent: bool = False
     term_sent_at: float | None = None
     kill_sent: bool = False
+    watchdog: Watchdog | None = None  # from the first cycle that sees the job run
+    final: tuple[Outcome, dict[str, object]] | None = None  # the outcome, once decided
     training_at: datetime | None = None
     points: dict[int, float | None] = field(default_factory=dict)
 
@@ -110,6 +115,8 @@ class Poller:
                 log.warning("job %s: ledger unavailable (%s); next cycle", job.id, exc)
             except SchedulerUnavailable as exc:
                 log.warning("job %s: Slurm did not answer (%s); next cycle", job.id, exc)
+            except Exception:  # one job's trouble (a bug, an unreadable file) must not starve the others
+                log.exception("job %s: poller error; next cycle", job.id)
 
     def _accounting(self, ids: set[str]) -> tuple[dict[str, SlurmJob], bool]:
         if not ids:
@@ -136,9 +143,19 @@ class Poller:
         if job.slurm_job_id is None:
             self._unsubmitted(job)
             return
-        self._read_log(f, now)
+        if f.final is None:
+            self._read_log(f, now)
         where = stage(known)
-        if job.cancel_requested_at is not None and where in ("pending", "running"):
+        if f.final is not None:  # decided already; only its write is left
+            self._finish(f, known)
+            return
+        if where == "running" and f.watchdog is None:
+            f.watchdog = Watchdog(self.settings.stall_limits_s, now)
+        if where == "running" and f.watchdog.stalled_in is None and job.cancel_requested_at is None \
+                and (why := f.watchdog.check(f.output.progress.phase, now)):
+            f.output.note(f"stalled: {why}; stopping Slurm job {job.slurm_job_id}")
+        stalled = f.watchdog is not None and f.watchdog.stalled_in is not None
+        if (job.cancel_requested_at is not None or stalled) and where in ("pending", "running"):
             self._cancel(f, where, now)
         if where == "pending":
             f.unknown_cycles = f.ended_cycles = 0
@@ -163,11 +180,16 @@ class Poller:
     def _attach(self, job: Job, now: float) -> Followed:
         s = self.settings
         joblog = JobLog(s.log_dir, job.id, head_bytes=s.log_head_bytes, tail_bytes=s.log_tail_bytes)
-        output = TrainerOutput(joblog, lambda phase, step: None)
+        output = TrainerOutput(joblog, lambda phase, step: self._saw_output(job.id, phase, step))
         output.note(f"job {job.id} on Slurm (job {job.slurm_job_id or 'not submitted yet'}); its output as the "
                     f"node wrote it: {log_path(s, job.id)}")
         clock = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s)
         return Followed(job, output, clock, now)
+
+    def _saw_output(self, job_id: int, phase: Phase, step: int) -> None:
+        f = self.followed.get(job_id)
+        if f is not None and f.watchdog is not None:
+            f.watchdog.saw_output(phase, step, f.output.progress, self.monotonic())
 
     def _unsubmitted(self, job: Job) -> None:
         """A queued row without a Slurm id: dispatch is submitting it, or died doing so."""
@@ -188,12 +210,12 @@ class Poller:
             if not f.cancel_pending_sent:
                 self.scheduler.cancel(sid)
                 f.cancel_pending_sent = True
-                f.output.note("cancel requested: scancel of the pending Slurm job")
+                f.output.note("stopping: scancel of the pending Slurm job")
             return
         if f.term_sent_at is None:
             self.scheduler.cancel(sid, "TERM")
             f.term_sent_at = now
-            f.output.note(f"cancel requested: SIGTERM to every process of Slurm job {sid}")
+            f.output.note(f"stopping: SIGTERM to every process of Slurm job {sid}")
         elif not f.kill_sent and now - f.term_sent_at >= self.settings.cancel_grace_s:
             self.scheduler.cancel(sid, "KILL")
             f.kill_sent = True
@@ -262,22 +284,26 @@ class Poller:
 
     def _finish(self, f: Followed, known: SlurmJob | None) -> None:
         job = f.job
-        self._read_log(f, self.monotonic())
-        f.output.end()
-        recorded = self._recorded_status(job)
-        artifact: list[ArtifactCheck] = []
+        if f.final is None:  # decided once; a write the ledger refused is retried next cycle, as decided
+            self._read_log(f, self.monotonic())
+            f.output.end()
+            recorded = self._recorded_status(job)
+            artifact: list[ArtifactCheck] = []
 
-        def verify() -> ArtifactCheck:
-            artifact.append(verify_lora(Path(job.lora_file), recorded_lora(job)))  # held to the row
-            return artifact[-1]
+            def verify() -> ArtifactCheck:
+                artifact.append(verify_lora(Path(job.lora_file), recorded_lora(job)))  # held to the row
+                return artifact[-1]
 
-        outcome = settle(known, slurm_job_id=job.slurm_job_id or "?", recorded=recorded,
-                         cancel_requested=job.cancel_requested_at is not None, progress=f.output.progress,
-                         log_tail=f.output.tail, verify=verify)
-        extra = _artifact_values(job, artifact[-1]) if artifact and outcome.state is JobState.SUCCEEDED else {}
-        f.output.note(f"Slurm job {job.slurm_job_id}: {known.detail if known else 'unknown to Slurm'}; recorded "
-                      f"return code {recorded}; the job is {outcome.state.value}"
-                      + (f" ({outcome.failure_class.value})" if outcome.failure_class else ""))
+            outcome = settle(known, slurm_job_id=job.slurm_job_id or "?", recorded=recorded,
+                             cancel_requested=job.cancel_requested_at is not None,
+                             stalled_in=f.watchdog.stalled_in if f.watchdog else None, progress=f.output.progress,
+                             log_tail=f.output.tail, verify=verify)
+            extra = _artifact_values(job, artifact[-1]) if artifact and outcome.state is JobState.SUCCEEDED else {}
+            f.output.note(f"Slurm job {job.slurm_job_id}: {known.detail if known else 'unknown to Slurm'}; "
+                          f"recorded return code {recorded}; the job is {outcome.state.value}"
+                          + (f" ({outcome.failure_class.value})" if outcome.failure_class else ""))
+            f.final = (outcome, extra)
+        outcome, extra = f.final
         running = job.status == JobState.RUNNING.value
         if not running and outcome.state is not JobState.CANCELLED:
             running = self._started(job)  # it ran between two cycles: a terminal state comes through `running`

@@ -10,6 +10,7 @@
 | CANCELLED, nobody here asked        | failed, killed_by_signal, naming Slurm                                |
 | OUT_OF_MEMORY / TIMEOUT / NODE_FAIL | failed, out_of_memory / time_limit / node_fail                        |
 | not known any more, no .rc file     | failed, slurm_lost                                                    |
+| (stopped by the poller's watchdog)  | failed, stalled (as local)                                            |
 
 The exit status is the trainer's own, as the batch script recorded it in `<id>.rc` (a Popen return code:
 negative for a signal), never sacct's, which truncates codes above 127 and reads `0:0` before `15:0`. A cancel
@@ -62,12 +63,15 @@ def returncode_of(job: SlurmJob | None, recorded: int | None) -> int | None:
 
 
 def settle(job: SlurmJob | None, *, slurm_job_id: str, recorded: int | None, cancel_requested: bool,
-           progress: Progress, log_tail: list[str], verify: Callable[[], ArtifactCheck]) -> Outcome:
+           progress: Progress, log_tail: list[str], verify: Callable[[], ArtifactCheck],
+           stalled_in: str | None = None) -> Outcome:
     """The outcome of a Slurm job that has ended (`job` as sacct/scontrol/squeue last said, None if none of them
     knows it any more). `verify` checks the LoRA; it is called only when the run claims success."""
     returncode = returncode_of(job, recorded)
     if cancel_requested:
         return decide(returncode=returncode, progress=progress, log_tail=log_tail, cancelled=True)
+    if stalled_in is not None:  # the poller stopped it: whatever Slurm calls that, it is a stall
+        return decide(returncode=returncode, progress=progress, log_tail=log_tail, stalled_in=stalled_in)
     if job is None and recorded is None:
         return _failed(FailureClass.SLURM_LOST, f"Slurm no longer knows job {slurm_job_id} and it left no exit "
                        "status: it ended without the worker seeing how", log_tail, returncode)

@@ -63,3 +63,29 @@ def test_a_local_queued_job_is_still_cancelled_at_once(api, host):
 
     job_id = api.post("/train", json=payload(host.dataset, host.model)).get_json()["worker_job_id"]
     assert api.post(f"/train/{job_id}/cancel").get_json()["status"] == "cancelled"
+
+
+def test_a_job_silent_past_its_phases_limit_is_stopped_and_failed_stalled(slurm: SlurmWorker):
+    job = slurm.submit()
+    sid = job.slurm_job_id
+    slurm.scheduler.set(sid, "RUNNING")
+    slurm.log(job, "loading model for process 0/1\n")
+    slurm.cycles()
+    limit = slurm.settings.stall_limits_s["loading_model"]
+    slurm.clock.now += limit - 1
+    slurm.log(job, "load StableDiffusion checkpoint: /models/sdxl_tiny.safetensors\n")  # life: the count restarts
+    slurm.cycles()
+    slurm.clock.now += limit - 1
+    slurm.cycles()
+    assert slurm.scheduler.cancels() == []
+    slurm.clock.now += 2
+    slurm.cycles()
+    assert slurm.scheduler.cancels() == [("scancel", "--signal=TERM", "--full", sid)]
+    slurm.clock.now += slurm.settings.cancel_grace_s
+    slurm.cycles()
+    assert slurm.scheduler.cancels()[1:] == [("scancel", "--signal=KILL", "--full", sid)]
+    slurm.scheduler.set(sid, "CANCELLED", code=0, signal=9, detail="CANCELLED by 0")
+    slurm.cycles(2)
+    row = slurm.job(job.id)
+    assert (row.status, row.failure_class) == ("failed", "stalled")
+    assert "loading_model" in row.error

@@ -53,3 +53,45 @@ def test_the_local_backend_keeps_one_slot(api, host, launches):
     assert second.status_code == 409
     body = api.get(f"/train/{first.get_json()['worker_job_id']}").get_json()
     assert (body["backend"], body["slurm_job_id"], body["queue_reason"]) == ("local", None, None)
+
+
+def test_metrics_show_the_queue_depth_of_jobs_waiting_for_a_gpu(slurm: SlurmWorker):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def depth() -> float:
+        text = slurm.client.get("/metrics").get_data(as_text=True)
+        (family,) = [f for f in text_string_to_metric_families(text) if f.name == "lora_worker_queue_depth"]
+        return family.samples[0].value
+
+    jobs = [slurm.submit(n) for n in range(3)]
+    assert depth() == 3
+    slurm.scheduler.set(jobs[0].slurm_job_id, "RUNNING")
+    for j in jobs[1:]:
+        slurm.scheduler.set(j.slurm_job_id, "PENDING", "Resources")
+    slurm.cycles()
+    assert depth() == 2
+
+
+def test_a_submission_sbatch_refuses_fails_the_row_and_frees_its_slot(slurm: SlurmWorker):
+    slurm.scheduler.down = True
+    answer = slurm.client.post("/train", json=payload(slurm.host.dataset, slurm.host.model))
+    assert answer.status_code == 503 and answer.get_json()["error"] == "launch_failed"
+    (row,) = repo.list_jobs(slurm.db)
+    assert (row.status, row.failure_class, row.slurm_job_id) == ("failed", "launch_error", None)
+    assert "Slurm refused job" in row.error
+    slurm.scheduler.down = False
+    assert slurm.submit(1).slot == "slurm-0"
+
+
+def test_a_job_nothing_could_follow_is_scancelled_before_the_row_fails(slurm: SlurmWorker):
+    from lora_worker.errors import LaunchFailed
+
+    def no_poller(settings):
+        raise LaunchFailed("The Slurm poller exited with status 1 before taking its lock.")
+
+    slurm.client.application.extensions["lora_worker"].backend.start_poller = no_poller
+    answer = slurm.client.post("/train", json=payload(slurm.host.dataset, slurm.host.model))
+    assert answer.status_code == 503
+    (sid,) = slurm.scheduler.scripts
+    assert slurm.scheduler.cancels() == [("scancel", sid)]
+    assert repo.list_jobs(slurm.db)[0].status == "failed"

@@ -204,3 +204,33 @@ def test_a_job_that_ran_between_two_cycles_still_passes_through_running(slurm: S
     assert slurm.job(job.id).status == "failed"
     events = [(e.from_status, e.to_status) for e in repo.job_events(slurm.db, job.id)]
     assert ("queued", "running") in events and ("running", "failed") in events
+
+
+def test_a_final_write_the_ledger_refuses_is_retried_next_cycle_with_the_same_outcome(slurm: SlurmWorker,
+                                                                                      monkeypatch):
+    from lora_worker.errors import LedgerBusy
+    from lora_worker.run.slurm import poller as poller_module
+
+    job = slurm.submit()
+    slurm.scheduler.set(job.slurm_job_id, "RUNNING")
+    slurm.log(job, TRAINING_LOG)
+    slurm.cycles()
+    slurm.rc(job, 3)
+    slurm.scheduler.set(job.slurm_job_id, "FAILED", code=3, signal=0)
+    real = poller_module.repo.fail_job
+    refusals = []
+
+    def busy_once(*args, **kwargs):
+        if not refusals:
+            refusals.append(1)
+            raise LedgerBusy("database is locked")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(poller_module.repo, "fail_job", busy_once)
+    slurm.cycles()
+    assert slurm.job(job.id).status == "running" and refusals
+    slurm.rc(job, 0)  # whatever changes meanwhile, the outcome was decided
+    slurm.cycles()
+    row = slurm.job(job.id)
+    assert (row.status, row.failure_class, row.exit_code) == ("failed", "trainer_crashed", 3)
+    assert (slurm.settings.log_dir / f"job-{job.id}.log").read_text().count("the job is failed") == 1

@@ -1,0 +1,107 @@
+"""A fake Slurm on this host, as command-line tools (sbatch, squeue, sacct, scancel), for tests of the whole
+path (HTTP → sbatch → node → poller process → ledger) where no real Slurm is installed. It is not Slurm: one
+"node" (this host), no queue (every job starts at once), a job's processes are its session. It prints what
+Slurm 22.05 prints in the formats the worker asks for. Real-cluster tests are elsewhere.
+
+Every tool is this file, called by its name (a link); its state lives in `state/` beside it.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+STATE = HERE / "state"
+
+
+def option(args, name, default=None):
+    for a in args:
+        if a.startswith(f"--{name}="):
+            return a.split("=", 1)[1]
+    return default
+
+
+def record(job_id):
+    path = STATE / f"{job_id}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def sbatch(args):
+    STATE.mkdir(exist_ok=True)
+    counter = STATE / "next_id"
+    job_id = int(counter.read_text()) if counter.exists() else 100
+    counter.write_text(str(job_id + 1))
+    script, output = args[-1], option(args, "output")
+    (STATE / f"{job_id}.json").write_text(json.dumps({"state": "RUNNING", "options": args[:-1]}))
+    env = {**os.environ, "SLURM_JOB_ID": str(job_id), "CUDA_VISIBLE_DEVICES": "0"}
+    subprocess.Popen([sys.executable, str(HERE / "slurm.py"), "node", str(job_id), script, output],  # noqa: S603
+                     env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, close_fds=True)  # sbatch returns at once; the job lives on
+    print(job_id)
+    return 0
+
+
+def node(job_id, script, output):
+    """The job's life on the node: the batch script with its output into --output, then its ending."""
+    with open(output, "ab") as out:  # the job's own session: what scancel --full signals, not this process
+        proc = subprocess.Popen([script], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # noqa: S603
+    rec = record(job_id)
+    rec["pgid"] = proc.pid
+    (STATE / f"{job_id}.json").write_text(json.dumps(rec))
+    rc = proc.wait()
+    rec = record(job_id)
+    cancelled = (STATE / f"{job_id}.cancelled").exists()
+    rec["state"] = "CANCELLED" if cancelled else "COMPLETED" if rc == 0 else "FAILED"
+    rec["exit"] = f"0:{-rc}" if rc < 0 else f"{min(rc, 255) & 0x7f}:0"
+    (STATE / f"{job_id}.json").write_text(json.dumps(rec))
+    return 0
+
+
+def ids_of(args):
+    return [i for i in (option(args, "jobs") or "").split(",") if i]
+
+
+def squeue(args):
+    for job_id in ids_of(args):
+        rec = record(job_id)
+        if rec is not None:
+            print(f"{job_id}|{rec['state']}|None")
+    return 0
+
+
+def sacct(args):
+    for job_id in ids_of(args):
+        rec = record(job_id)
+        if rec is not None:
+            state = "CANCELLED by 0" if rec["state"] == "CANCELLED" else rec["state"]
+            print(f"{job_id}|{state}|{rec.get('exit', '0:0')}|None")
+    return 0
+
+
+def scancel(args):
+    job_id = args[-1]
+    rec = record(job_id)
+    if rec is None or rec["state"] != "RUNNING":
+        return 0
+    (STATE / f"{job_id}.cancelled").touch()
+    sig = getattr(signal, "SIG" + option(args, "signal", "KILL"))
+    while "pgid" not in (rec := record(job_id)):
+        time.sleep(0.01)
+    try:
+        os.killpg(rec["pgid"], sig)  # --full: every process of the job's session, the batch script included
+    except ProcessLookupError:
+        pass
+    return 0
+
+
+TOOLS = {"sbatch": sbatch, "squeue": squeue, "sacct": sacct, "scancel": scancel}
+
+
+if __name__ == "__main__":
+    name = Path(sys.argv[0]).name
+    if name == "slurm.py" and sys.argv[1] == "node":
+        sys.exit(node(*sys.argv[2:]))
+    sys.exit(TOOLS[name](sys.argv[1:]))

@@ -19,6 +19,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -400,3 +401,41 @@ def _kill_and_wait(pid: int, sig: int, timeout: float = 20.0) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+# -- `make demo-slurm` -----------------------------------------------------------------------------------------
+
+def main(argv: list[str]) -> int:
+    """`python -m tests.slurm.cluster COMMAND…`: run COMMAND (the demo) with a worker's Slurm settings pointing at
+    a fresh single-node cluster, then stop the cluster and everything it ran. Ctrl-C goes to COMMAND."""
+    import json
+    import tempfile
+
+    if not argv:
+        print("usage: python -m tests.slurm.cluster COMMAND [ARG…]", file=sys.stderr)
+        return 2
+    missing = missing_programs()
+    if missing or os.geteuid() != 0:
+        print("a single-node Slurm needs root and " + (", ".join(missing) or "nothing more") + " (apt-get install "
+              "slurmctld slurmd slurm-client slurmdbd munge mariadb-server)", file=sys.stderr)
+        return 2
+    root = Path(tempfile.mkdtemp(prefix="lw-slurm-", dir="/tmp"))
+    cluster = Cluster(root).start()
+    env = {**os.environ, **cluster.env, "LORA_WORKER_BACKEND": "slurm",
+           "LORA_WORKER_SLURM_BIN_DIR": str(cluster.bin_dir),
+           "LORA_WORKER_SLURM_MEM_MB": json.dumps({t: 2000 for t in ("fast", "balanced", "quality")})}
+    print(f"single-node Slurm up (2 fake GPUs): SLURM_CONF={cluster.conf}", flush=True)
+    # A handler, not SIG_IGN (which the command would inherit): Ctrl-C is the command's, the cluster ours.
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: None)
+    try:
+        return subprocess.run(argv, env=env, check=False).returncode
+    finally:
+        cluster.stop()
+        signal.signal(signal.SIGINT, previous)
+        if not cluster.leftovers():
+            shutil.rmtree(root, ignore_errors=True)
+        print("single-node Slurm stopped", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

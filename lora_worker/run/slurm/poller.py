@@ -14,6 +14,8 @@ log it finds is moved aside and written again in full (run/logfile.py keeps the 
 - known to no command for UNKNOWN_CYCLES cycles in a row (each of them answering): `settle` with nothing.
 - a cancel the API flagged: a pending job gets a plain `scancel`; a running one `scancel --signal=TERM --full`,
   then `--signal=KILL --full` after `cancel_grace_s`. The row becomes `cancelled` once Slurm says it ended.
+- a running job Slurm shows pending again was requeued (--no-requeue should prevent it): a second run under
+  the same id is refused, the job is scancelled and ends `failed` (node_fail).
 - a running job silent past its phase's stall limit (the supervisor's Watchdog, counted from when the poller
   first saw it run) is stopped the same way and ends `failed` (stalled).
 A command that does not answer changes nothing this cycle: silence is never taken for an ending.
@@ -68,6 +70,7 @@ class Followed:
     cancel_pending_sent: bool = False
     term_sent_at: float | None = None
     kill_sent: bool = False
+    requeued: bool = False  # seen pending again after it ran
     watchdog: Watchdog | None = None  # from the first cycle that sees the job run
     final: tuple[Outcome, dict[str, object]] | None = None  # the outcome, once decided
     training_at: datetime | None = None
@@ -154,8 +157,11 @@ class Poller:
         if where == "running" and f.watchdog.stalled_in is None and job.cancel_requested_at is None \
                 and (why := f.watchdog.check(f.output.progress.phase, now)):
             f.output.note(f"stalled: {why}; stopping Slurm job {job.slurm_job_id}")
+        if where == "pending" and job.status == JobState.RUNNING.value and not f.requeued:
+            f.requeued = True
+            f.output.note(f"Slurm requeued job {job.slurm_job_id} ({known.detail if known else '?'}); stopping it")
         stalled = f.watchdog is not None and f.watchdog.stalled_in is not None
-        if (job.cancel_requested_at is not None or stalled) and where in ("pending", "running"):
+        if (job.cancel_requested_at is not None or stalled or f.requeued) and where in ("pending", "running"):
             self._cancel(f, where, now)
         if where == "pending":
             f.unknown_cycles = f.ended_cycles = 0
@@ -296,7 +302,8 @@ class Poller:
 
             outcome = settle(known, slurm_job_id=job.slurm_job_id or "?", recorded=recorded,
                              cancel_requested=job.cancel_requested_at is not None,
-                             stalled_in=f.watchdog.stalled_in if f.watchdog else None, progress=f.output.progress,
+                             stalled_in=f.watchdog.stalled_in if f.watchdog else None, requeued=f.requeued,
+                             progress=f.output.progress,
                              log_tail=f.output.tail, verify=verify)
             extra = _artifact_values(job, artifact[-1]) if artifact and outcome.state is JobState.SUCCEEDED else {}
             f.output.note(f"Slurm job {job.slurm_job_id}: {known.detail if known else 'unknown to Slurm'}; "

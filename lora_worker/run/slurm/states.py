@@ -11,6 +11,7 @@
 | OUT_OF_MEMORY / TIMEOUT / NODE_FAIL | failed, out_of_memory / time_limit / node_fail                        |
 | not known any more, no .rc file     | failed, slurm_lost                                                    |
 | (stopped by the poller's watchdog)  | failed, stalled (as local)                                            |
+| PENDING again after RUNNING         | requeued (despite --no-requeue): scancelled, failed, node_fail        |
 
 The exit status is the trainer's own, as the batch script recorded it in `<id>.rc` (a Popen return code:
 negative for a signal), never sacct's, which truncates codes above 127 and reads `0:0` before `15:0`. A cancel
@@ -64,12 +65,16 @@ def returncode_of(job: SlurmJob | None, recorded: int | None) -> int | None:
 
 def settle(job: SlurmJob | None, *, slurm_job_id: str, recorded: int | None, cancel_requested: bool,
            progress: Progress, log_tail: list[str], verify: Callable[[], ArtifactCheck],
-           stalled_in: str | None = None) -> Outcome:
+           stalled_in: str | None = None, requeued: bool = False) -> Outcome:
     """The outcome of a Slurm job that has ended (`job` as sacct/scontrol/squeue last said, None if none of them
     knows it any more). `verify` checks the LoRA; it is called only when the run claims success."""
     returncode = returncode_of(job, recorded)
     if cancel_requested:
         return decide(returncode=returncode, progress=progress, log_tail=log_tail, cancelled=True)
+    if requeued:  # the poller stopped a second run under the same id; the first one's node was lost
+        return _failed(FailureClass.NODE_FAIL, f"Slurm requeued job {slurm_job_id} after it had run (its node "
+                       "was lost, or requeue is forced); a second run was refused and the job stopped", log_tail,
+                       returncode)
     if stalled_in is not None:  # the poller stopped it: whatever Slurm calls that, it is a stall
         return decide(returncode=returncode, progress=progress, log_tail=log_tail, stalled_in=stalled_in)
     if job is None and recorded is None:

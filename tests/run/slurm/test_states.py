@@ -234,3 +234,21 @@ def test_a_final_write_the_ledger_refuses_is_retried_next_cycle_with_the_same_ou
     row = slurm.job(job.id)
     assert (row.status, row.failure_class, row.exit_code) == ("failed", "trainer_crashed", 3)
     assert (slurm.settings.log_dir / f"job-{job.id}.log").read_text().count("the job is failed") == 1
+
+
+def test_a_running_job_requeued_despite_no_requeue_is_stopped_and_failed_node_fail(slurm: SlurmWorker):
+    """The reference's lost node: the job went PENDING again (Restarts=1) while the old trainer still ran."""
+    job = slurm.submit()
+    sid = job.slurm_job_id
+    slurm.scheduler.set(sid, "RUNNING")
+    slurm.log(job, TRAINING_LOG)
+    slurm.cycles()
+    slurm.scheduler.set(sid, "PENDING", "BeginTime")
+    slurm.cycles()
+    assert slurm.scheduler.cancels() == [("scancel", sid)]
+    assert slurm.job(job.id).status == "running"  # until Slurm says it ended
+    slurm.scheduler.set(sid, "CANCELLED", code=0, signal=0, detail="CANCELLED by 0")
+    slurm.cycles(2)
+    row = slurm.job(job.id)
+    assert (row.status, row.failure_class) == ("failed", "node_fail")
+    assert "requeued" in row.error

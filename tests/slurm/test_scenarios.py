@@ -99,7 +99,7 @@ def test_a_job_dispatched_over_http_ends_succeeded_with_a_verified_lora(cluster:
             time.sleep(0.2)
         assert job["status"] == "succeeded", (job, (tmp_path / "gunicorn.log").read_text()[-2000:])
         assert job["backend"] == "slurm" and job["slurm_job_id"] and job["queue_reason"] is None
-        assert job["phase"] == "saving" and job["step"] == job["total_steps"] == TIERS["fast"].max_train_steps
+        assert job["step"] == job["total_steps"] == TIERS["fast"].max_train_steps
         path = Path(job["lora_path"])
         assert hashlib.sha256(path.read_bytes()).hexdigest() == job["lora_sha256"]
         from lora_worker.run.outcome import recorded_lora
@@ -119,6 +119,20 @@ def test_a_job_dispatched_over_http_ends_succeeded_with_a_verified_lora(cluster:
     finally:
         service.stop()
         stop_poller(host.settings)
+
+
+def test_a_job_that_saves_and_ends_between_two_polls_keeps_saving_as_the_phase_it_ended_in(
+        new_worker: Callable[..., Worker]) -> None:
+    # As a local job does (README: "saving after a success"): the row's phase is the one the log ended in, not
+    # the one the last poll before the end happened to see.
+    worker = new_worker(slurm_poll_interval_s=3.0)
+    release = worker.host.root / "release"
+    worker.modes(hold_at_step=399, release_file=str(release))
+    job_id = worker.post()
+    worker.wait(job_id, lambda j: j["phase"] == "training" and j["step"] == 398, 60, "step 398")
+    release.touch()  # the last step, the save and the exit take well under one poll interval
+    job = worker.ended(job_id, timeout=30)
+    assert (job["status"], job["phase"], job["ended_in_phase"]) == ("succeeded", "saving", "saving"), job
 
 
 # -- the trainer's own failures --------------------------------------------------------------------------------

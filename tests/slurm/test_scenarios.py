@@ -283,6 +283,7 @@ def test_the_poller_killed_mid_job_is_started_again_and_follows_the_job_to_its_e
     assert before and all(kept.get(p["step"]) == p["loss"] for p in before), (before, points)  # none lost
 
 
+@pytest.mark.timeout(240)  # run alone, it waits out the whole limit and Slurm's 30 s enforcement period
 def test_a_job_past_its_time_limit_fails_time_limit(time_limited: tuple[Worker, int], cluster: Cluster) -> None:
     w, job_id = time_limited
     job = w.ended(job_id, timeout=TIME_LIMIT_MIN * 60 + 60)
@@ -292,6 +293,7 @@ def test_a_job_past_its_time_limit_fails_time_limit(time_limited: tuple[Worker, 
     assert_no_process_left(w, str(job["slurm_job_id"]))
 
 
+@pytest.mark.timeout(300)
 def test_a_lost_node_fails_the_job_node_fail_and_its_trainer_does_not_outlive_the_node(
         worker: Worker, cluster: Cluster, time_limited: tuple[Worker, int]) -> None:
     other, other_id = time_limited

@@ -293,6 +293,38 @@ def test_a_job_past_its_time_limit_fails_time_limit(time_limited: tuple[Worker, 
     assert_no_process_left(w, str(job["slurm_job_id"]))
 
 
+def trainer_environ(w: Worker, slurm_job_id: str) -> dict[str, str]:
+    for pid in w.job_processes(slurm_job_id):
+        try:
+            if b"sdxl_train_network.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                raw = Path(f"/proc/{pid}/environ").read_bytes()
+                env = dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+                if env.get("SLURM_JOB_ID") == slurm_job_id:  # job_processes also finds the host's other trainers
+                    return env
+        except OSError:
+            continue
+    raise AssertionError(f"no trainer process of Slurm job {slurm_job_id}")
+
+
+@pytest.mark.timeout(240)
+def test_on_slurm_two_jobs_train_at_once_each_on_the_gpu_slurm_gave_it_and_max_active_jobs_holds(
+        new_worker: Callable[..., Worker], time_limited: tuple[Worker, int]) -> None:
+    other, other_id = time_limited
+    other.ended(other_id, timeout=TIME_LIMIT_MIN * 60 + 60)  # both GPUs for this test
+    worker = new_worker(max_active_jobs=2)
+    worker.modes(hold_at_step=3, release_file=str(worker.host.root / "release"))
+    first, second = worker.post(), worker.post(device_index=0)
+    for job_id in (first, second):
+        worker.in_phase(job_id, "training")
+    devices = {trainer_environ(worker, worker.slurm_job_id(j))["CUDA_VISIBLE_DEVICES"] for j in (first, second)}
+    assert devices == {"0", "1"}  # Slurm's allocation, whatever device the request named
+    third = worker.client.post("/train", json=worker.host.payload(output_dir=str(worker.host.dataset.parent / "o3")))
+    assert third.status_code == 409 and third.get_json()["error"] == "job_active", third.get_json()
+    (worker.host.root / "release").touch()
+    for job_id in (first, second):
+        assert worker.ended(job_id)["status"] == "succeeded"
+
+
 @pytest.mark.timeout(300)
 def test_a_lost_node_fails_the_job_node_fail_and_its_trainer_does_not_outlive_the_node(
         worker: Worker, cluster: Cluster, time_limited: tuple[Worker, int]) -> None:

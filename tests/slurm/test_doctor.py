@@ -101,7 +101,7 @@ def test_an_unreachable_controller_is_one_failed_line_with_the_fix(slurm_setting
                                                                    tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     conf = tmp_path / "slurm.conf"
-    conf.write_text("".join(f"SlurmctldPort=1\n" if line.startswith("SlurmctldPort=") else line
+    conf.write_text("".join("SlurmctldPort=1\n" if line.startswith("SlurmctldPort=") else line
                             for line in cluster.conf.read_text().splitlines(keepends=True)))
     (tmp_path / "cgroup.conf").write_text((cluster.conf.parent / "cgroup.conf").read_text())
     monkeypatch.setenv("SLURM_CONF", str(conf))

@@ -20,7 +20,7 @@ import pytest
 
 from lora_worker.config import TIERS
 from lora_worker.host.safetensors import verify_lora
-from tests.helpers import make_host, pid_alive, set_modes, wait_for
+from tests.helpers import make_host, pid_alive, wait_for
 from tests.service import Service
 from tests.slurm.cluster import Cluster
 from tests.slurm.worker import (TERMINAL, Worker, gpus_in_use, slurm_settings, start_worker, stop_poller,

@@ -32,6 +32,7 @@ from typing import Any, TextIO
 
 from lora_worker.errors import LoraWorkerError
 from lora_worker.config import ENV_PREFIX, REPO_ROOT, SIMULATED, SIMULATED_ENV, Settings, load_settings
+from lora_worker.host.locks import lock_state
 from lora_worker.host.nvml import make_nvml
 from lora_worker.host.safetensors import ExpectedLora, verify_lora
 from lora_worker.ledger import repository as repo
@@ -41,6 +42,7 @@ from lora_worker.ops import simulated
 from lora_worker.ops.doctor import run_checks
 from lora_worker.ops.watch import watch
 from lora_worker.run.outcome import recorded_lora
+from lora_worker.run.slurm.process import poller_lock_path
 from lora_worker.states import ACTIVE_STATES, JobState
 
 DEFAULT_DIR = REPO_ROOT / "var" / "demo"
@@ -51,6 +53,7 @@ DEVICE = 1  # the 48 GB card; device 0 carries the TTS process, so the worker re
 TRIGGER, SUBJECT_CLASS, REPEATS, IMAGES, SEED = "ohwx", "woman", 10, 4, 42
 # The simulated phases, in seconds: the fake's knobs (its step count is the tier's, 400; TIERS are untouched).
 TRAINER_PACE = {"launcher_delay_s": 1.0, "load_s": 0.4, "cache_s": 0.1, "sha_s": 1.0, "step_s": 0.03}
+ON_CLUSTER = (ENV_PREFIX + "BACKEND", ENV_PREFIX + "MAX_ACTIVE_JOBS", ENV_PREFIX + "SLURM_")
 
 
 class DemoError(Exception):
@@ -121,8 +124,9 @@ def prepare_host(root: Path, bind: str, tts_pid: int, step_s: float, out: TextIO
     config.write_text("# Written by `lora-worker demo` at each run: a simulated host (no GPU, no sd-scripts).\n"
                       f"# The trainer kind is not here: a config file may not say it; {SIMULATED_ENV} does.\n"
                       + "".join(f"{key} = {json.dumps(_plain(v))}\n" for key, v in values.items()))
-    # Only our settings: a LORA_WORKER_* left in the caller's shell must not point the demo elsewhere.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+    # Only our settings: a LORA_WORKER_* left in the caller's shell must not point the demo elsewhere. Except
+    # where the jobs run (LORA_WORKER_BACKEND=slurm, LORA_WORKER_SLURM_*, with SLURM_CONF): the caller's cluster.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX) or k.startswith(ON_CLUSTER)}
     env.update({ENV_PREFIX + "CONFIG": str(config), SIMULATED_ENV: SIMULATED})
     settings = load_settings(env)
     prepare_state_dir(settings)
@@ -157,8 +161,11 @@ def _show(host: Host, url: str, started: float, out: TextIO) -> int:
         "output_dir": str(train_dir / "output"), "output_name": f"{TRIGGER}_lora", "trigger": TRIGGER,
         "subject_class": SUBJECT_CLASS, "repeats": REPEATS, "tier": TIER, "device_index": 0, "seed": SEED,
     }
-    status, answer = _request(url, "POST", "/train", {**body, "device_index": 0})
-    _say(out, f"POST /train on GPU 0 → {status} {answer.get('error')}: {answer.get('message')}")
+    if settings.backend == "slurm":  # Slurm allocates the GPUs: no admission by this host's NVML to show
+        _say(out, f"on Slurm (partition {settings.slurm_partition}): the scheduler gives the job its GPU")
+    else:
+        status, answer = _request(url, "POST", "/train", {**body, "device_index": 0})
+        _say(out, f"POST /train on GPU 0 → {status} {answer.get('error')}: {answer.get('message')}")
     body["device_index"] = DEVICE
     status, answer = _request(url, "POST", "/train", body)
     _say(out, f"POST /train on GPU {DEVICE} → {status} {json.dumps(answer)}")
@@ -205,6 +212,8 @@ def _verify(job: Mapping[str, Any], expected: ExpectedLora, out: TextIO) -> None
 
 def curl_commands(url: str, job_id: int, version: int, host: Host) -> str:
     cli = f"LORA_WORKER_CONFIG={shlex.quote(_short(host.config))} {SIMULATED_ENV}={SIMULATED} .venv/bin/lora-worker"
+    cluster = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(host.env.items())
+                       if k.startswith(ON_CLUSTER) or k == "SLURM_CONF" and host.settings.backend == "slurm")
     body = shlex.quote("@" + _short(host.root / "next-request.json"))
     lines = [
         "",
@@ -222,7 +231,8 @@ def curl_commands(url: str, job_id: int, version: int, host: Host) -> str:
         "  # the GPUs, and the service's health",
         f"  curl -s {url}/gpu-status",
         f"  curl -s {url}/healthz",
-        "  # the operator's view, from the ledger",
+        "  # the operator's view, from the ledger" + (f" (the cluster's settings first: export {cluster})"
+                                                     if cluster else ""),
         f"  {cli} jobs watch        # the active job, live",
         f"  {cli} jobs show {job_id}",
         f"  {cli} doctor",
@@ -267,6 +277,8 @@ def _server(host: Host, out: TextIO) -> Iterator[str]:
     finally:
         _cancel_active(host, url, out)
         simulated.stop_process(proc, grace_s=30.0)
+        if host.settings.backend == "slurm":
+            _stop_poller(host.settings)
         _say(out, f"server stopped; the ledger, run logs and LoRAs stay in {_short(host.root)}")
 
 
@@ -301,6 +313,16 @@ def _cancel_active(host: Host, url: str, out: TextIO) -> None:
             active = [i for i in active if JobState(repo.get_job(db, i).status) in ACTIVE_STATES]
     finally:
         db.dispose()
+
+
+def _stop_poller(settings: Settings) -> None:
+    """The Slurm poller outlives the web by design; the demo's own has nothing left to follow."""
+    pid = lock_state(poller_lock_path(settings)).holder_pid
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
 
 
 # -- helpers ---------------------------------------------------------------------------------------------------

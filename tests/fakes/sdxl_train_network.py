@@ -27,6 +27,7 @@ captures in tests/data/*.jsonl show:
 Behaviour for a test is read from `fake_trainer.json` in the working directory (the sd-scripts dir), because
 the worker gives the trainer an allow-listed environment and nothing else:
   step_s, load_s, cache_s, sha_s, teardown_s     sleeps that stand in for the real phases
+  load_mb                                         host memory taken while loading the model (a --mem limit's test)
   oom_at_step, crash_at_step, nan_from_step      failures at a step
   hang_in                                         sleep forever at the start of a phase (see PHASES)
   ignore_sigterm                                  the trainer ignores SIGTERM
@@ -414,7 +415,9 @@ def load_target_model(args: argparse.Namespace) -> None:
                          "a valid repo id. Please check the parameter.")
     log(f"load StableDiffusion checkpoint: {path}")
     phase("loading_model")
+    held = b"\1" * (int(MODES.get("load_mb", 0)) << 20)  # the real loader holds the checkpoint in host RAM
     load_models_from_sdxl_checkpoint(path)
+    del held
 
 
 def caching_latents(images: list[str]) -> None:

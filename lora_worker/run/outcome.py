@@ -115,3 +115,19 @@ def _classify(returncode: int | None, signal: int | None, saved: bool, artifact:
     return failure, f"The LoRA file failed verification: {artifact.problem}", None
 
 
+
+
+def artifact_values(artifact: ArtifactCheck, *, recorded_commit: str | None) -> dict[str, object]:
+    """What a verified LoRA adds to its row: its hash and size, and what its metadata adds to the fingerprint
+    (the base model's hash; sd-scripts' commit where the row has none: no .git in the checkout, but
+    sd-scripts knew its own commit)."""
+    from lora_worker.host.fingerprint import SHA  # only once a LoRA is verified: not on the way to exec
+
+    values: dict[str, object] = {"lora_sha256": artifact.sha256, "lora_size": artifact.size}
+    md = artifact.metadata
+    if md.get("ss_new_sd_model_hash"):
+        values["base_model_sha256"] = md["ss_new_sd_model_hash"]
+    commit = md.get("ss_sd_scripts_commit_hash", "")
+    if not recorded_commit and SHA.match(commit):
+        values["sd_scripts_commit"] = commit
+    return values

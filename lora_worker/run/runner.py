@@ -24,7 +24,7 @@ from lora_worker.ledger.statements import utcnow
 from lora_worker.ledger.supervisor import JobRecord, SupervisorLedger
 from lora_worker.run.eta import EtaClock, estimate_tail
 from lora_worker.run.logfile import JobLog
-from lora_worker.run.outcome import Outcome, decide, recorded_lora
+from lora_worker.run.outcome import Outcome, artifact_values, decide, recorded_lora
 from lora_worker.run.output import TrainerOutput
 from lora_worker.run.persist import TRANSIENT, persist
 from lora_worker.run.reader import OutputReader
@@ -251,7 +251,7 @@ class JobRun:
         if rc == 0 and self.stopper.reason is None and "model_saved" in self.output.progress.flags:
             artifact = verify_lora(Path(job.lora_file), recorded_lora(job))  # held to the row, not the tier
             if artifact.problem is None:
-                self.artifact_values = self._artifact_values(artifact)
+                self.artifact_values = artifact_values(artifact, recorded_commit=self.job.sd_scripts_commit)
         return decide(returncode=rc, progress=self.output.progress, log_tail=self.output.tail,
                       cancelled=cancelled, stalled_in=self.watchdog.stalled_in, artifact=artifact)
 
@@ -279,19 +279,6 @@ class JobRun:
             log.warning("job %s: already ended elsewhere; %s not recorded", self.job_id, outcome.state.value)
         log.info("job %s: %s%s", self.job_id, outcome.state.value,
                  f" ({outcome.failure_class.value})" if outcome.failure_class else "")
-
-    def _artifact_values(self, artifact: ArtifactCheck) -> dict[str, object]:
-        """The verified file's hash and size, and what its metadata adds to the fingerprint."""
-        from lora_worker.host.fingerprint import SHA
-
-        values: dict[str, object] = {"lora_sha256": artifact.sha256, "lora_size": artifact.size}
-        md = artifact.metadata
-        if md.get("ss_new_sd_model_hash"):
-            values["base_model_sha256"] = md["ss_new_sd_model_hash"]
-        commit = md.get("ss_sd_scripts_commit_hash", "")
-        if not self.job.sd_scripts_commit and SHA.match(commit):
-            values["sd_scripts_commit"] = commit  # no .git in the checkout; sd-scripts knew its own commit
-        return values
 
 
 def load_the_end() -> None:

@@ -31,14 +31,13 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from lora_worker.config import Settings
-from lora_worker.host.fingerprint import SHA
 from lora_worker.host.safetensors import ArtifactCheck, verify_lora
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, utcnow
 from lora_worker.run.eta import EtaClock
 from lora_worker.run.logfile import JobLog
-from lora_worker.run.outcome import Outcome, recorded_lora
+from lora_worker.run.outcome import Outcome, artifact_values, recorded_lora
 from lora_worker.run.output import TrainerOutput
 from lora_worker.run.persist import TRANSIENT
 from lora_worker.run.reporter import finite
@@ -305,7 +304,7 @@ class Poller:
                              stalled_in=f.watchdog.stalled_in if f.watchdog else None, requeued=f.requeued,
                              progress=f.output.progress,
                              log_tail=f.output.tail, verify=verify)
-            extra = _artifact_values(job, artifact[-1]) if artifact and outcome.state is JobState.SUCCEEDED else {}
+            extra = artifact_values(artifact[-1], recorded_commit=job.sd_scripts_commit) if artifact and outcome.state is JobState.SUCCEEDED else {}
             f.output.note(f"Slurm job {job.slurm_job_id}: {known.detail if known else 'unknown to Slurm'}; "
                           f"recorded return code {recorded}; the job is {outcome.state.value}"
                           + (f" ({outcome.failure_class.value})" if outcome.failure_class else ""))
@@ -330,6 +329,8 @@ class Poller:
         values: dict[str, object] = {"exit_code": outcome.exit_code, "signal": outcome.signal,
                                      "lora_path": outcome.lora_path, "step": p.step, "loss": finite(p.loss),
                                      "queue_reason": None}
+        if running:  # the phase it ended in (saving after a success), though it ended between two polls
+            values["phase"] = p.phase.value
         if outcome.state is JobState.SUCCEEDED:
             return repo.transition(self.db, job.id, JobState.SUCCEEDED, actor="slurm",
                                    reason="Slurm job completed and the LoRA verified", **values, **extra)
@@ -352,15 +353,3 @@ class Poller:
     def close(self) -> None:
         for job_id in list(self.followed):
             self._forget(job_id)
-
-
-def _artifact_values(job: Job, artifact: ArtifactCheck) -> dict[str, object]:
-    """The verified file's hash and size, and what its metadata adds to the fingerprint (as the supervisor)."""
-    values: dict[str, object] = {"lora_sha256": artifact.sha256, "lora_size": artifact.size}
-    md = artifact.metadata
-    if md.get("ss_new_sd_model_hash"):
-        values["base_model_sha256"] = md["ss_new_sd_model_hash"]
-    commit = md.get("ss_sd_scripts_commit_hash", "")
-    if not job.sd_scripts_commit and SHA.match(commit):
-        values["sd_scripts_commit"] = commit
-    return values

@@ -4,42 +4,14 @@ signals nobody. Here the "supervisor" is a listener process that says "woken" on
 from __future__ import annotations
 
 import os
-import select
-import subprocess
-import sys
 
-import pytest
 
 from lora_worker.host import processes
 from lora_worker.host.locks import hold_lock, job_lock_path
 from lora_worker.ledger import repository as repo
 from lora_worker.states import JobState
 from tests.ledger.test_ledger import columns
-
-LISTENER = r"""
-import signal, sys, time
-signal.signal(signal.SIGURG, lambda *a: (sys.stdout.write("woken\n"), sys.stdout.flush()))
-print("listening", flush=True)
-time.sleep(30)
-"""
-
-
-@pytest.fixture
-def listener():
-    proc = subprocess.Popen([sys.executable, "-c", LISTENER], stdout=subprocess.PIPE, text=True)
-    with proc:
-        assert proc.stdout is not None and proc.stdout.readline() == "listening\n"
-        yield proc
-        proc.kill()
-
-
-def heard(proc: subprocess.Popen[str], within: float = 0.3) -> bool:
-    assert proc.stdout is not None
-    if not select.select([proc.stdout], [], [], within)[0]:
-        return False
-    assert proc.stdout.readline() == "woken\n"
-    return True
-
+from tests.run.test_wakeup import heard, listener  # noqa: F401 - listener is a fixture
 
 def running_job(db, migrated, *, boot_id: str, pid: int, start_ticks: int) -> tuple[int, int]:
     """A running job recorded as supervised by that process; this test holds its job lock for it."""

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 
-
 from lora_worker.host import processes
 from lora_worker.host.locks import hold_lock, job_lock_path
 from lora_worker.ledger import repository as repo
 from lora_worker.states import JobState
 from tests.ledger.test_ledger import columns
 from tests.run.test_wakeup import heard, listener  # noqa: F401 - listener is a fixture
+
 
 def running_job(db, migrated, *, boot_id: str, pid: int, start_ticks: int) -> tuple[int, int]:
     """A running job recorded as supervised by that process; this test holds its job lock for it."""

@@ -320,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     notes = [f"each cycle follows {round(DEFAULT_POLL_S * REDRAWS_PER_S)} tqdm redraws per job: "
              f"{DEFAULT_POLL_S:g} s of a trainer's output at {REDRAWS_PER_S} redraws a second",
              "the poller's CPU includes its ledger reads and progress writes (SQLite, this disk)",
-             "slurmctld's per-call CPU is in 10 ms ticks over all the calls, its idle work included",
+             "slurmctld's per-call CPU is in 10 ms ticks over all the calls, its idle work included; it is spent on "
+             "the controller, not the worker host, so the per-job and per-core rows leave it out",
              "Slurm's start includes slurmctld scheduling the job (sched on submit) and slurmd starting its batch "
              "script on the one node; a real cluster adds its queue and the hop to another host"]
     emit("Slurm: poller cost and POST /train → trainer started", rows, notes)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench.common import JSON_ENV
 
-BENCHES = ("stream", "status", "dispatch", "history", "memory", "eta_replay", "supervisor")
+BENCHES = ("stream", "status", "dispatch", "history", "memory", "eta_replay", "supervisor", "slurm")
 
 
 def main(argv: list[str]) -> int:

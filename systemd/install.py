@@ -11,9 +11,9 @@ if absent, and the service user only if a new user could exec the trainer: never
 root (group-owned, setgid 2770), a copy of the code in the prefix with a venv built from
 deploy/requirements.lock (`--require-hashes`: every dependency, transitive ones too, pinned by hash),
 /etc/lora-worker/worker.toml and the API token (each only if absent: never overwritten), the unit and its
-tmpfiles.d entry (the GPU lock directory, open to the interlock's group or to everyone) and the `lora-worker`
-command; then enables and (re)starts the service and waits until GET /healthz answers 200. A second run
-changes nothing that is already right.
+tmpfiles.d entry (the GPU lock directory, open to the interlock's group or to everyone), the ledger check's unit
+and its daily timer, and the `lora-worker` command; then enables and (re)starts the service, enables and starts
+the timer, and waits until GET /healthz answers 200. A second run changes nothing that is already right.
 
 --root DIR writes every path under DIR (for staging and for CI). Accounts are host-wide, so under --root they
 are neither created nor assigned unless --accounts says so (the tests do, as root, with throwaway names).
@@ -44,6 +44,9 @@ LOCK = SOURCE / "deploy" / "requirements.lock"
 CONFIG_DIR = Path("/etc/lora-worker")
 CONFIG, TOKEN = CONFIG_DIR / "worker.toml", CONFIG_DIR / "api_token"
 UNIT = Path("/etc/systemd/system/lora-worker.service")
+# The ledger's full integrity check, once a day (no service start pays for reading the whole file).
+CHECK_UNIT = Path("/etc/systemd/system/lora-worker-check.service")
+CHECK_TIMER = Path("/etc/systemd/system/lora-worker-check.timer")
 TMPFILES = Path("/etc/tmpfiles.d/lora-worker.conf")
 COMMAND = Path("/usr/local/bin/lora-worker")
 STATE_DIR = Path("/var/lib/lora-worker")
@@ -161,7 +164,8 @@ class Installer:
         self.directory(CONFIG_DIR, 0o750, group=service_group)
         self.file_once(CONFIG, config_text(ids), 0o640, group=service_group)
         self.file_once(TOKEN, secrets.token_urlsafe(32) + "\n", 0o600, group="root")
-        self.file(UNIT, render((SOURCE / "systemd" / "lora-worker.service.in").read_text(), ids), 0o644)
+        for unit in (UNIT, CHECK_UNIT, CHECK_TIMER):
+            self.file(unit, render((SOURCE / "systemd" / f"{unit.name}.in").read_text(), ids), 0o644)
         self.file(TMPFILES, render((SOURCE / "systemd" / "lora-worker.tmpfiles.conf.in").read_text(), ids), 0o644)
         self.file(COMMAND, command_script(ids), 0o755)
         print(f"{len(self.changes)} change(s)" + ("" if self.changes else ": everything was already in place"))
@@ -281,6 +285,9 @@ class Installer:
         self.command(["systemd-tmpfiles", "--create", str(TMPFILES)], "tmpfiles", record=False)
         self.command(["systemctl", "daemon-reload"], "daemon-reload", record=False)
         self.command(["systemctl", "enable", "lora-worker.service"], "enable", record=False)
+        # --now starts the timer, not the check: the first full check runs at the timer's next time.
+        self.command(["systemctl", "enable", "--now", CHECK_TIMER.name], "enable the ledger check's timer",
+                     record=False)
         # A restart never stops training (KillMode=process), so new code or settings take effect now.
         verb = "restart" if self.changes else "start"
         self.command(["systemctl", verb, "lora-worker.service"], f"{verb} lora-worker", record=False, check=False)

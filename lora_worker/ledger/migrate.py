@@ -46,9 +46,17 @@ def allow_batch_rename(dbapi_conn: sqlite3.Connection, _record: object = None) -
 
 
 def upgrade(db_path: Path, revision: str = "head") -> None:
+    """Bring the ledger to `revision`, never migrating a damaged file.
+
+    This runs at every service start (`lora-worker migrate`, the unit's ExecStartPre), so a ledger already at
+    `revision` gets the bounded check only. Every page is read only when a revision is about to rewrite the
+    file: a migration copies tables, and a damaged page copied is a damage made permanent."""
     db_path.parent.mkdir(parents=True, exist_ok=True)
     if db_path.exists():
-        verify_integrity(db_path)
+        verify_structure(db_path)  # first: the schema version below is read from what it checks
+        target = head_revision() if revision == "head" else revision
+        if current_revision(db_path) != target:
+            verify_integrity(db_path)
     from alembic import command
 
     command.upgrade(alembic_config(db_path), revision)
@@ -82,9 +90,11 @@ def current_revision(db_path: Path) -> str | None:
 
 
 # What a start-up check reads whole: the schema (page 1 and the header with it), the schema version and the
-# ledger's few small tables. None of them grows with the history, so neither does the check. The full check,
-# every page of every table and index, runs where a file-sized cost is paid once, not on each worker start:
-# `lora-worker migrate` (the unit's ExecStartPre, `make run`) and `lora-worker doctor`.
+# ledger's few small tables. None of them grows with the history, so neither does the check, and every start
+# (a gunicorn worker's, or `lora-worker migrate` at the unit's ExecStartPre) makes it. The full check, every
+# page of every table and index, runs where its file-sized cost is not paid per start: `lora-worker
+# check-ledger` (a daily systemd timer, systemd/lora-worker-check.timer.in), `lora-worker doctor`, and
+# `upgrade` before it applies a revision.
 BOUNDED_TABLES = ("sqlite_master", "alembic_version", "sqlite_sequence", "job_counts")
 
 
@@ -158,7 +168,7 @@ def check_ledger(settings: Settings) -> None:
     """Refuse to serve from a damaged ledger or one whose schema is not the code's.
 
     Run on every worker start (and by the commands that read the ledger), so it checks only what does not grow
-    with the history (`verify_structure`); `lora-worker migrate` and `doctor` read every page."""
+    with the history (`verify_structure`); `check-ledger`, `doctor` and a migration read every page."""
     path = settings.database_path
     if not path.exists():
         raise ConfigError(f"No ledger at {path}; run `lora-worker migrate` first.")

@@ -1,4 +1,4 @@
-"""`lora-worker`: the operator's commands (migrate, reconcile, serve, jobs …, doctor, config, demo)."""
+"""`lora-worker`: the operator's commands (migrate, reconcile, serve, jobs …, doctor, check-ledger, config, demo)."""
 from __future__ import annotations
 
 import argparse
@@ -6,13 +6,14 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 from lora_worker.ops import banner
 from lora_worker.ops import demo as demo_cli
 from lora_worker.ops import jobs as jobs_cli
 from lora_worker.config import Settings, load_settings
-from lora_worker.errors import LoraWorkerError
+from lora_worker.errors import ConfigError, LedgerCorrupt, LoraWorkerError
 from lora_worker.logs import configure_logging
 
 log = logging.getLogger("lora_worker.ops.cli")
@@ -72,6 +73,36 @@ def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_check_ledger(settings: Settings, args: argparse.Namespace) -> int:
+    """The full integrity check, every page, read-only (what the daily timer runs; `doctor` makes the same one).
+
+    No start makes it: its cost grows with the file (about 1 s per GB), so every start checks a bounded part
+    and this check runs beside the service, at idle priority."""
+    from lora_worker.ledger.migrate import verify_integrity
+
+    path = settings.database_path
+    if not path.exists():
+        raise ConfigError(f"No ledger at {path}; run `lora-worker migrate` first.")
+    size = path.stat().st_size
+    started = time.monotonic()
+    try:
+        verify_integrity(path)
+    except LedgerCorrupt as exc:
+        print(f"lora-worker check-ledger: {exc.message}. The file is left as it is (never repaired). Stop the "
+              f"service and restore {path} from a backup; or move it aside and run `lora-worker migrate` for a "
+              "new one (job ids continue above every job that left a run log).", file=sys.stderr)
+        return 1
+    print(f"ledger {path}: ok ({human_size(size)} checked in {time.monotonic() - started:.2f} s)")
+    return 0
+
+
+def human_size(size: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} bytes"
+
+
 def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
     return jobs_cli.run(settings, args)
 
@@ -90,6 +121,7 @@ COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], int]] = {
     "reconcile": cmd_reconcile,
     "serve": cmd_serve,
     "doctor": cmd_doctor,
+    "check-ledger": cmd_check_ledger,
     "jobs": cmd_jobs,
     "demo": cmd_demo,
     "config": cmd_config,
@@ -102,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("migrate", help="create or upgrade the ledger schema")
     sub.add_parser("reconcile", help="mark active jobs whose supervisor died as failed")
     sub.add_parser("doctor", help="check NVML, devices, the trainer install, state dir and train root")
+    sub.add_parser("check-ledger", help="read every page of the ledger (read-only; exit 1 if it is damaged)")
     serve = sub.add_parser("serve", help="migrate, reconcile and run gunicorn")
     serve.add_argument("--bind", default=None, help="override the `bind` setting (default 127.0.0.1:8203)")
     jobs_cli.add_parser(sub)

@@ -16,7 +16,7 @@ import pytest
 from lora_worker import create_app
 from lora_worker.config import DEFAULT_STALL_LIMITS_S, REPO_ROOT, Settings, settings_to_json
 from lora_worker.errors import LedgerCorrupt
-from lora_worker.ledger.migrate import upgrade
+from lora_worker.ledger.migrate import verify_integrity
 from lora_worker.run.logfile import LogReader
 from lora_worker.run.local import SETTINGS_ENV
 from tests.helpers import hold_exclusive, pid_alive, set_modes, wait_for
@@ -155,8 +155,9 @@ def test_a_corrupt_ledger_stops_start_up_loudly_and_is_left_untouched(host, migr
     assert hashlib.sha256(path.read_bytes()).hexdigest() == digest
 
 
-def test_a_damaged_page_fails_the_full_integrity_check_of_migrate(host, migrated):
-    # `lora-worker migrate` reads every page; a worker's start-up check reads a bounded part (tests/ledger)
+def test_a_damaged_page_fails_the_full_integrity_check_and_its_unit(host, migrated):
+    # `lora-worker check-ledger` (the daily lora-worker-check.service) reads every page; a start reads a bounded
+    # part (tests/ledger). The real command, as systemd runs it: exit 1 fails the unit, stderr is the journal's.
     conn = sqlite3.connect(migrated.database_path)
     conn.execute("PRAGMA journal_mode=DELETE")
     conn.execute("CREATE TABLE filler (x)")
@@ -167,5 +168,14 @@ def test_a_damaged_page_fails_the_full_integrity_check_of_migrate(host, migrated
     with migrated.database_path.open("r+b") as fh:
         fh.seek(page_size * 20)
         fh.write(os.urandom(page_size))
+    digest = hashlib.sha256(migrated.database_path.read_bytes()).hexdigest()
+    env = {**os.environ, "LORA_WORKER_STATE_DIR": str(migrated.state_dir), "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("LORA_WORKER_CONFIG", None)
+    result = subprocess.run([sys.executable, "-m", "lora_worker.ops.cli", "check-ledger"], capture_output=True,
+                            text=True, env=env, timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"lora-worker check-ledger: ledger {migrated.database_path} " in result.stderr
+    assert "restore" in result.stderr and result.stdout == ""
+    assert hashlib.sha256(migrated.database_path.read_bytes()).hexdigest() == digest  # never repaired
     with pytest.raises(LedgerCorrupt):
-        upgrade(migrated.database_path)
+        verify_integrity(migrated.database_path)

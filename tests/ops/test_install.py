@@ -88,8 +88,11 @@ def test_the_install_lays_out_the_documented_host(staged):
     assert settings.api_token_file is None  # the token travels as a systemd credential
     script = install_script()
     unit = root / "etc/systemd/system/lora-worker.service"
-    assert unit.read_text() == script.render((REPO_ROOT / "systemd/lora-worker.service.in").read_text(),
-                                             script.Identities())
+    for name in ("lora-worker.service", "lora-worker-check.service", "lora-worker-check.timer"):  # + daily check
+        installed = root / "etc/systemd/system" / name
+        assert installed.read_text() == script.render((REPO_ROOT / f"systemd/{name}.in").read_text(),
+                                                      script.Identities()), name
+        assert stat.S_IMODE(installed.stat().st_mode) == 0o644, name
     assert "User=llmuser" in unit.read_text() and "SupplementaryGroups=arbotrain" in unit.read_text()
     tmpfiles = (root / "etc/tmpfiles.d/lora-worker.conf").read_text()
     assert "d /run/lock/gpu 3770 root arbotrain -" in tmpfiles.splitlines()

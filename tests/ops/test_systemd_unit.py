@@ -1,5 +1,5 @@
-"""The shipped unit and gunicorn settings: training survives restarts, CUDA keeps working, paths line up with
-the deployed config, and systemd itself accepts the unit."""
+"""The shipped units and gunicorn settings: training survives restarts, CUDA keeps working, paths line up with
+the deployed config, the ledger's full check runs daily off the start path, and systemd itself accepts them."""
 from __future__ import annotations
 
 import runpy
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from lora_worker.config import REPO_ROOT
+from lora_worker.ops import cli
 from tests.helpers import install_script
 
 GUNICORN_CONF = REPO_ROOT / "systemd" / "gunicorn.conf.py"
@@ -29,6 +30,8 @@ def rendered(name: str, tmp_dir: Path | None = None, **identities: object) -> Pa
 
 UNIT = "lora-worker.service"
 TMPFILES = "lora-worker.tmpfiles.conf"
+CHECK_UNIT = "lora-worker-check.service"
+CHECK_TIMER = "lora-worker-check.timer"
 
 
 def directives(name: str, **identities: object) -> dict[str, list[str]]:
@@ -86,6 +89,43 @@ def test_the_unit_can_write_exactly_where_the_deployed_config_points():
     assert directives(UNIT)["RequiresMountsFor"] == [config["train_root"]]
 
 
+def test_a_daily_timer_runs_the_full_ledger_check_and_a_failure_fails_the_unit():
+    timer = directives(CHECK_TIMER)
+    assert timer["OnCalendar"] == ["daily"] and timer["Persistent"] == ["true"]  # a day missed is made up at boot
+    assert timer["RandomizedDelaySec"] == ["1h"] and timer["WantedBy"] == ["timers.target"]
+    assert "Unit" not in timer  # it starts the service of its own name
+    check = directives(CHECK_UNIT)
+    assert check["Type"] == ["oneshot"]
+    # No "-" prefix and no SuccessExitStatus=: exit 1 leaves the unit failed (`systemctl --failed`).
+    assert check["ExecStart"] == ["/opt/lora-training-worker/venv/bin/lora-worker check-ledger"]
+    assert "SuccessExitStatus" not in check
+    argv = check["ExecStart"][0].split()[1:]
+    assert cli.build_parser().parse_args(argv).command == "check-ledger"  # a command the CLI has
+    assert cli.COMMANDS["check-ledger"] is cli.cmd_check_ledger
+
+
+def test_the_ledger_check_runs_as_the_service_at_idle_priority_without_its_credentials():
+    unit, check = directives(UNIT), directives(CHECK_UNIT)
+    for key in ("User", "UMask", "WorkingDirectory", "StateDirectory", "StateDirectoryMode", "NoNewPrivileges",
+                "ProtectSystem", "ProtectHome", "PrivateTmp"):
+        assert check[key] == unit[key], key
+    assert check["Environment"] == ["LORA_WORKER_CONFIG=/etc/lora-worker/worker.toml"]  # the same ledger path
+    assert "LoadCredential" not in check  # it needs no API token
+    assert check["Nice"] == ["19"] and check["IOSchedulingClass"] == ["idle"]
+    assert check["PrivateNetwork"] == ["yes"] and check["PrivateDevices"] == ["yes"]  # no trainer, no GPU here
+
+
+def test_the_installer_enables_and_starts_the_check_timer_beside_the_service(monkeypatch, capsys):
+    script = install_script()
+    ran: list[list[str]] = []
+    monkeypatch.setattr(script.Installer, "command", lambda self, argv, what, **kw: ran.append(argv))
+    script.Installer(Path("/"), script.Identities(), systemctl=True, accounts=False, pip_args=[]).start_service()
+    assert ["systemctl", "enable", "--now", "lora-worker-check.timer"] in ran
+    assert ran.index(["systemctl", "daemon-reload"]) < ran.index(["systemctl", "enable", "--now",
+                                                                   "lora-worker-check.timer"])
+    assert (script.CHECK_UNIT.name, script.CHECK_TIMER.name) == (CHECK_UNIT, CHECK_TIMER)
+
+
 def test_other_identities_fill_every_place_the_seeds_names_stood():
     ids = dict(service_user="svc", group="shared", prefix=Path("/srv/lw"), train_root=Path("/data/train"),
                gpu_lock_dir=Path("/run/lock/gpus"), gpu_lock_group="gpuusers")
@@ -93,7 +133,9 @@ def test_other_identities_fill_every_place_the_seeds_names_stood():
     assert (unit["User"], unit["SupplementaryGroups"], unit["WorkingDirectory"]) == (
         ["svc"], ["shared gpuusers"], ["/srv/lw"])
     assert unit["ReadWritePaths"] == ["/data/train /run/lock/gpus"]
-    text = str(rendered(UNIT, **ids)) + str(rendered(TMPFILES, **ids))
+    check = directives(CHECK_UNIT, **ids)
+    assert (check["User"], check["ExecStart"]) == (["svc"], ["/srv/lw/venv/bin/lora-worker check-ledger"])
+    text = "".join(str(rendered(name, **ids)) for name in (UNIT, TMPFILES, CHECK_UNIT, CHECK_TIMER))
     for seed_name in ("llmuser", "arbotrain", "/opt/lora-training-worker", "/worktank", "/run/lock/gpu "):
         assert seed_name not in text, seed_name
     assert "d /run/lock/gpus 3770 root gpuusers -" in text
@@ -112,9 +154,10 @@ def test_gunicorn_is_one_gthread_worker_without_preload_that_stops_before_system
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
-def test_systemd_accepts_every_line_of_the_unit(tmp_path):
-    result = subprocess.run(["systemd-analyze", "verify", str(rendered(UNIT, tmp_path))], capture_output=True,
-                            text=True)
+def test_systemd_accepts_every_line_of_the_units(tmp_path):
+    # The timer is verified with its service beside it: systemd checks that the unit it starts exists.
+    paths = [str(rendered(name, tmp_path)) for name in (UNIT, CHECK_UNIT, CHECK_TIMER)]
+    result = subprocess.run(["systemd-analyze", "verify", *paths], capture_output=True, text=True)
     complaints = [line for line in (result.stdout + result.stderr).splitlines() if line.strip()]
     # The only complaint allowed is that the venv is not installed on this machine.
     assert all("/opt/lora-training-worker/venv/bin/" in line and "is not executable" in line

@@ -5,9 +5,12 @@ built, so the supervisor process, which imports this package, never loads it.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
+# Not `typing.TYPE_CHECKING`: every process imports this package first, and a supervisor takes its job lock
+# before it imports anything it need not (run/__main__.py); type checkers treat this name the same way.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from flask import Flask
 
 

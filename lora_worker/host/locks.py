@@ -14,19 +14,19 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import stat
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from lora_worker.config import Settings
+# Taking a lock is in host/flock.py, which imports nothing heavy: a supervisor takes its job lock first thing.
+from lora_worker.host.flock import (NotALockFile, hold_lock, lock_file_mode,  # noqa: F401 - theirs, re-exported
+                                    open_lock_file, take_lock)
 
 # The GPU lock directory: setgid keeps new lock files in the group, sticky stops anyone deleting another's lock
 # file (a deleted file would let a second trainer "lock" a new inode while the first still trains).
 GPU_LOCK_DIR_MODE_GROUP = 0o3770
 GPU_LOCK_DIR_MODE_EVERYONE = 0o1777
 PROC_LOCKS = Path("/proc/locks")
-_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
 def job_lock_path(settings: Settings, job_id: int) -> Path:
@@ -42,71 +42,6 @@ def gpu_lock_path(settings: Settings, device_index: int) -> Path:
 def gpu_lock_dir_mode(settings: Settings) -> int:
     """The mode the GPU lock directory must have so that every trainer the settings admit can join."""
     return GPU_LOCK_DIR_MODE_EVERYONE if settings.gpu_lock_everyone else GPU_LOCK_DIR_MODE_GROUP
-
-
-def lock_file_mode(dir_mode: int) -> int:
-    """A new lock file is readable by whoever may enter its directory, and writable by whoever may write it."""
-    mode = 0o600
-    for enter, write, read_bit, write_bit in ((0o010, 0o020, 0o040, 0o020), (0o001, 0o002, 0o004, 0o002)):
-        if dir_mode & enter:
-            mode |= read_bit | (write_bit if dir_mode & write else 0)
-    return mode
-
-
-class NotALockFile(OSError):
-    """The lock's name is a link, a FIFO, a directory…: something planted there, never a lock to take."""
-
-
-def open_lock_file(path: Path, *, create: bool) -> int | None:
-    """A read-only fd on the regular file at `path`; None if it is absent and `create` is false.
-
-    Open first without O_CREAT: with fs.protected_regular, O_CREAT on another user's file in a sticky
-    directory fails with EACCES even though the file exists. Create with O_EXCL, so a name that appears
-    between the two opens is opened again rather than trusted."""
-    while True:
-        try:
-            fd = os.open(path, _OPEN_FLAGS)
-        except FileNotFoundError:
-            if not create:
-                return None
-            try:
-                fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o600)
-            except FileExistsError:
-                continue
-            # fchmod, not the open's mode: the umask (0007 under the unit) must not narrow who may join.
-            os.fchmod(fd, lock_file_mode(os.stat(path.parent).st_mode))
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise NotALockFile(errno.ELOOP, "a symbolic link, not a lock file", str(path)) from exc
-            raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise NotALockFile(errno.EINVAL, "not a regular file", str(path))
-        return fd
-
-
-def hold_lock(path: Path) -> int | None:
-    """Take an exclusive flock on `path` without waiting; the fd (to keep open) or None if held elsewhere."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = open_lock_file(path, create=True)
-    assert fd is not None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return None
-        raise
-    return fd
-
-
-def take_lock(path: Path, wait_s: float) -> int | None:
-    """`hold_lock`, retried for up to `wait_s`: a reconcile or an admission check probing the lock holds it
-    shared for microseconds, which must not pass for another holder."""
-    deadline = time.monotonic() + wait_s
-    while (fd := hold_lock(path)) is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return fd
 
 
 def is_locked(path: Path) -> bool:

@@ -18,7 +18,7 @@ from lora_worker.host import locks, processes
 
 READ_BYTES = 1 << 16  # per read() call: larger reads were measured slower than 64 KiB ones
 PIPE_BYTES = 1 << 20  # the trainer's pipe, enlarged: a flood waits there while a chunk is parsed
-DRAIN_BYTES = 1 << 20  # the most one `read` returns: what a full enlarged pipe holds
+DRAIN_BYTES = 1 << 18  # the most one `read` returns: a quarter of the enlarged pipe (peak RSS: see below)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 

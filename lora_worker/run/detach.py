@@ -15,6 +15,10 @@ from __future__ import annotations
 import os
 
 READY_FD_FLAG = "--ready-fd="
+READY = b"1"  # what the detached process writes on the ready pipe once it holds its lock
+# The job lock's path, named by the web for a job's supervisor, which takes it right after the fork.
+JOB_LOCK_ENV = "LORA_WORKER_JOB_LOCK"
+LOCK_WAIT_S = 10.0  # a reconcile's or admission's shared probe holds a lock for microseconds
 
 
 def ready_fd_arg(arg: str) -> int | None:
@@ -35,7 +39,7 @@ def detach(ready_fd: int | None) -> tuple[int | None, int]:
         ready_r, ready_w = os.pipe()
         if os.fork():
             os.close(ready_w)
-            ok = os.read(ready_r, 1) == b"1"  # EOF (b"") if the second died before taking its lock
+            ok = os.read(ready_r, 1) == READY  # EOF (b"") if the second died before taking its lock
             return (0 if ok else 1), -1
         os.close(ready_r)
     os.setsid()  # leader of its own session and group: signals aimed at the starter's group miss it

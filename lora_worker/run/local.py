@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from lora_worker.config import Settings, settings_to_json
 from lora_worker.errors import LaunchFailed
 from lora_worker.host.locks import is_locked, job_lock_path
-from lora_worker.run.detach import READY_FD_FLAG
+from lora_worker.run.detach import JOB_LOCK_ENV, READY, READY_FD_FLAG
 
 if TYPE_CHECKING:
     import subprocess
@@ -29,7 +29,6 @@ Launch = Callable[[int, Settings], None]
 
 SETTINGS_ENV = "LORA_WORKER_SETTINGS"
 LAUNCH_TIMEOUT_S = 20.0
-READY = b"1"  # what the supervisor writes on the ready pipe once it holds the job lock (run/main.py)
 # The cancel's wake-up. Its default action is to be ignored, so a wake-up that reaches a process not (or not
 # yet) listening for it does nothing at all; SIGUSR1 would kill it.
 WAKE_SIGNAL = signal.SIGURG
@@ -39,8 +38,19 @@ def launch_supervisor(job_id: int, settings: Settings) -> None:
     """Start `python -m lora_worker.run <job_id>` and return once it holds the job's lock."""
     env = dict(os.environ)
     env[SETTINGS_ENV] = settings_to_json(settings)
-    start_detached([sys.executable, "-m", "lora_worker.run", str(job_id)], env,
+    env["PYTHONPATH"] = supervisor_path()
+    env[JOB_LOCK_ENV] = str(job_lock_path(settings, job_id))  # taken before anything else is imported there
+    # -S: no `site` (its .pth files and the editable install's finder were a third of the supervisor's start,
+    # which the POST waits for); the supervisor imports nothing outside the standard library and this package.
+    start_detached([sys.executable, "-S", "-m", "lora_worker.run", str(job_id)], env,
                    what=f"The supervisor for job {job_id}", job_id=job_id)
+
+
+def supervisor_path() -> str:
+    """The import path a supervisor started with -S needs: this package's own parent first (an editable
+    install puts it on no path entry), then the web's own path, so what it finds is what the web found."""
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.pathsep.join(dict.fromkeys([here, *(p for p in sys.path if p)]))
 
 
 def start_detached(argv: list[str], env: dict[str, str], *, what: str, job_id: int | None = None,

@@ -66,8 +66,9 @@ DUMP_AT_EXIT = """
 import atexit, json, os, sys
 def dump(how="teardown"):
     path = os.path.join(os.environ["MODULES_DUMP"], f"{os.getpid()}.json")
-    with open(path, "w") as fh:
+    with open(path + ".part", "w") as fh:  # renamed whole: the test never reads half a dump
         json.dump({"how": how, "modules": sorted({m.split(".")[0] for m in sys.modules})}, fh)
+    os.replace(path + ".part", path)
 atexit.register(dump)
 _exit = os._exit
 def dump_and_exit(rc):
@@ -120,3 +121,46 @@ def test_a_real_supervisor_runs_a_job_without_web_framework_or_sqlalchemy_and_le
     # It left by os._exit (no teardown of its imports), and its last log line was flushed before it did.
     assert left["how"] == "_exit"
     assert f"job {job_id}: succeeded" in stderr.read_text().splitlines()[-1]
+
+
+# The child of the detaching fork, as the web starts it (-S, the lock named in the environment), stopped the
+# moment it holds the job lock: what it loaded by then is what POST /train waited for.
+AT_THE_LOCK = """
+import json, os, sys
+import lora_worker.host.flock as flock
+real = flock.take_lock
+def take(path, wait_s):
+    fd = real(path, wait_s)
+    with open(os.environ["MODULES_DUMP"] + ".part", "w") as fh:
+        json.dump({"held": fd is not None, "modules": sorted(sys.modules)}, fh)
+    os.replace(os.environ["MODULES_DUMP"] + ".part", os.environ["MODULES_DUMP"])
+    os._exit(0)
+flock.take_lock = take
+from lora_worker.run.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_started_by_the_web_the_supervisor_holds_its_job_lock_before_loading_settings_or_logging(tmp_path):
+    from lora_worker.run.detach import JOB_LOCK_ENV
+    from lora_worker.run.local import supervisor_path
+    from tests.helpers import wait_for
+
+    dump = tmp_path / "modules.json"
+    env = {**os.environ, "PYTHONPATH": supervisor_path(), JOB_LOCK_ENV: str(tmp_path / "locks" / "job-7.lock"),
+           "MODULES_DUMP": str(dump)}
+    ready_r, ready_w = os.pipe()
+    try:
+        subprocess.run([sys.executable, "-S", "-c", AT_THE_LOCK, "7", f"--ready-fd={ready_w}"], env=env,
+                       pass_fds=(ready_w,), check=True, timeout=30)
+        wait_for(dump.exists, what="the supervisor at its lock")
+    finally:
+        os.close(ready_r)
+        os.close(ready_w)
+    at_lock = json.loads(dump.read_text())
+    assert at_lock["held"]
+    ours = {m for m in at_lock["modules"] if m.startswith("lora_worker")}
+    assert ours == {"lora_worker", "lora_worker.run", "lora_worker.run.__main__", "lora_worker.run.detach",
+                    "lora_worker.host", "lora_worker.host.flock"}
+    assert not {"lora_worker.config", "logging", "typing", "pathlib", "dataclasses", "sqlite3", "site"} & set(
+        at_lock["modules"])

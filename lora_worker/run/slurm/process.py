@@ -19,7 +19,8 @@ from pathlib import Path
 from lora_worker.config import Settings, load_settings, settings_from_json, settings_to_json
 from lora_worker.errors import LaunchFailed
 from lora_worker.host.locks import is_locked, take_lock
-from lora_worker.run.local import READY, SETTINGS_ENV, start_detached
+from lora_worker.run.detach import READY
+from lora_worker.run.local import SETTINGS_ENV, start_detached
 
 log = logging.getLogger(__name__)
 

@@ -150,6 +150,12 @@ def render_table(title: str, rows: list[Row], notes: list[str] = ()) -> str:  # 
 
 def emit(title: str, rows: list[Row], notes: list[str] = ()) -> None:  # type: ignore[assignment]
     print(render_table(title, rows, notes), flush=True)
+    record(title, rows)
+
+
+def record(title: str, rows: list[Row]) -> None:
+    """Rows as data, for `python -m bench --json FILE` (a table printed in another shape records its figures
+    here too)."""
     if path := os.environ.get(JSON_ENV):
         # Appended, one line a row: `python -m bench --json FILE` runs each benchmark as its own process.
         with open(path, "a", encoding="utf-8") as f:

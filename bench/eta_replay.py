@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.common import Row, record
 from lora_worker.config import REPO_ROOT
 from lora_worker.run.eta import DEFAULT_TAIL_S, EtaClock
 from lora_worker.run.logfile import JobLog
@@ -144,6 +145,7 @@ def table(runs: tuple[str, ...], out: Callable[[str], object] = print) -> None:
     out("")
     out("| run | history | at | phase, step | really left | eta_s (basis) | previous worker | tqdm |")
     out("|---|---|---|---|---|---|---|---|")
+    rows = []
     for name in runs:
         capture = Capture.load(name)
         for history in ("cold", "warm"):
@@ -151,6 +153,13 @@ def table(runs: tuple[str, ...], out: Callable[[str], object] = print) -> None:
                 out(f"| {name} ({capture.end_s:.0f} s) | {history} | {fraction:.0%} | {s.phase.value}, {s.step} "
                     f"| {s.left:.1f} | {_fmt(s.eta, s.left)} ({s.basis or '-'}) | {_fmt(s.previous, s.left)} "
                     f"| {_fmt(s.tqdm, s.left)} |")
+                rows.append(Row(f"{name}, {history} history, at {fraction:.0%}: eta_s error (shown - really left)",
+                                _error_cell(s.eta, s.left), f"{_error_cell(s.previous, s.left)} (previous worker)"))
+    record("ETA on the real captures", rows)
+
+
+def _error_cell(value: float | None, left: float) -> str:
+    return "null" if value is None else f"{value - left:+.1f} s"
 
 
 def spans(runs: tuple[str, ...], out: Callable[[str], object] = print) -> None:

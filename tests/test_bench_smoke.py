@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -53,3 +54,17 @@ def test_bench_json_collects_the_rows_of_every_benchmark_into_one_file(tmp_path)
     benches = {m["bench"] for m in report["metrics"]}
     assert benches == {"Scale of history"} and len(report["metrics"]) >= 3
     assert all(set(m) >= {"value", "baseline", "ratio", "target", "met"} for m in report["metrics"])
+
+
+def test_the_eta_replay_records_its_errors_as_data_too(tmp_path):
+    from bench.common import JSON_ENV
+
+    rows = tmp_path / "rows.jsonl"
+    out = subprocess.run([sys.executable, "-m", "bench.eta_replay", "--quick"], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=110, env={**os.environ, JSON_ENV: str(rows)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "### ETA on the real captures" in out.stdout
+    records = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert len(records) == 6 and {r["bench"] for r in records} == {"ETA on the real captures"}  # 2 histories × 3
+    assert all(r["unit"] == "s" or r["value_text"] == "null" for r in records)
+    assert any(r["value"] is not None for r in records)

@@ -117,8 +117,9 @@ def open_subdir(dir_fd: int, name: str, *, shown: str | None = None) -> int:
         raise Refused(errno.ELOOP, f"{shown or name} is a {kind_of(st.st_mode)}, not a directory") from exc
 
 
-def open_regular(dir_fd: int, name: str) -> tuple[int, os.stat_result]:
-    """A regular file inside `dir_fd`, opened read-only without following a link and without blocking."""
+def open_regular(dir_fd: int | None, name: str) -> tuple[int, os.stat_result]:
+    """A regular file inside `dir_fd` (or at the path `name`, with None), opened read-only without following a
+    link and without blocking."""
     try:
         fd = os.open(name, FILE_FLAGS, dir_fd=dir_fd)
     except OSError as exc:

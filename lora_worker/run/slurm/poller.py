@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
 
 from lora_worker.config import Settings
+from lora_worker.host.fs import open_regular
 from lora_worker.host.safetensors import ArtifactCheck, verify_lora
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
@@ -52,7 +52,6 @@ log = logging.getLogger(__name__)
 UNKNOWN_CYCLES = 3  # answered cycles in a row in which no command knows a job, before it counts as lost
 READ_CAP = 8 << 20  # log bytes taken per job per cycle: a flood is read over a few cycles, not at once
 RC_MAX_BYTES = 64
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 
 
 @dataclass
@@ -229,17 +228,12 @@ class Poller:
     def _read_log(self, f: Followed, now: float) -> None:
         if f.log_fd is None:
             try:
-                fd = os.open(log_path(self.settings, f.job.id), _FILE_FLAGS)
+                f.log_fd, _ = open_regular(None, str(log_path(self.settings, f.job.id)))
             except FileNotFoundError:
                 return
             except OSError as exc:  # a link or a FIFO planted under its name: never followed, never read
                 log.warning("job %s: cannot open its Slurm log (%s)", f.job.id, exc)
                 return
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                log.warning("job %s: its Slurm log is not a regular file", f.job.id)
-                return
-            f.log_fd = fd
         taken = 0
         while taken < READ_CAP and (data := os.read(f.log_fd, min(1 << 20, READ_CAP - taken))):
             taken += len(data)
@@ -273,12 +267,10 @@ class Poller:
     def _recorded_status(self, job: Job) -> int | None:
         """The trainer's return code as the batch script recorded it, None if it did not (or not yet)."""
         try:
-            fd = os.open(rc_path(self.settings, job.id), _FILE_FLAGS)
+            fd, _ = open_regular(None, str(rc_path(self.settings, job.id)))  # no link, no FIFO: never waited on
         except OSError:
             return None
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                return None
             text = os.read(fd, RC_MAX_BYTES).decode("ascii", "replace").strip()
         finally:
             os.close(fd)

@@ -4,11 +4,13 @@ The jobs are dispatched for real (POST /train on a worker with backend = "slurm"
 answering with the states the reference observed; the log and `.rc` files are what the node would write."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from lora_worker.ledger import repository as repo
 from lora_worker.run.slurm.poller import UNKNOWN_CYCLES
-from lora_worker.run.slurm.sbatch import log_path
+from lora_worker.run.slurm.sbatch import log_path, rc_path
 from tests.run.slurm.conftest import SlurmWorker, steps_bar
 from tests.helpers import set_modes
 from tests.run.slurm.fakes import run_batch_script
@@ -252,3 +254,21 @@ def test_a_running_job_requeued_despite_no_requeue_is_stopped_and_failed_node_fa
     row = slurm.job(job.id)
     assert (row.status, row.failure_class) == ("failed", "node_fail")
     assert "requeued" in row.error
+
+
+def test_a_link_or_fifo_planted_at_the_log_or_the_status_file_is_never_followed_nor_waited_on(slurm: SlurmWorker):
+    """slurm_log_dir is on storage the nodes write: what stands at a job's names there is not trusted."""
+    job = slurm.submit()
+    sid = job.slurm_job_id
+    secret = slurm.settings.state_dir / "elsewhere.log"
+    secret.write_text("loading model for process 0/1\n" + steps_bar(399, loss=0.01))
+    log_path(slurm.settings, job.id).symlink_to(secret)
+    os.mkfifo(rc_path(slurm.settings, job.id))  # an open without O_NONBLOCK would wait here for a writer
+    slurm.scheduler.set(sid, "RUNNING")
+    slurm.cycles()
+    row = slurm.job(job.id)
+    assert row.status == "running" and row.step in (None, 0)  # the link's target was not read
+    slurm.scheduler.set(sid, "COMPLETED", code=0, signal=0)
+    slurm.cycles(2)
+    row = slurm.job(job.id)
+    assert row.status == "failed" and row.step in (None, 0)  # no status recorded, no LoRA: never a success

@@ -60,12 +60,12 @@ $(VENV)/.demo-installed: setup.cfg pyproject.toml
 demo: $(VENV)/.demo-installed
 	exec $(BIN)/lora-worker demo
 
-# The same demo with backend = slurm, each job an sbatch to a single-node Slurm of its own (tests/slurm/cluster.py:
+# The same demo with backend = slurm, each job an sbatch to a single-node Slurm of its own (tests/cluster/cluster.py:
 # munge, MariaDB + slurmdbd, slurmctld, slurmd, two fake GPUs), stopped at the end. Needs root and the Debian
 # packages slurmctld slurmd slurm-client slurmdbd munge mariadb-server. Against a cluster of your own instead:
 # LORA_WORKER_BACKEND=slurm SLURM_CONF=... make demo (README, "On a Slurm cluster").
 demo-slurm: $(VENV)/.demo-installed
-	$(BIN)/python -m tests.slurm.cluster $(BIN)/lora-worker demo
+	$(BIN)/python -m tests.cluster.cluster $(BIN)/lora-worker demo
 
 # The fault suite at length: hundreds of random kills, a longer contention window, more lifecycle sequences.
 chaos: $(VENV)/.installed

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from bench.common import Row, record
 from lora_worker.config import REPO_ROOT
-from lora_worker.run.eta import DEFAULT_TAIL_S, EtaClock
-from lora_worker.run.logfile import JobLog
-from lora_worker.run.output import TrainerOutput
+from lora_worker.transcript.eta import DEFAULT_TAIL_S, EtaClock
+from lora_worker.transcript.logfile import JobLog
+from lora_worker.transcript.output import TrainerOutput
 from lora_worker.states import Phase
 
 DATA = REPO_ROOT / "tests" / "data"

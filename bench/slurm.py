@@ -6,7 +6,7 @@ step advancing), so each cycle reads, parses and writes progress as in a real ru
 cycle alone (`os.times`): the poller's own (user + system) and that of the scheduler commands it ran (its
 waited children). In that steady state a cycle runs one `squeue` for all the jobs (sacct only for jobs squeue
 shows ended). The cycles run on stand-in commands, /bin/sh scripts that answer every job RUNNING, so the
-poller's side is the same whatever cluster is there. Where the single-node cluster of tests/slurm/cluster.py
+poller's side is the same whatever cluster is there. Where the single-node cluster of tests/cluster/cluster.py
 can start (root, the Slurm and MariaDB packages), the real `squeue` over N real jobs (held, so pending) is
 timed too, with what it costs slurmctld to answer, and those figures make the per-job and per-core rows.
 
@@ -80,9 +80,9 @@ def install_stand_ins(bin_dir: Path) -> Path:
 
 
 def poller_cost(active: int, cycles: int) -> Cost:
-    from lora_worker.run.slurm.poller import Poller
-    from lora_worker.run.slurm.sbatch import log_path
-    from lora_worker.run.slurm.scheduler import Scheduler
+    from lora_worker.slurm.poller import Poller
+    from lora_worker.slurm.sbatch import log_path
+    from lora_worker.slurm.scheduler import Scheduler
 
     with bench_host() as host:
         bin_dir = install_stand_ins(host.root / "slurm-bin")
@@ -121,7 +121,7 @@ def poller_cost(active: int, cycles: int) -> Cost:
 # -- the real cluster ---------------------------------------------------------------------------------------
 
 def cluster_unavailable() -> str | None:
-    from tests.slurm.cluster import missing_programs
+    from tests.cluster.cluster import missing_programs
 
     missing = missing_programs()
     if missing:
@@ -149,7 +149,7 @@ class SqueueCost:
 
 def real_squeue_cost(cluster: Any, active: int, calls: int) -> SqueueCost:
     """`Scheduler.queue` (the poller's one squeue per cycle) over `active` held jobs of the real cluster."""
-    from lora_worker.run.slurm.scheduler import Scheduler
+    from lora_worker.slurm.scheduler import Scheduler
 
     ids = [cluster.run("sbatch", "--parsable", "--hold", "--partition=gpu", "--mem=10", "--output=/dev/null",
                        "--wrap", "sleep 600").stdout.strip().split(";")[0] for _ in range(active)]
@@ -207,8 +207,8 @@ def local_start(root: Path) -> Start:
 
 
 def slurm_start(cluster: Any, root: Path, poller_first: bool) -> Start:
-    from lora_worker.run.slurm.process import ensure_poller
-    from tests.slurm.worker import start_worker
+    from lora_worker.slurm.process import ensure_poller
+    from tests.cluster.worker import start_worker
 
     worker = start_worker(cluster, root, slurm_poll_interval_s=DEFAULT_POLL_S)
     try:
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(tempfile.mkdtemp(prefix="lora-bench-slurm-", dir="/tmp"))
     try:
         if reason is None:
-            from tests.slurm.cluster import Cluster
+            from tests.cluster.cluster import Cluster
 
             base.chmod(0o755)  # munged wants every directory above its socket open to all
             cluster = Cluster(base / "cluster").start()

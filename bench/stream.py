@@ -33,8 +33,8 @@ from bench.common import (BENCH_DIR, CAPTURE, Row, arg_parser, bench_host, cpu_s
 from lora_worker.ledger.db import Database
 from lora_worker.host import processes
 from lora_worker.run.local import launch_supervisor
-from lora_worker.run.logfile import JobLog
-from lora_worker.run.output import TrainerOutput
+from lora_worker.transcript.logfile import JobLog
+from lora_worker.transcript.output import TrainerOutput
 from bench import emitter
 from tests.helpers import Host, wait_for
 

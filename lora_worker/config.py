@@ -190,9 +190,9 @@ class Settings:
     # deployed unit insists on; "none" is only ever set explicitly (`make run` does, and says so, on a machine
     # without bubblewrap).
     sandbox: str = "bwrap"
-    # Where jobs run (run/backend.py): "local", this host's detached supervisor, one job at a time; or "slurm",
+    # Where jobs run (backends.py): "local", this host's detached supervisor, one job at a time; or "slurm",
     # sbatch on a cluster that sees the same train root and model paths, followed by one poller process
-    # (run/slurm/), with up to `max_active_jobs` queued or running at once (slots slurm-0 … slurm-N-1).
+    # (slurm/), with up to `max_active_jobs` queued or running at once (slots slurm-0 … slurm-N-1).
     backend: str = "local"
     max_active_jobs: int = 8
     slurm_partition: str = "gpu"

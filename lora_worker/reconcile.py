@@ -2,7 +2,7 @@
 crash. Cheap enough to run at start-up (`lora-worker reconcile`, ExecStartPre) and on every request that
 touches an active row.
 
-"Is the job attended?" is asked of its backend (run/backend.py); the local one answers with the supervisor's
+"Is the job attended?" is asked of its backend (backends.py); the local one answers with the supervisor's
 flock, which the kernel drops when it dies (zombie or not).
 A leftover trainer is killed only if its identity matches the row: a pid now used by a stranger is never
 signalled. The failed row quotes the end of the job's run log, as a failure the supervisor wrote would.
@@ -18,11 +18,11 @@ from lora_worker.config import Settings
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, utcnow
-from lora_worker.run.explain import quotable
-from lora_worker.run.logfile import LogReader, append_note
+from lora_worker.transcript.explain import quotable
+from lora_worker.transcript.logfile import LogReader, append_note
 from lora_worker.states import ACTIVE_STATES, FailureClass, JobState
 from lora_worker.host import processes
-from lora_worker.run.backend import Backend, backend_for
+from lora_worker.backends import Backend, backend_for
 
 log = logging.getLogger(__name__)
 

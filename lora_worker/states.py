@@ -47,7 +47,7 @@ class FailureClass(str, Enum):
     SUPERVISOR_LOST = "supervisor_lost"
     HOST_REBOOTED = "host_rebooted"
     LAUNCH_ERROR = "launch_error"
-    # What Slurm (run/slurm/) reports of a job it ended itself (the state table of shared/reference/slurm.md).
+    # What Slurm (slurm/) reports of a job it ended itself (the state table of shared/reference/slurm.md).
     OUT_OF_MEMORY = "out_of_memory"  # OUT_OF_MEMORY: the job's cgroup hit its --mem (host RAM, not CUDA)
     TIME_LIMIT = "time_limit"  # TIMEOUT: the job ran past its --time
     NODE_FAIL = "node_fail"  # NODE_FAIL: the node was lost under the job (never requeued: --no-requeue)

@@ -45,7 +45,7 @@ def test_the_contracts_catch_a_ledger_that_reaches_into_the_host(tmp_path: Path)
 
 
 def test_the_contracts_catch_flask_below_the_web(tmp_path: Path):
-    result = _lint_a_copy_with(tmp_path, "run/outcome.py", "import flask")
+    result = _lint_a_copy_with(tmp_path, "transcript/outcome.py", "import flask")
     assert result.returncode != 0
     assert "Nothing below the web loads a web framework BROKEN" in result.stdout
 

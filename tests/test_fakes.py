@@ -290,8 +290,8 @@ def test_the_fake_runs_one_function_per_phase():
     (lambda rig: (rig["dataset"] / "2_ohwx dog" / "img1.txt").write_bytes(b"\xff\xfe"), "dataset_invalid"),
 ])
 def test_the_fakes_failures_are_classed_as_the_real_ones_are(rig, break_it, failure):
-    from lora_worker.run.outcome import decide
-    from lora_worker.run.parser import Progress
+    from lora_worker.transcript.outcome import decide
+    from lora_worker.transcript.parser import Progress
 
     break_it(rig)
     result = run_merged(rig, argv(rig))

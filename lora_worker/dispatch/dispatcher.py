@@ -33,8 +33,8 @@ from lora_worker.host.trainer import require_trainer
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, utcnow
-from lora_worker.run.backend import Backend
-from lora_worker.run.eta import estimate_duration
+from lora_worker.backends import Backend
+from lora_worker.transcript.eta import estimate_duration
 from lora_worker.states import FailureClass
 
 log = logging.getLogger(__name__)

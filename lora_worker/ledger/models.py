@@ -126,7 +126,7 @@ class Job(Base):
     kohya_dev_ino: Mapped[str | None] = mapped_column(String(48))
     output_dev_ino: Mapped[str | None] = mapped_column(String(48))
 
-    # Where the job runs (run/backend.py): "local" (a supervisor on this host) or "slurm" (a batch job the
+    # Where the job runs (backends.py): "local" (a supervisor on this host) or "slurm" (a batch job the
     # poller follows); for Slurm, its job id once sbatch accepted it, and why it waits while it is PENDING.
     backend: Mapped[str] = mapped_column(String(8), server_default="local")
     slurm_job_id: Mapped[str | None] = mapped_column(String(32))

@@ -80,7 +80,7 @@ def record_output_identity(db: Database, job_id: int, dev_ino: str) -> None:
 
 
 def record_slurm_job(db: Database, job_id: int, slurm_job_id: str) -> bool:
-    """The id sbatch gave the job (run/slurm/), written once; False if the row is no longer queued."""
+    """The id sbatch gave the job (slurm/), written once; False if the row is no longer queued."""
     with db.write() as s:
         result = s.execute(update(Job).where(Job.id == job_id, Job.status == JobState.QUEUED.value,
                                              Job.slurm_job_id.is_(None))
@@ -173,7 +173,7 @@ def fail_job(db: Database, job_id: int, *, actor: str, failure_class: FailureCla
 def request_cancel(db: Database, job_id: int, *, actor: str, reason: str = "cancel requested") -> Job:
     """Flag a job for cancellation. A queued job is cancelled at once; a finished one is JobFinished.
     A queued Slurm job is only flagged, like a running one: it may start on a node any moment, and its row
-    becomes `cancelled` once the poller's scancel has ended it (run/slurm/poller.py).
+    becomes `cancelled` once the poller's scancel has ended it (slurm/poller.py).
 
     Cancelling twice is harmless: the flag keeps its first timestamp and no second event is written.
     """

@@ -4,7 +4,7 @@ The supervisor runs for hours next to the trainer and must start it fast, so it 
 ORM: 28 MiB and ~160 ms of its start). The rules stay those of `db.py`: WAL, the busy timeout, foreign keys,
 every write in one BEGIN IMMEDIATE transaction, the file checked to be the ledger first opened before each
 transaction (LedgerReplaced otherwise), and SQLite's busy and full errors raised as LedgerBusy and
-LedgerUnwritable, which the supervisor waits out (run/persist.py). The same triggers keep `job_counts`.
+LedgerUnwritable, which the supervisor waits out (transcript/persist.py). The same triggers keep `job_counts`.
 
 The job is read as a `JobRecord`, a frozen copy of the columns the supervisor uses; the state changes it may
 make are named methods (queued → running, then succeeded, cancelled, or `fail_job`), not a general transition.

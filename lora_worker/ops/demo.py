@@ -41,8 +41,8 @@ from lora_worker.ledger.migrate import current_revision, prepare_state_dir, upgr
 from lora_worker.ops import simulated
 from lora_worker.ops.doctor import run_checks
 from lora_worker.ops.watch import watch
-from lora_worker.run.outcome import recorded_lora
-from lora_worker.run.slurm.process import poller_lock_path
+from lora_worker.transcript.outcome import recorded_lora
+from lora_worker.slurm.process import poller_lock_path
 from lora_worker.states import ACTIVE_STATES, JobState
 
 DEFAULT_DIR = REPO_ROOT / "var" / "demo"

@@ -14,7 +14,7 @@ from lora_worker.config import Settings
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import utcnow
-from lora_worker.run.logfile import log_paths
+from lora_worker.transcript.logfile import log_paths
 
 log = logging.getLogger(__name__)
 

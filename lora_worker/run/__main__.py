@@ -1,6 +1,6 @@
 """`python -m lora_worker.run <job_id> [--ready-fd=N]`: become the job's detached supervisor.
 
-Started by the web process in a new session; run/detach.py forks it off and says how the ready byte (written
+Started by the web process in a new session; host/detach.py forks it off and says how the ready byte (written
 once the supervisor holds the job lock) reaches whoever started it. Only `os` and `sys` are imported before
 the fork. The web's POST /train waits for that byte, so when the web names the job's lock file
 (JOB_LOCK_ENV) the lock is taken right after the fork, with host/flock.py alone: settings, logging and the
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from lora_worker.run.detach import JOB_LOCK_ENV, LOCK_WAIT_S, READY, detach, ready_fd_arg
+from lora_worker.host.detach import JOB_LOCK_ENV, LOCK_WAIT_S, READY, detach, ready_fd_arg
 
 USAGE = "usage: python -m lora_worker.run <job_id> [--ready-fd=N]"
 

@@ -1,4 +1,4 @@
-"""The local backend (see run/backend.py): a job's supervisor started from the web process, detached, and
+"""The local backend (see backends.py): a job's supervisor started from the web process, detached, and
 reaped before we return; it attends the job while it holds the job's lock.
 
 Both ends of its two messages live here: the ready pipe the web's POST waits on (`start_detached`), and the
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from lora_worker.config import Settings, settings_to_json
 from lora_worker.errors import LaunchFailed
 from lora_worker.host.locks import is_locked, job_lock_path
-from lora_worker.run.detach import JOB_LOCK_ENV, READY, READY_FD_FLAG
+from lora_worker.host.detach import JOB_LOCK_ENV, READY, READY_FD_FLAG
 
 if TYPE_CHECKING:
     import subprocess

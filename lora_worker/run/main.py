@@ -9,7 +9,7 @@ from typing import NoReturn
 
 from lora_worker.config import load_settings, settings_from_json
 from lora_worker.logs import configure_logging
-from lora_worker.run.detach import LOCK_WAIT_S, READY
+from lora_worker.host.detach import LOCK_WAIT_S, READY
 from lora_worker.run.local import SETTINGS_ENV, listen_for_wakeups
 from lora_worker.host.locks import job_lock_path, take_lock
 

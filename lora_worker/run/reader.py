@@ -1,7 +1,7 @@
 """Taking the trainer's output off its pipe, one read per pass of the loop, into `TrainerOutput`."""
 from __future__ import annotations
 
-from lora_worker.run.output import TrainerOutput
+from lora_worker.transcript.output import TrainerOutput
 from lora_worker.run.seam import RunHost, Trainer
 
 SELECT_TIMEOUT_S = 0.2

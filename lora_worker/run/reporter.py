@@ -12,9 +12,9 @@ from datetime import datetime
 
 from lora_worker.ledger.statements import utcnow
 from lora_worker.ledger.supervisor import SupervisorLedger
-from lora_worker.run.eta import EtaClock
-from lora_worker.run.output import TrainerOutput
-from lora_worker.run.persist import FIRST_DELAY_S, MAX_DELAY_S, TRANSIENT
+from lora_worker.transcript.eta import EtaClock
+from lora_worker.transcript.output import TrainerOutput
+from lora_worker.transcript.persist import FIRST_DELAY_S, MAX_DELAY_S, TRANSIENT
 from lora_worker.run.seam import RunHost
 from lora_worker.states import Phase
 

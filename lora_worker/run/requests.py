@@ -10,7 +10,7 @@ import logging
 import signal
 
 from lora_worker.ledger.supervisor import SupervisorLedger
-from lora_worker.run.persist import TRANSIENT
+from lora_worker.transcript.persist import TRANSIENT
 from lora_worker.run.seam import Trainer
 from lora_worker.run.stopper import StopReason, Stopper
 from lora_worker.states import JobState

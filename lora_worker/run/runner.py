@@ -22,17 +22,17 @@ from lora_worker.host.processes import decode_wait_status
 from lora_worker.host import sandbox
 from lora_worker.ledger.statements import utcnow
 from lora_worker.ledger.supervisor import JobRecord, SupervisorLedger
-from lora_worker.run.eta import EtaClock, estimate_tail
-from lora_worker.run.logfile import JobLog
-from lora_worker.run.outcome import Outcome, artifact_values, decide, recorded_lora
-from lora_worker.run.output import TrainerOutput
-from lora_worker.run.persist import TRANSIENT, persist
+from lora_worker.transcript.eta import EtaClock, estimate_tail
+from lora_worker.transcript.logfile import JobLog
+from lora_worker.transcript.outcome import Outcome, artifact_values, decide, recorded_lora
+from lora_worker.transcript.output import TrainerOutput
+from lora_worker.transcript.persist import TRANSIENT, persist
 from lora_worker.run.reader import OutputReader
 from lora_worker.run.reporter import ProgressReporter, finite
 from lora_worker.run.requests import StopRequests
 from lora_worker.run.seam import RunHost, Trainer
 from lora_worker.run.stopper import StopReason, Stopper, StopState
-from lora_worker.run.watchdog import Watchdog
+from lora_worker.transcript.watchdog import Watchdog
 from lora_worker.states import FailureClass, JobState, Phase
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # What only the end of a run uses: imported once the trainer runs (`load_the_end`), so that its start waits
 # for none of it (the LoRA check's hashlib brings OpenSSL: 3.5 MiB and a few ms) and the end pays no import.
-END_MODULES = ("lora_worker.run.explain", "lora_worker.host.safetensors", "lora_worker.host.fingerprint")
+END_MODULES = ("lora_worker.transcript.explain", "lora_worker.host.safetensors", "lora_worker.host.fingerprint")
 
 GPU_LOCK_WAIT_S = 2.0  # an admission probe holds it shared for microseconds; a trainer holds it for hours
 DRAIN_GRACE_S = 10.0  # after the launcher exits, how long stragglers may hold the pipe

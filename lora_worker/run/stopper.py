@@ -9,7 +9,7 @@ import logging
 import signal
 from enum import Enum
 
-from lora_worker.run.output import TrainerOutput
+from lora_worker.transcript.output import TrainerOutput
 from lora_worker.run.seam import RunHost, Trainer
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import check_ledger, prepare_state_dir
 from lora_worker.reconcile import reconcile
 from lora_worker.web.service import Worker
-from lora_worker.run.backend import Backend, backend_for
+from lora_worker.backends import Backend, backend_for
 
 log = logging.getLogger(__name__)
 

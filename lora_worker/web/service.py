@@ -22,9 +22,9 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, ProgressPoint
 from lora_worker.reconcile import current_job, reconcile
-from lora_worker.run.backend import Backend
+from lora_worker.backends import Backend
 from lora_worker.run.local import wake_supervisor
-from lora_worker.run.logfile import LogChunk, LogReader
+from lora_worker.transcript.logfile import LogChunk, LogReader
 from lora_worker.states import TERMINAL_STATES, JobState
 
 log = logging.getLogger(__name__)

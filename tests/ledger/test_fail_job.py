@@ -19,7 +19,7 @@ from lora_worker.ledger.repository import (FAILURE_MAX_CHARS, FAILURE_TAIL_LINES
                                            failure_text)
 from lora_worker.reconcile import reconcile
 from lora_worker.run.local import launch_supervisor
-from lora_worker.run.logfile import JobLog, LogReader
+from lora_worker.transcript.logfile import JobLog, LogReader
 from lora_worker.states import FailureClass, JobState
 from tests.helpers import set_modes, wait_for
 from tests.ledger.test_ledger import columns
@@ -225,4 +225,4 @@ def test_every_writer_of_a_failed_row_calls_fail_job():
     callers = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
                      if re.search(r"\bfail_job\(", path.read_text())
                      and not str(path.relative_to(PACKAGE)).startswith("ledger/"))
-    assert callers == ["dispatch/dispatcher.py", "reconcile.py", "run/runner.py", "run/slurm/poller.py"]
+    assert callers == ["dispatch/dispatcher.py", "reconcile.py", "run/runner.py", "slurm/poller.py"]

@@ -14,7 +14,7 @@ from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import migrate, seed_job_ids, upgrade
 from lora_worker.ledger.models import utcnow
 from lora_worker.ops.retention import prune
-from lora_worker.run.logfile import JobLog, log_paths
+from lora_worker.transcript.logfile import JobLog, log_paths
 from lora_worker.states import JobState
 from tests.ledger.test_ledger import columns
 
@@ -27,7 +27,7 @@ def finished_job(db: Database) -> int:
 
 def old_failed_job(path: Path) -> int:
     """A failed job and its event, written as an older ledger holds them."""
-    from tests.run.slurm.test_migration import old_row
+    from tests.slurm.test_migration import old_row
 
     job_id = old_row(path, "failed")
     conn = sqlite3.connect(path)

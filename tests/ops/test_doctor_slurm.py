@@ -1,5 +1,5 @@
 """doctor's Slurm checks where no cluster is needed: Slurm's commands absent, and the shared log directory
-(present and writable, missing, a link, a file). tests/slurm/test_doctor.py runs them against real clusters."""
+(present and writable, missing, a link, a file). tests/cluster/test_doctor.py runs them against real clusters."""
 from __future__ import annotations
 
 from dataclasses import replace

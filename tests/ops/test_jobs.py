@@ -20,7 +20,7 @@ from lora_worker.ops.jobs import run
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.models import utcnow
 from lora_worker.states import JobState
-from lora_worker.run.logfile import JobLog, log_paths
+from lora_worker.transcript.logfile import JobLog, log_paths
 from lora_worker.host.locks import hold_lock, job_lock_path
 from tests.helpers import set_modes, wait_for
 from tests.service import settings_env

@@ -10,7 +10,7 @@ from lora_worker import create_app
 from lora_worker.config import Settings
 from lora_worker.host.locks import hold_lock, job_lock_path
 from lora_worker.ledger import repository as repo
-from lora_worker.run.backend import Backend, backend_for
+from lora_worker.backends import Backend, backend_for
 from lora_worker.run.local import LaunchOnly, LocalBackend
 from lora_worker.states import JobState
 

@@ -142,7 +142,7 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_started_by_the_web_the_supervisor_holds_its_job_lock_before_loading_settings_or_logging(tmp_path):
-    from lora_worker.run.detach import JOB_LOCK_ENV
+    from lora_worker.host.detach import JOB_LOCK_ENV
     from lora_worker.run.local import supervisor_path
     from tests.helpers import wait_for
 
@@ -160,7 +160,7 @@ def test_started_by_the_web_the_supervisor_holds_its_job_lock_before_loading_set
     at_lock = json.loads(dump.read_text())
     assert at_lock["held"]
     ours = {m for m in at_lock["modules"] if m.startswith("lora_worker")}
-    assert ours == {"lora_worker", "lora_worker.run", "lora_worker.run.__main__", "lora_worker.run.detach",
+    assert ours == {"lora_worker", "lora_worker.run", "lora_worker.run.__main__", "lora_worker.host.detach",
                     "lora_worker.host", "lora_worker.host.flock"}
     assert not {"lora_worker.config", "logging", "typing", "pathlib", "dataclasses", "sqlite3", "site"} & set(
         at_lock["modules"])

@@ -16,7 +16,7 @@ from lora_worker.ledger.statements import SAVE_AND_TEARDOWN_SQL
 from lora_worker.ledger.supervisor import SupervisorLedger
 from lora_worker.run import requests, runner
 from lora_worker.run.runner import attend
-from lora_worker.run.eta import DEFAULT_TAIL_S
+from lora_worker.transcript.eta import DEFAULT_TAIL_S
 from lora_worker.states import TERMINAL_STATES, JobState, Phase
 from tests.ledger.test_ledger import columns
 from tests.run.fake_host import LAUNCHER_PID, FakeHost, FakeJob, FakeProcess

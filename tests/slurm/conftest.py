@@ -1,64 +1,81 @@
-"""The real single-node Slurm (tests/slurm/cluster.py), started once per test session for the tests here.
-
-Where it cannot run (no root, or a program missing) every test here is skipped, naming what is missing, so
-`pytest -ra` lists the reason: never a silent pass. CI sets LW_SLURM_TESTS=required (.ci/run
-installs the packages first), and then a missing piece fails the session instead of skipping it.
-
-At the end of the session the cluster is stopped and must leave nothing behind: no daemon, no slurmstepd, no
-job process (looked for with pgrep by name, against what was running before the session, and by the
-cluster's own directory in each process's command line and environment).
-"""
+"""A worker with `backend = "slurm"` whose Slurm is a FakeScheduler: real dispatch, ledger and files."""
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import tempfile
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.slurm.cluster import DAEMONS, Cluster, alive, missing_programs
-
-REQUIRED_ENV = "LW_SLURM_TESTS"
-
-
-def _unavailable() -> str | None:
-    missing = missing_programs()
-    if missing:
-        return ("the single-node Slurm needs " + ", ".join(missing) + " (apt-get install slurmctld slurmd "
-                "slurm-client slurmdbd munge mariadb-server)")
-    if os.geteuid() != 0:
-        return "the single-node Slurm runs its daemons as root (SlurmUser=root); run the tests as root"
-    if not Path("/sys/fs/cgroup").is_dir():
-        return "the single-node Slurm needs a cgroup hierarchy at /sys/fs/cgroup (proctrack/cgroup)"
-    return None
+from lora_worker.config import Settings
+from lora_worker.ledger import repository as repo
+from lora_worker.ledger.db import Database
+from lora_worker.ledger.migrate import upgrade
+from lora_worker.ledger.models import Job
+from lora_worker.slurm.backend import SlurmBackend
+from lora_worker.slurm.poller import Poller
+from lora_worker.slurm.sbatch import log_path, rc_path
+from tests.helpers import Host, payload
+from tests.slurm.fakes import Clock, FakeScheduler
 
 
-def _pgrep(name: str) -> set[int]:
-    done = subprocess.run(["pgrep", "-x", name], capture_output=True, text=True)
-    return {int(pid) for pid in done.stdout.split() if alive(int(pid))}
+@dataclass
+class SlurmWorker:
+    host: Host
+    settings: Settings
+    db: Database
+    scheduler: FakeScheduler
+    clock: Clock
+    client: object
+    poller: Poller
+
+    def submit(self, n: int = 0, **overrides: object) -> Job:
+        body = payload(self.host.dataset, self.host.model, output_dir=str(self.host.dataset.parent / f"output{n}"),
+                       **overrides)
+        answer = self.client.post("/train", json=body)
+        assert answer.status_code == 202, answer.get_json()
+        return repo.get_job(self.db, answer.get_json()["worker_job_id"])
+
+    def job(self, job_id: int) -> Job:
+        return repo.get_job(self.db, job_id)
+
+    def log(self, job: Job, text: str | bytes) -> None:
+        data = text.encode() if isinstance(text, str) else text
+        with log_path(self.settings, job.id).open("ab") as fh:
+            fh.write(data)
+
+    def rc(self, job: Job, returncode: int) -> None:
+        rc_path(self.settings, job.id).write_text(f"{returncode}\n")
+
+    def cycles(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.poller.cycle()
+
+    def new_poller(self) -> Poller:
+        self.poller.close()
+        self.poller = Poller(self.settings, self.db, self.scheduler, self.clock)
+        return self.poller
 
 
-@pytest.fixture(scope="session")
-def cluster() -> Iterator[Cluster]:
-    reason = _unavailable()
-    if reason is not None:
-        if os.environ.get(REQUIRED_ENV) == "required":
-            pytest.fail(f"{REQUIRED_ENV}=required, but {reason}", pytrace=False)
-        pytest.skip(reason)
-    before = {name: _pgrep(name) for name in (*DAEMONS, "slurmstepd")}
-    root = Path(tempfile.mkdtemp(prefix="lw-slurm-", dir="/tmp"))  # munged wants every directory above open
-    running = Cluster(root).start()
-    try:
-        yield running
-    finally:
-        running.stop()
-        leaked = {name: sorted(_pgrep(name) - before[name]) for name in before}
-        leaked = {name: pids for name, pids in leaked.items() if pids}
-        stray = running.leftovers()
-        if not leaked and not stray:
-            shutil.rmtree(root, ignore_errors=True)
-        assert not leaked and not stray, (f"the test cluster left processes behind: {leaked}, {stray}; "
-                                          f"its logs are in {root}/log")
+@pytest.fixture
+def slurm(host: Host) -> SlurmWorker:
+    from lora_worker import create_app
+
+    settings = host.settings.with_overrides(backend="slurm", max_active_jobs=3)
+    upgrade(settings.database_path)
+    scheduler, clock = FakeScheduler(), Clock()
+    db = Database.open(settings.database_path)
+    backend = SlurmBackend(scheduler=scheduler, start_poller=lambda s: None, db=db)
+    app = create_app(settings, backend=backend)
+    app.config["TESTING"] = True
+    worker = SlurmWorker(host, settings, db, scheduler, clock, app.test_client(), Poller(settings, db, scheduler, clock))
+    yield worker
+    worker.poller.close()
+    app.extensions["lora_worker"].db.dispose()
+    db.dispose()
+
+
+def steps_bar(step: int, total: int = 400, loss: float = 0.1) -> str:
+    return f"\rsteps: {100 * step // total:3d}%|#####     | {step}/{total} [00:10<00:12,  2.00it/s, avr_loss={loss}]"
+
+
+__all__ = ["SlurmWorker", "steps_bar", "Path"]

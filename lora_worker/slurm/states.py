@@ -1,0 +1,105 @@
+"""Slurm's job states, mapped onto the ledger's: the state table of the Slurm reference, row by row. Pure.
+
+| Slurm says                          | the row                                                               |
+|-------------------------------------|-----------------------------------------------------------------------|
+| PENDING (Resources, Priority, …)    | queued, `queue_reason` = Slurm's reason                               |
+| RUNNING (COMPLETING, …)             | running; progress from the job's log                                  |
+| COMPLETED                           | succeeded only with `model saved.` and a LoRA that verifies (as local)|
+| FAILED                              | failed, class from the log and the trainer's own exit status (as local)|
+| CANCELLED, the worker asked         | cancelled                                                             |
+| CANCELLED, nobody here asked        | failed, killed_by_signal, naming Slurm                                |
+| OUT_OF_MEMORY / TIMEOUT / NODE_FAIL | failed, out_of_memory / time_limit / node_fail                        |
+| not known any more, no .rc file     | failed, slurm_lost                                                    |
+| (stopped by the poller's watchdog)  | failed, stalled (as local)                                            |
+| PENDING again after RUNNING         | requeued (despite --no-requeue): scancelled, failed, node_fail        |
+
+The exit status is the trainer's own, as the batch script recorded it in `<id>.rc` (a Popen return code:
+negative for a signal), never sacct's, which truncates codes above 127 and reads `0:0` before `15:0`. A cancel
+the worker asked for wins over whatever else ended the job meanwhile, as the local supervisor's does.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lora_worker.host.safetensors import ArtifactCheck
+from lora_worker.transcript.explain import quotable
+from lora_worker.transcript.outcome import ERROR_TAIL_LINES, Outcome, decide
+from lora_worker.transcript.parser import Progress
+from lora_worker.slurm.scheduler import SlurmJob
+from lora_worker.states import FailureClass, JobState
+
+PENDING = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"})
+RUNNING = frozenset({"RUNNING", "COMPLETING", "SIGNALING", "STAGE_OUT", "SUSPENDED", "STOPPED", "RESIZING"})
+# Everything else Slurm prints is an ending: COMPLETED FAILED CANCELLED OUT_OF_MEMORY TIMEOUT NODE_FAIL
+# BOOT_FAIL DEADLINE PREEMPTED REVOKED SPECIAL_EXIT.
+ENDED_BY_SLURM: dict[str, tuple[FailureClass, str]] = {
+    "OUT_OF_MEMORY": (FailureClass.OUT_OF_MEMORY, "Slurm killed job {id}: it used more host memory than its "
+                      "--mem limit allows (OUT_OF_MEMORY)"),
+    "TIMEOUT": (FailureClass.TIME_LIMIT, "Slurm ended job {id}: it ran past its --time limit (TIMEOUT)"),
+    "NODE_FAIL": (FailureClass.NODE_FAIL, "Slurm lost the node running job {id} (NODE_FAIL); it was not requeued"),
+    "BOOT_FAIL": (FailureClass.NODE_FAIL, "The node for job {id} failed to boot (BOOT_FAIL)"),
+}
+
+
+def stage(job: SlurmJob | None) -> str:
+    """"pending", "running", "ended", or "unknown" (no command knows the job)."""
+    if job is None:
+        return "unknown"
+    if job.state in PENDING:
+        return "pending"
+    if job.state in RUNNING:
+        return "running"
+    return "ended"
+
+
+def returncode_of(job: SlurmJob | None, recorded: int | None) -> int | None:
+    """The trainer's status as a Popen return code: the batch script's record, else what Slurm says."""
+    if recorded is not None:
+        return recorded
+    if job is None:
+        return None
+    if job.exit_signal:
+        return -job.exit_signal
+    return job.exit_code
+
+
+def settle(job: SlurmJob | None, *, slurm_job_id: str, recorded: int | None, cancel_requested: bool,
+           progress: Progress, log_tail: list[str], verify: Callable[[], ArtifactCheck],
+           stalled_in: str | None = None, requeued: bool = False) -> Outcome:
+    """The outcome of a Slurm job that has ended (`job` as sacct/scontrol/squeue last said, None if none of them
+    knows it any more). `verify` checks the LoRA; it is called only when the run claims success."""
+    returncode = returncode_of(job, recorded)
+    if cancel_requested:
+        return decide(returncode=returncode, progress=progress, log_tail=log_tail, cancelled=True)
+    if requeued:  # the poller stopped a second run under the same id; the first one's node was lost
+        return _failed(FailureClass.NODE_FAIL, f"Slurm requeued job {slurm_job_id} after it had run (its node "
+                       "was lost, or requeue is forced); a second run was refused and the job stopped", log_tail,
+                       returncode)
+    if stalled_in is not None:  # the poller stopped it: whatever Slurm calls that, it is a stall
+        return decide(returncode=returncode, progress=progress, log_tail=log_tail, stalled_in=stalled_in)
+    if job is None and recorded is None:
+        return _failed(FailureClass.SLURM_LOST, f"Slurm no longer knows job {slurm_job_id} and it left no exit "
+                       "status: it ended without the worker seeing how", log_tail, returncode)
+    state = job.state if job is not None else "COMPLETED" if recorded == 0 else "FAILED"
+    if state in ENDED_BY_SLURM:
+        failure, sentence = ENDED_BY_SLURM[state]
+        return _failed(failure, sentence.format(id=slurm_job_id), log_tail, returncode)
+    if state == "CANCELLED":
+        by = job.detail if job is not None and job.detail else "CANCELLED"
+        return _failed(FailureClass.KILLED_BY_SIGNAL, f"Slurm cancelled job {slurm_job_id} ({by}); the worker had "
+                       "not asked for it", log_tail, returncode, signal=15)
+    if state not in ("COMPLETED", "FAILED"):  # DEADLINE, PREEMPTED, REVOKED, SPECIAL_EXIT: Slurm stopped it
+        return _failed(FailureClass.KILLED_BY_SIGNAL, f"Slurm ended job {slurm_job_id} ({state})", log_tail,
+                       returncode)
+    if returncode is None:
+        returncode = 0 if state == "COMPLETED" else 1
+    artifact = verify() if returncode == 0 and "model_saved" in progress.flags else None
+    return decide(returncode=returncode, progress=progress, log_tail=log_tail, artifact=artifact)
+
+
+def _failed(failure: FailureClass, sentence: str, log_tail: list[str], returncode: int | None,
+            signal: int | None = None) -> Outcome:
+    exit_code = returncode if returncode is not None and returncode >= 0 else None
+    sig = -returncode if returncode is not None and returncode < 0 else signal
+    return Outcome(JobState.FAILED, failure, sentence + ".", exit_code=exit_code, signal=sig,
+                   log_lines=tuple(quotable(log_tail)[-ERROR_TAIL_LINES:]))

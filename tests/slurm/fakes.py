@@ -1,0 +1,81 @@
+"""A scheduler that answers like Slurm's commands from a table the test sets, and records what it is asked."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+from lora_worker.slurm.scheduler import Scheduler, SchedulerUnavailable, SlurmJob
+
+
+@dataclass
+class FakeScheduler(Scheduler):
+    """`jobs` is what squeue shows, `accounted` what sacct shows; `down` makes every command fail."""
+
+    jobs: dict[str, SlurmJob] = field(default_factory=dict)
+    accounted: dict[str, SlurmJob] = field(default_factory=dict)
+    calls: list[tuple[str, ...]] = field(default_factory=list)
+    scripts: dict[str, Path] = field(default_factory=dict)
+    options: dict[str, list[str]] = field(default_factory=dict)
+    down: bool = False
+    next_id: int = 1000
+
+    def __post_init__(self) -> None:
+        super().__init__(None)
+
+    def _check(self, *call: str) -> None:
+        self.calls.append(call)
+        if self.down:
+            raise SchedulerUnavailable(f"{call[0]}: slurm_load_jobs error: Unable to contact slurm controller")
+
+    def submit(self, options: list[str], script: Path) -> str:
+        self._check("sbatch", *options, str(script))
+        self.next_id += 1
+        sid = str(self.next_id)
+        self.scripts[sid], self.options[sid] = script, options
+        self.jobs[sid] = SlurmJob(sid, "PENDING", "Priority", detail="PENDING")
+        return sid
+
+    def cancel(self, job_id: str, signal: str | None = None) -> None:
+        self._check("scancel", *((f"--signal={signal}", "--full") if signal else ()), job_id)
+
+    def queue(self, job_ids: Iterable[str]) -> dict[str, SlurmJob]:
+        ids = sorted(set(job_ids))
+        self._check("squeue", *ids)
+        return {i: self.jobs[i] for i in ids if i in self.jobs}
+
+    def accounting(self, job_ids: Iterable[str]) -> dict[str, SlurmJob]:
+        ids = sorted(set(job_ids))
+        self._check("sacct", *ids)
+        return {i: self.accounted[i] for i in ids if i in self.accounted}
+
+    def show(self, job_id: str) -> SlurmJob | None:
+        self._check("scontrol", job_id)
+        return self.jobs.get(job_id)
+
+    def set(self, sid: str, state: str, reason: str | None = None, code: int | None = None,
+            signal: int | None = None, *, detail: str | None = None, accounted: bool = True) -> None:
+        job = SlurmJob(sid, state, reason, code, signal, detail=detail or state)
+        self.jobs[sid] = job
+        if accounted:
+            self.accounted[sid] = job
+
+    def cancels(self) -> list[tuple[str, ...]]:
+        return [c for c in self.calls if c[0] == "scancel"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_batch_script(script: Path, log: Path, timeout: float = 60.0) -> int:
+    """What a node does with the script: run it, its stdout and stderr into sbatch's --output file."""
+    with log.open("ab") as out:
+        return subprocess.run([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT,
+                              timeout=timeout, check=False).returncode

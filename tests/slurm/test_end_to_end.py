@@ -1,0 +1,85 @@
+"""The whole path on a fake Slurm's command-line tools (tests/slurm/fake_slurm): POST /train → sbatch → the
+batch script runs the fake trainer → the real detached poller process follows it → the row. The real-cluster
+tests (a single-node Slurm) exercise the same path against Slurm itself."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from lora_worker.host.locks import lock_state
+from lora_worker.ledger.db import Database
+from lora_worker.ledger.migrate import upgrade
+from lora_worker.ledger import repository as repo
+from lora_worker.slurm.process import poller_lock_path
+from tests.helpers import Host, payload, pid_alive, set_modes, wait_for
+
+FAKE = Path(__file__).parent / "fake_slurm" / "slurm.py"
+
+
+def install_fake_slurm(bin_dir: Path) -> Path:
+    bin_dir.mkdir(parents=True)
+    tool = bin_dir / "slurm.py"
+    tool.write_text(f"#!{sys.executable}\n" + FAKE.read_text())
+    tool.chmod(0o755)
+    for name in ("sbatch", "squeue", "sacct", "scancel"):
+        (bin_dir / name).symlink_to(tool)
+    return bin_dir
+
+
+@pytest.fixture
+def worker(host: Host, tmp_path: Path):
+    from lora_worker import create_app
+
+    settings = host.settings.with_overrides(backend="slurm", slurm_bin_dir=install_fake_slurm(tmp_path / "slurm-bin"),
+                                            slurm_poll_interval_s=0.2)
+    upgrade(settings.database_path)
+    app = create_app(settings)
+    db = Database.open(settings.database_path)
+    yield app.test_client(), db, settings
+    holder = lock_state(poller_lock_path(settings)).holder_pid
+    if holder and pid_alive(holder):
+        os.kill(holder, signal.SIGTERM)
+        wait_for(lambda: not pid_alive(holder), what="the poller to stop")
+    db.dispose()
+    app.extensions["lora_worker"].db.dispose()
+
+
+def test_a_job_dispatched_over_http_ends_succeeded_with_a_verified_lora(worker, host):
+    client, db, settings = worker
+    answer = client.post("/train", json=payload(host.dataset, host.model))
+    assert answer.status_code == 202
+    job_id = answer.get_json()["worker_job_id"]
+    assert lock_state(poller_lock_path(settings)).held  # dispatch made sure the poller runs
+    row = wait_for(lambda: (j := repo.get_job(db, job_id)).status in ("succeeded", "failed", "cancelled") and j,
+                   timeout=60, what="the job to end")
+    assert (row.status, row.backend, row.exit_code) == ("succeeded", "slurm", 0), row.error
+    assert row.lora_sha256 and row.step == row.total_steps and repo.progress_points(db, job_id)
+    body = client.get(f"/train/{job_id}").get_json()
+    assert (body["status"], body["slurm_job_id"]) == ("succeeded", row.slurm_job_id)
+
+
+def test_a_cancel_in_training_ends_cancelled_with_no_process_of_the_job_left(worker, host):
+    client, db, settings = worker
+    set_modes(settings.sd_scripts_dir, hold_at_step=3, release_file=str(host.root / "never"))
+    answer = client.post("/train", json=payload(host.dataset, host.model))
+    assert answer.status_code == 202, answer.get_json()
+    job_id = answer.get_json()["worker_job_id"]
+    wait_for(lambda: repo.get_job(db, job_id).step >= 1, timeout=60, what="training to reach step 1")
+    token = f"--output_dir={repo.get_job(db, job_id).output_dir}"
+    assert client.post(f"/train/{job_id}/cancel").status_code == 202
+    row = wait_for(lambda: (j := repo.get_job(db, job_id)).status != "running" and j, timeout=60,
+                   what="the job to end")
+    assert row.status == "cancelled"
+    left = [p for p in Path("/proc").iterdir() if p.name.isdigit() and token.encode() in _cmdline(p)]
+    assert left == []
+
+
+def _cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""

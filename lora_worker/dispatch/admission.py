@@ -22,6 +22,11 @@ def admit(tier: str, device_index: int, settings: Settings, nvml: Nvml) -> GpuRe
     if reading.error:
         raise NvmlUnavailable(f"Device {device_index} could not be read: {reading.error}",
                               device_index=device_index)
+    if reading.processes is None and not settings.allow_cotenancy:
+        # Unknown is not free: a TTS server or a foreign job may be there (fail closed, never guess).
+        raise NvmlUnavailable(f"GPU {device_index}'s compute processes cannot be read ({reading.processes_error}); "
+                              "the device is refused until they can.", device_index=device_index,
+                              cause=reading.processes_error)
     if is_locked(gpu_lock_path(settings, device_index)):
         raise GpuLocked(f"Another trainer holds the lock of GPU {device_index} "
                         f"({gpu_lock_path(settings, device_index)}).", device_index=device_index)

@@ -28,7 +28,10 @@ def is_ours(pid: int, job: Job | None) -> bool:
         return False
 
 
-def tts_processes(reading: GpuReading, settings: Settings, job: Job | None) -> list[GpuProcess]:
+def tts_processes(reading: GpuReading, settings: Settings, job: Job | None) -> list[GpuProcess] | None:
+    """The TTS processes on the device; None when its processes are unknown (the query failed)."""
+    if reading.processes is None:
+        return None
     pattern = re.compile(settings.tts_process_pattern)
     matched = []
     for proc in reading.processes:
@@ -40,11 +43,15 @@ def tts_processes(reading: GpuReading, settings: Settings, job: Job | None) -> l
 
 def gpu_status(readings: list[GpuReading], settings: Settings, job: Job | None) -> dict[str, Any]:
     devices = []
-    tts_live = False
+    tts_live: bool | None = False  # None: the TTS device's processes are unknown, so is TTS
     for reading in readings:
         profile = settings.device(reading.index)
         tts = tts_processes(reading, settings, job) if reading.index == settings.tts_device_index else []
-        tts_live = tts_live or bool(tts)
+        if reading.index == settings.tts_device_index and (reading.error or tts is None):
+            tts_live = None
+        elif tts:
+            tts_live = True
+        tts = tts or []
         devices.append({
             "index": reading.index,
             "label": profile.label if profile else None,
@@ -57,7 +64,8 @@ def gpu_status(readings: list[GpuReading], settings: Settings, job: Job | None) 
             "memory_free_mib": reading.memory_free_mib,
             "utilization_pct": reading.utilization_pct,
             "temperature_c": reading.temperature_c,
-            "processes": [_process(p, job, tts) for p in reading.processes],
+            "processes": None if reading.processes is None else [_process(p, job, tts) for p in reading.processes],
+            "processes_error": reading.processes_error,
             "lock": _lock(settings, reading.index, job),
             "error": reading.error,
         })

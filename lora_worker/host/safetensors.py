@@ -121,16 +121,21 @@ def _span(name: str, tensor: str, info: Any) -> tuple[int, int, int]:
         shape, dtype = info["shape"], info["dtype"]
     except (KeyError, TypeError, ValueError) as exc:
         raise HeaderError(f"{name}: tensor {tensor!r} has a malformed entry") from exc
-    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+    if not _naturals(shape):
         raise HeaderError(f"{name}: tensor {tensor!r} has a malformed shape")
     if not (isinstance(dtype, str) and dtype in DTYPE_BITS):
         raise HeaderError(f"{name}: tensor {tensor!r} has an unknown dtype {dtype!r}")
-    if not all(type(o) is int and o >= 0 for o in (begin, stop)) or stop < begin:
+    if not _naturals([begin, stop]) or stop < begin:
         raise HeaderError(f"{name}: tensor {tensor!r} has malformed data_offsets")
     bits = DTYPE_BITS[dtype] * math.prod(shape)
     if bits % 8:
         raise HeaderError(f"{name}: tensor {tensor!r} does not fill whole bytes")
     return begin, stop, bits // 8
+
+
+def _naturals(values: Any) -> bool:
+    """A JSON list of integers ≥ 0 (not floats, not booleans)."""
+    return isinstance(values, list) and all(type(v) is int and v >= 0 for v in values)
 
 
 def inspect_lora(path: Path) -> LoraInfo:

@@ -357,8 +357,8 @@ class GpuStatusSchema(Schema):
 
 
 class HealthSchema(Schema):
-    status = fields.String(metadata={"description": "`ok`, or `failing` (with a 503) when the ledger is not the "
-                                                    "file the service opened"})
+    status = fields.String(metadata={"description": "`ok`; when the ledger is not the file the service opened, the "
+                                                    "answer is a 503 `ledger_replaced` error instead"})
     ledger = fields.String(metadata={"description": "`ok`, or why the ledger file is not the one opened"})
     active_job_id = fields.Integer(allow_none=True)
     nvml = fields.String()

@@ -12,6 +12,7 @@ from flask import Flask, request
 from lora_worker.web import auth, gpu, health, metrics, openapi, train
 from lora_worker.web.errors import register_error_handlers
 from lora_worker.config import Settings, load_settings
+from lora_worker.errors import LoraWorkerError
 from lora_worker.host.nvml import Nvml, make_nvml
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import check_ledger, prepare_state_dir
@@ -59,8 +60,12 @@ def reconcile_on_requests(app: Flask) -> None:
     an open one (/healthz) never does."""
     @app.before_request
     def _reconcile() -> None:
-        if request.endpoint is not None and request.endpoint not in auth.OPEN_ENDPOINTS:
+        if request.endpoint is None or request.endpoint in auth.OPEN_ENDPOINTS:
+            return
+        try:
             app.extensions["lora_worker"].reconcile_if_due()
+        except LoraWorkerError as exc:  # a busy or replaced ledger: the route's own work decides its answer
+            log.warning("reconcile before %s skipped: %s", request.endpoint, exc.message)
 
 
 def start_reconcile_timer(app: Flask, every_s: float = RECONCILE_EVERY_S) -> threading.Event:

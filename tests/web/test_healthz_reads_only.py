@@ -94,3 +94,9 @@ def test_the_timer_reconciles_without_any_request(orphaned, ours):
     finally:
         stop.set()
     assert ours.returncode in (None, -signal.SIGTERM, -signal.SIGKILL)
+
+
+def test_a_reconcile_that_cannot_run_does_not_fail_a_route_that_needs_no_ledger(client, migrated):
+    migrated.database_path.unlink()  # the ledger replaced under the service: reconcile raises LedgerReplaced
+    assert client.get("/openapi.json").status_code == 200
+    assert client.get("/train/1").get_json()["error"] == "ledger_replaced"  # a route that reads it says so

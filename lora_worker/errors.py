@@ -9,6 +9,7 @@
      │    ├── IdempotencyKeyReused    422: the same Idempotency-Key came with another body
      │    └── OutputExists            422: the LoRA file to be written already exists (field output_name)
      ├── JobNotFound                  404
+     ├── JobGone                      410: the ledger lost the job; its run log is all that is left
      ├── Conflict                     409: busy now; the same request may succeed later
      │    ├── JobActive               409: another job is queued or running
      │    ├── InsufficientVram        409: the device has too little free memory for the tier
@@ -20,7 +21,8 @@
      └── Unavailable                  503
           ├── TrainerUnavailable      503: the sd-scripts installation is incomplete
           ├── SandboxUnavailable      503: sandbox = "bwrap" but bubblewrap is not installed
-          ├── NvmlUnavailable         503: no NVIDIA driver / NVML on this host
+          ├── NvmlUnavailable         503: no NVIDIA driver / NVML, or a device's processes unreadable
+          ├── TrainRootMissing        503: the train root does not exist on this host (not mounted)
           ├── LedgerBusy              503: the ledger stayed locked past the busy timeout
           ├── LedgerUnwritable        503: the ledger's disk is full or failing
           ├── LedgerReplaced          503: the ledger file was deleted or replaced under the service
@@ -108,6 +110,12 @@ class JobNotFound(LoraWorkerError):
     code = "job_not_found"
 
 
+class JobGone(LoraWorkerError):
+    """The ledger no longer holds this job; only its run log is left."""
+
+    code = "job_gone"
+
+
 class Conflict(LoraWorkerError):
     """The device or the one job slot is busy now; the same request may be accepted later."""
 
@@ -179,6 +187,12 @@ class NvmlUnavailable(Unavailable):
     """NVML (the NVIDIA driver's management library) is not available on this host."""
 
     code = "nvml_unavailable"
+
+
+class TrainRootMissing(Unavailable):
+    """The train root does not exist on this host (not mounted, or removed)."""
+
+    code = "train_root_missing"
 
 
 class LedgerBusy(Unavailable):

@@ -2,5 +2,7 @@
 from __future__ import annotations
 
 from lora_worker import create_app
+from lora_worker.web.app import start_reconcile_timer
 
 app = create_app()
+start_reconcile_timer(app)  # reconcile also runs between requests, never from /healthz

@@ -31,26 +31,25 @@ SD_SCRIPTS_COMMIT = "3265f2ed0000000000000000000000000000beef"
 
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]], metadata: dict[str, str] | None = None,
-                      *, truncate_by: int = 0, hollow: bool = False) -> None:
-    """A well-formed safetensors file (zero data) with the given tensor names, dtypes and shapes.
-
-    `hollow`: every tensor indexes 0 bytes, so a full SDXL header makes a file of ~200 KB instead of 6.9 GB. The
-    preflight reads names and shapes, never the data; the fake trainer never loads weights (it hashes the file,
-    as sd-scripts does, which is why the tests cannot afford the real size)."""
+                      *, truncate_by: int = 0) -> None:
+    """A well-formed safetensors file (zero data) with the given tensor names, dtypes and shapes: what the real
+    loader opens (each tensor's offsets span dtype size × shape bytes, end to end). The zeros are a hole
+    (truncate, not write), so a full SDXL header makes a 6.9 GB file that takes ~200 KB of disk."""
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, (dtype, shape) in tensors.items():
-        size = 0 if hollow else DTYPE_BYTES[dtype] * math.prod(shape)
+        size = DTYPE_BYTES[dtype] * math.prod(shape)
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)) + raw + b"\0" * (offset - truncate_by))
+        fh.write(struct.pack("<Q", len(raw)) + raw)
+        fh.truncate(8 + len(raw) + offset - truncate_by)
 
 
-# The full SDXL key set (2514 tensors), written hollow: what the preflight accepts, in a small file.
+# The full SDXL key set (2514 tensors), written sparse: what the preflight and the real loader accept.
 SDXL_TINY = sdxl_checkpoint_tensors()
 
 
@@ -219,7 +218,7 @@ def make_host(root: Path, **settings: Any) -> Host:
     overrides them (the benchmarks run with the production intervals)."""
     install = install_fake_trainer(root / "opt")
     model = root / "models" / "sdxl_tiny.safetensors"
-    write_safetensors(model, SDXL_TINY, hollow=True)
+    write_safetensors(model, SDXL_TINY)
     train_root = root / "train"
     dataset = make_dataset(train_root)
     values: dict[str, Any] = {

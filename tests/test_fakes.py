@@ -27,7 +27,7 @@ ENV = {"PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", 
 def rig(tmp_path: Path) -> dict:
     install = install_fake_trainer(tmp_path / "opt")
     model = tmp_path / "models" / "sdxl_random.safetensors"
-    write_safetensors(model, SDXL_TINY, hollow=True)
+    write_safetensors(model, SDXL_TINY)
     # the capture's dataset: 3 images with captions in "2_ohwx dog"
     dataset = make_dataset(tmp_path / "train", "t1", "2_ohwx dog", images=3)
     return {**install, "model": model, "dataset": dataset, "out": tmp_path / "train" / "t1" / "output" / "run1"}
@@ -232,8 +232,7 @@ def test_a_model_missing_keys_dies_loading_the_unet_as_in_the_real_run_log(rig):
     [kept] = set(unet) - real_missing  # the real file held one U-Net key, and one of each other family
     others = [next(k for k in SDXL_TINY if k.startswith(p)) for p in
               ("conditioner.embedders.0.", "conditioner.embedders.1.", "first_stage_model.")]
-    write_safetensors(rig["model"], {prefix + kept: SDXL_TINY[prefix + kept], **{k: SDXL_TINY[k] for k in others}},
-                      hollow=True)
+    write_safetensors(rig["model"], {prefix + kept: SDXL_TINY[prefix + kept], **{k: SDXL_TINY[k] for k in others}})
     result = run_merged(rig, real_argv("fail_model_missing_keys.log", rig), bnb_warning=True)
     assert result.returncode == 1
     fake = merged_lines(result)

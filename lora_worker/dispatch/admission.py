@@ -25,14 +25,25 @@ def admit(tier: str, device_index: int, settings: Settings, nvml: Nvml) -> GpuRe
     if is_locked(gpu_lock_path(settings, device_index)):
         raise GpuLocked(f"Another trainer holds the lock of GPU {device_index} "
                         f"({gpu_lock_path(settings, device_index)}).", device_index=device_index)
-    if reading.processes and not settings.allow_cotenancy:
-        procs = [{"pid": p.pid, "name": describe_process(p.pid)[0], "used_mib": p.used_mib}
-                 for p in reading.processes]
-        names = ", ".join(f"{p['name'] or '?'} (pid {p['pid']})" for p in procs)
-        raise GpuBusy(f"GPU {device_index} is in use by {names}.", device_index=device_index, processes=procs)
+    if not settings.allow_cotenancy:
+        require_no_foreign_process(reading, device_index)
     need = settings.devices[device_index].vram_mib[tier]
     free = reading.memory_free_mib or 0
     if free < need:
         raise InsufficientVram(f"GPU {device_index} has {free} MiB free; tier {tier!r} needs {need} MiB.",
                                device_index=device_index, free_mib=free, need_mib=need)
     return reading
+
+
+def require_no_foreign_process(reading: GpuReading, device_index: int) -> None:
+    """GpuBusy if a compute process is on the device; NvmlUnavailable if NVML could not say."""
+    if reading.processes is None:
+        # Unknown is not free: a TTS server or a foreign job may be there (fail closed, never guess).
+        raise NvmlUnavailable(f"GPU {device_index}'s compute processes cannot be read ({reading.processes_error}); "
+                              "the device is refused until they can.", device_index=device_index,
+                              cause=reading.processes_error)
+    if reading.processes:
+        procs = [{"pid": p.pid, "name": describe_process(p.pid)[0], "used_mib": p.used_mib}
+                 for p in reading.processes]
+        names = ", ".join(f"{p['name'] or '?'} (pid {p['pid']})" for p in procs)
+        raise GpuBusy(f"GPU {device_index} is in use by {names}.", device_index=device_index, processes=procs)

@@ -87,8 +87,10 @@ class Dispatcher:
         if not slurm:
             active = repo.active_job(self.db)
             if active is not None:
+                # No Retry-After: the ETA is an estimate, and a client told to wait that long would be told a
+                # guess as if it were known (README, "Status codes and errors").
                 raise JobActive(f"Job {active.id} is already active; one training runs at a time.",
-                                active_job_id=active.id, retry_after_s=active.eta_s)
+                                active_job_id=active.id)
         require_trainer(self.settings)
         if not slurm:  # Slurm allocates the GPU (no lock or NVML here) and its cgroup holds the job, not bwrap
             require_sandbox(self.settings)

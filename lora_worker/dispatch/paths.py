@@ -11,7 +11,7 @@ import os
 import re
 from pathlib import Path
 
-from lora_worker.errors import InvalidRequest, OutputExists, Unavailable
+from lora_worker.errors import InvalidRequest, OutputExists, TrainRootMissing
 from lora_worker.host import fs
 
 SAFE_COMPONENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")  # matched whole (fullmatch)
@@ -112,7 +112,7 @@ def real_train_root(root: Path) -> Path:
     try:
         return Path(os.path.realpath(root, strict=True))
     except OSError as exc:
-        raise Unavailable(f"The train root {root} does not exist on this host.", missing=[str(root)]) from exc
+        raise TrainRootMissing(f"The train root {root} does not exist on this host.", missing=[str(root)]) from exc
 
 
 def train_id_of(real: Path, root: Path) -> str:

@@ -2,7 +2,9 @@
 the LoRA we produced.
 
 Format: 8 bytes little-endian header length N, then N bytes of JSON (`{name: {dtype, shape, data_offsets}}`
-plus an optional `__metadata__` of strings), then the tensor bytes, fully indexed with no holes.
+plus an optional `__metadata__` of strings), then the tensor bytes, fully indexed with no holes. The header is
+checked as the reference loader checks it (offsets, sizes, coverage: see `_check_offsets`), so what passes here
+is what `safetensors.safe_open` opens; tests/host/test_safetensors.py holds the two together.
 
 The LoRA lies in the train root, which a hostile party shares: every file here is opened as a regular file at
 the path itself (a symbolic link there is refused, not followed, and a FIFO cannot block the open).
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -86,22 +89,53 @@ def parse_header(fh: BinaryIO, name: str) -> Header:
     return Header(tensors=header, metadata=metadata, file_size=size)
 
 
+# Bits per element of every dtype the safetensors format names (the reference loader's `Dtype::bitsize`).
+DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16, "U16": 16,
+              "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "F64": 64, "I64": 64, "U64": 64, "C64": 64,
+              "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+
+
 def _check_offsets(name: str, tensors: dict[str, Any], data_bytes: int) -> None:
+    """What the reference loader checks before it opens anything (`Metadata::validate`): taken in the order of
+    their offsets, each tensor starts where the one before ended (the first at 0), holds exactly dtype size ×
+    product(shape) bytes, and the last ends at the end of the file: no gap, no overlap, nothing left over.
+    A header with the right names and shapes but offsets of `[0, 0]` is refused here, not by the trainer."""
+    spans = sorted((_span(name, tensor, info) + (tensor,) for tensor, info in tensors.items()))
     end = 0
-    for tensor, info in tensors.items():
-        try:
-            begin, stop = info["data_offsets"]
-            shape = info["shape"]
-            info["dtype"]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise HeaderError(f"{name}: tensor {tensor!r} has a malformed entry") from exc
-        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-            raise HeaderError(f"{name}: tensor {tensor!r} has a malformed shape")
-        if not all(type(o) is int for o in (begin, stop)) or not 0 <= begin <= stop <= data_bytes:
-            raise HeaderError(f"{name}: tensor {tensor!r} lies outside the file")
-        end = max(end, stop)
+    for begin, stop, size, tensor in spans:
+        if begin != end:
+            raise HeaderError(f"{name}: tensor {tensor!r} starts at {begin}, not at {end} "
+                              f"(the data region has a {'gap' if begin > end else 'overlap'})")
+        if stop - begin != size:
+            raise HeaderError(f"{name}: tensor {tensor!r} spans {stop - begin} bytes; its dtype and shape "
+                              f"take {size}")
+        end = stop
     if end != data_bytes:
         raise HeaderError(f"{name}: {data_bytes} data bytes but tensors index {end} (truncated or padded)")
+
+
+def _span(name: str, tensor: str, info: Any) -> tuple[int, int, int]:
+    """A tensor's (begin, stop, bytes its dtype and shape take), or HeaderError for a malformed entry."""
+    try:
+        begin, stop = info["data_offsets"]
+        shape, dtype = info["shape"], info["dtype"]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise HeaderError(f"{name}: tensor {tensor!r} has a malformed entry") from exc
+    if not _naturals(shape):
+        raise HeaderError(f"{name}: tensor {tensor!r} has a malformed shape")
+    if not (isinstance(dtype, str) and dtype in DTYPE_BITS):
+        raise HeaderError(f"{name}: tensor {tensor!r} has an unknown dtype {dtype!r}")
+    if not _naturals([begin, stop]) or stop < begin:
+        raise HeaderError(f"{name}: tensor {tensor!r} has malformed data_offsets")
+    bits = DTYPE_BITS[dtype] * math.prod(shape)
+    if bits % 8:
+        raise HeaderError(f"{name}: tensor {tensor!r} does not fill whole bytes")
+    return begin, stop, bits // 8
+
+
+def _naturals(values: Any) -> bool:
+    """A JSON list of integers ≥ 0 (not floats, not booleans)."""
+    return isinstance(values, list) and all(type(v) is int and v >= 0 for v in values)
 
 
 def inspect_lora(path: Path) -> LoraInfo:

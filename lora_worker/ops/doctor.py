@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from lora_worker.config import Settings
 from lora_worker.errors import LoraWorkerError, NvmlUnavailable
 from lora_worker.host.locks import gpu_lock_dir_mode
-from lora_worker.host.nvml import Nvml
+from lora_worker.host.nvml import GpuReading, Nvml
 from lora_worker.ledger.migrate import current_revision, head_revision, verify_integrity
 from lora_worker.host import sandbox
 from lora_worker.host.trainer import missing_trainer_parts
@@ -66,10 +66,13 @@ def _gpu_checks(settings: Settings, nvml: Nvml) -> Iterator[Check]:
             yield Check(f"device {index} ({profile.label})", False, "configured but not present")
         elif reading.error:
             yield Check(f"device {index} ({profile.label})", False, f"unreadable: {reading.error}")
+        elif reading.processes is None and not settings.allow_cotenancy:
+            yield Check(f"device {index} ({profile.label})", False, f"compute processes unreadable "
+                        f"({reading.processes_error}): POST /train refuses this device (503 nvml_unavailable)")
         else:
             yield Check(f"device {index} ({profile.label})", True,
                         f"{reading.name}, {reading.pci_bus_id}, {reading.memory_free_mib}/{reading.memory_total_mib}"
-                        f" MiB free, {len(reading.processes)} compute process(es), tiers {sorted(profile.tiers)}")
+                        f" MiB free, {_process_count(reading)} compute process(es), tiers {sorted(profile.tiers)}")
 
 
 def _trainer_checks(settings: Settings) -> Iterator[Check]:
@@ -370,3 +373,7 @@ def _group_name(gid: int) -> str:
         return grp.getgrgid(gid).gr_name
     except KeyError:
         return str(gid)
+
+
+def _process_count(reading: GpuReading) -> str:
+    return str(len(reading.processes)) if reading.processes is not None else f"unknown ({reading.processes_error})"

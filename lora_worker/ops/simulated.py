@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import shutil
 import signal
@@ -28,6 +29,7 @@ LAUNCHER = "accelerate"
 TOKENIZER_DIRS = ("openai_clip-vit-large-patch14", "laion_CLIP-ViT-bigG-14-laion2B-39B-b160k")
 TTS_NAME = "tts_server (simulated)"  # what tts_process_pattern matches on the 24 GB card
 TTS_COMM = "tts_server"
+DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8}  # the dtypes of the real checkpoint's tensors
 
 # The real headers the fake works from (tests/data, copied next to it): the LoRA it writes is that run's, and the
 # checkpoint it loads must hold that checkpoint's every tensor, as sd-scripts' loader wants them.
@@ -129,15 +131,22 @@ def write_gpus(path: Path, tts_pid: int | None) -> Path:
 
 
 def write_base_model(path: Path) -> Path:
-    """A well-formed single-file SDXL checkpoint with every tensor of a real one, written hollow (each indexes 0
-    bytes): the worker's preflight reads names and shapes only, and the fake never loads weights."""
+    """A single-file SDXL checkpoint with every tensor of a real one that the real safetensors loader opens:
+    each tensor's offsets span its dtype size × shape, end to end, to the end of the file. The weights are a
+    hole (the file is truncated to size, never written), so its 6.9 GB cost ~200 KB of disk; the worker's
+    preflight reads the header only, and the fake never loads weights."""
     header: dict[str, Any] = {"__metadata__": {"note": "simulated SDXL checkpoint: no weights"}}
+    offset = 0
     for name, (dtype, shape) in sdxl_checkpoint_tensors().items():
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [0, 0]}
+        size = DTYPE_BYTES[dtype] * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with path.open("wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)) + raw)
+        fh.truncate(8 + len(raw) + offset)
     return path
 
 

@@ -3,19 +3,21 @@ auth, error handlers."""
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
-from flask import Flask
+from flask import Flask, request
 
 from lora_worker.web import auth, gpu, health, metrics, openapi, train
 from lora_worker.web.errors import register_error_handlers
 from lora_worker.config import Settings, load_settings
+from lora_worker.errors import LoraWorkerError
 from lora_worker.host.nvml import Nvml, make_nvml
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import check_ledger, prepare_state_dir
 from lora_worker.reconcile import reconcile
-from lora_worker.web.service import Worker
+from lora_worker.web.service import RECONCILE_EVERY_S, Worker
 from lora_worker.backends import Backend, backend_for
 
 log = logging.getLogger(__name__)
@@ -48,5 +50,41 @@ def build_app(config: Settings | dict[str, Any] | None = None, *, nvml: Nvml | N
     for blueprint in (train.bp, gpu.bp, health.bp, metrics.bp, openapi.bp):
         app.register_blueprint(blueprint)
     auth.protect(app, token)
+    reconcile_on_requests(app)
     register_error_handlers(app)
     return app
+
+
+def reconcile_on_requests(app: Flask) -> None:
+    """An authenticated request (one past auth.protect's check) reconciles first, at most every few seconds;
+    an open one (/healthz) never does."""
+    @app.before_request
+    def _reconcile() -> None:
+        if request.endpoint is None or request.endpoint in auth.OPEN_ENDPOINTS:
+            return
+        try:
+            app.extensions["lora_worker"].reconcile_if_due()
+        except LoraWorkerError as exc:  # a busy or replaced ledger: the route's own work decides its answer
+            log.warning("reconcile before %s skipped: %s", request.endpoint, exc.message)
+
+
+def start_reconcile_timer(app: Flask, every_s: float = RECONCILE_EVERY_S) -> threading.Event:
+    """Reconcile every `every_s` in a daemon thread of the web process; set the returned event to stop it.
+
+    A thread here, not a systemd timer: reconcile needs the service's own backend (on Slurm it restarts the
+    job's poller, which the web process owns), and `make run` and the demo have no systemd. gunicorn runs one
+    worker, so there is one timer. Errors are logged and the next round tries again."""
+    worker: Worker = app.extensions["lora_worker"]
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(every_s):
+            try:
+                for action in reconcile(worker.db, worker.settings, actor="timer", backend=worker.backend):
+                    log.warning("timed reconcile: job %s → failed (%s)", action.job_id,
+                                action.failure_class.value, extra={"job": action.job_id})
+            except Exception:  # noqa: BLE001 - a full disk or a locked ledger now; the next round retries
+                log.exception("timed reconcile failed")
+
+    threading.Thread(target=loop, daemon=True, name="reconcile-timer").start()
+    return stop

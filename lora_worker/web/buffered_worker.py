@@ -152,8 +152,12 @@ class BufferingThreadWorker(ThreadWorker):
             pass
 
     def _answer(self, conn: TConn, status: int, code: str, message: str) -> None:
-        """A short JSON error, sent without blocking (it fits the socket buffer), then close."""
-        body = json.dumps({"error": code, "message": message, "status": status}).encode()
+        """A short JSON error in the one error shape (`retryable` from the catalogue), sent without blocking
+        (it fits the socket buffer), then close."""
+        from lora_worker.web.errors import BY_CODE  # the app's module: loaded in this process already
+
+        body = json.dumps({"error": code, "message": message, "status": status,
+                           "retryable": BY_CODE[code].retryable}).encode()
         reason = {408: "Request Timeout", 411: "Length Required", 413: "Content Too Large"}[status]
         head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
                 "Connection: close\r\n\r\n").encode()

@@ -16,7 +16,7 @@ from marshmallow import ValidationError
 from werkzeug.exceptions import HTTPException
 
 from lora_worker import errors as domain
-from lora_worker.errors import (Conflict, InsufficientStorage, InvalidRequest, JobFinished, JobNotFound,
+from lora_worker.errors import (Conflict, InsufficientStorage, InvalidRequest, JobFinished, JobGone, JobNotFound,
                                 LoraWorkerError, Unavailable)
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 STATUS: dict[type[LoraWorkerError], int] = {
     InvalidRequest: 422,
     JobNotFound: 404,
+    JobGone: 410,
     JobFinished: 409,
     Conflict: 409,
     InsufficientStorage: 507,
@@ -42,12 +43,16 @@ class ErrorEntry:
     advice: str  # what a client should do
 
 
-# The errors the web layer raises itself (werkzeug's, and ours around the routes), by their JSON `error`.
+# The errors the web layer raises itself (werkzeug's, ours around the routes, and the buffering worker's before
+# a request reaches Flask), by their JSON `error`. Nothing is answered with a code that is not here.
 _HTTP: tuple[ErrorEntry, ...] = (
-    ErrorEntry(400, "bad_request", False, "", "Send a JSON body."),
+    ErrorEntry(400, "bad_request", False, "", "Send a JSON body (the message says where the JSON is malformed)."),
     ErrorEntry(401, "unauthorized", False, "", "Send `Authorization: Bearer <token>` with the right token."),
     ErrorEntry(404, "not_found", False, "", "No such route: check the URL."),
     ErrorEntry(405, "method_not_allowed", False, "", "Use a method the `Allow` header names."),
+    ErrorEntry(408, "request_timeout", True, "",
+               "Send the request again, whole (headers and body within 10 seconds)."),
+    ErrorEntry(411, "length_required", False, "", "Send the body with a Content-Length header, not chunked."),
     ErrorEntry(413, "request_entity_too_large", False, "", "Send a smaller body (64 KiB at most)."),
     ErrorEntry(500, "internal_error", False, "",
                "A bug in the worker: report it with the time; do not retry blindly."),
@@ -60,15 +65,19 @@ _ADVICE: dict[str, tuple[str, str]] = {  # domain code → (Retry-After in words
     "idempotency_key_reused": ("", "Use a new Idempotency-Key for a different body."),
     "output_exists": ("", "Choose another `output_name`: a finished LoRA is never overwritten."),
     "job_not_found": ("", "Check the job id; pruned jobs are gone."),
-    "job_active": ("the active job's remaining seconds, when measured",
-                   "Retry later: one job trains at a time (`details.active_job_id` names it)."),
+    "job_active": ("", "Retry later: one job trains at a time (`details.active_job_id` names it; poll it and "
+                       "retry once it has ended). No Retry-After: when it ends is not known."),
+    "job_gone": ("", "Nothing to wait for: the ledger lost the job (`details.log_path` is its run log); "
+                     "send the request again for a new job if it is still wanted."),
+    "train_root_missing": ("", "An operator must mount or create the train root (`lora-worker doctor`)."),
     "insufficient_vram": ("", "Retry later, when the device has freed memory, or choose another device."),
     "gpu_busy": ("", "Retry later, when the foreign processes (`details.processes`) have left the device."),
     "gpu_locked": ("", "Retry later: another trainer on the host holds the device's lock (see /gpu-status)."),
     "job_finished": ("", "Nothing to cancel: `details.status` is the job's final state."),
     "insufficient_disk": ("", "An operator must free space on the output volume; do not retry until then."),
     "trainer_unavailable": ("", "An operator must repair the trainer install (`lora-worker doctor`)."),
-    "nvml_unavailable": ("", "An operator must restore the NVIDIA driver (`lora-worker doctor`)."),
+    "nvml_unavailable": ("", "An operator must restore the NVIDIA driver, or its process query on the device "
+                             "(the message names the cause; `lora-worker doctor`)."),
     "ledger_busy": ("1", "Retry after `Retry-After` seconds."),
     "ledger_unwritable": ("10", "Retry after `Retry-After` seconds; an operator should check the state disk."),
     "launch_failed": ("", "Retry once; if it fails again an operator should read the worker's log."),
@@ -145,8 +154,11 @@ def register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(HTTPException)
     def _http(exc: HTTPException) -> Response:
-        code = (exc.name or "error").lower().replace(" ", "_")
-        response = error_response(exc.code or 500, code, exc.description or exc.name)
+        status, code = http_code(exc)
+        # werkzeug's own sentences are written for a browser ("The browser (or proxy) sent …"): the catalogue's
+        # advice instead, unless the raise site wrote its own.
+        own = exc.description is not None and exc.description != type(exc).description
+        response = error_response(status, code, exc.description if own else BY_CODE[code].advice)
         if exc.code == 405 and exc.valid_methods:  # type: ignore[attr-defined]
             response.headers["Allow"] = ", ".join(exc.valid_methods)  # type: ignore[attr-defined]
         return response
@@ -155,6 +167,17 @@ def register_error_handlers(app: Flask) -> None:
     def _bug(exc: Exception) -> Response:
         log.exception("unhandled error")  # a 5xx is a bug: it goes to the log with its traceback
         return error_response(500, "internal_error", "The worker hit an internal error; see its log.")
+
+
+def http_code(exc: HTTPException) -> tuple[int, str]:
+    """The status and catalogued code of a werkzeug error: its own where the catalogue has it, else the
+    family's (`bad_request` for a 4xx, `internal_error` for a 5xx), never a code outside the catalogue."""
+    status = exc.code or 500
+    code = (exc.name or "error").lower().replace(" ", "_")
+    entry = BY_CODE.get(code)
+    if entry is not None and entry.status == status:
+        return status, code
+    return (400, "bad_request") if 400 <= status < 500 else (500, "internal_error")
 
 
 def _flatten(messages: dict[str, Any]) -> dict[str, list[str]]:

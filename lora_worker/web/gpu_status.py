@@ -28,7 +28,10 @@ def is_ours(pid: int, job: Job | None) -> bool:
         return False
 
 
-def tts_processes(reading: GpuReading, settings: Settings, job: Job | None) -> list[GpuProcess]:
+def tts_processes(reading: GpuReading, settings: Settings, job: Job | None) -> list[GpuProcess] | None:
+    """The TTS processes on the device; None when its processes are unknown (the query failed)."""
+    if reading.processes is None:
+        return None
     pattern = re.compile(settings.tts_process_pattern)
     matched = []
     for proc in reading.processes:
@@ -40,28 +43,35 @@ def tts_processes(reading: GpuReading, settings: Settings, job: Job | None) -> l
 
 def gpu_status(readings: list[GpuReading], settings: Settings, job: Job | None) -> dict[str, Any]:
     devices = []
-    tts_live = False
+    tts_live: bool | None = False  # None: the TTS device's processes are unknown, and so is TTS
     for reading in readings:
-        profile = settings.device(reading.index)
-        tts = tts_processes(reading, settings, job) if reading.index == settings.tts_device_index else []
-        tts_live = tts_live or bool(tts)
-        devices.append({
-            "index": reading.index,
-            "label": profile.label if profile else None,
-            "allowed_tiers": sorted(profile.tiers) if profile else [],
-            "name": reading.name,
-            "uuid": reading.uuid,
-            "pci_bus_id": reading.pci_bus_id,
-            "memory_total_mib": reading.memory_total_mib,
-            "memory_used_mib": reading.memory_used_mib,
-            "memory_free_mib": reading.memory_free_mib,
-            "utilization_pct": reading.utilization_pct,
-            "temperature_c": reading.temperature_c,
-            "processes": [_process(p, job, tts) for p in reading.processes],
-            "lock": _lock(settings, reading.index, job),
-            "error": reading.error,
-        })
+        tts: list[GpuProcess] | None = []
+        if reading.index == settings.tts_device_index:
+            tts = None if reading.error else tts_processes(reading, settings, job)
+            tts_live = None if tts is None else bool(tts)
+        devices.append(_device(reading, settings, job, tts or []))
     return {"devices": devices, "tts_on_3090": tts_live, "active_job_id": job.id if job else None}
+
+
+def _device(reading: GpuReading, settings: Settings, job: Job | None, tts: list[GpuProcess]) -> dict[str, Any]:
+    profile = settings.device(reading.index)
+    return {
+        "index": reading.index,
+        "label": profile.label if profile else None,
+        "allowed_tiers": sorted(profile.tiers) if profile else [],
+        "name": reading.name,
+        "uuid": reading.uuid,
+        "pci_bus_id": reading.pci_bus_id,
+        "memory_total_mib": reading.memory_total_mib,
+        "memory_used_mib": reading.memory_used_mib,
+        "memory_free_mib": reading.memory_free_mib,
+        "utilization_pct": reading.utilization_pct,
+        "temperature_c": reading.temperature_c,
+        "processes": None if reading.processes is None else [_process(p, job, tts) for p in reading.processes],
+        "processes_error": reading.processes_error,
+        "lock": _lock(settings, reading.index, job),
+        "error": reading.error,
+    }
 
 
 def _process(proc: GpuProcess, job: Job | None, tts: list[GpuProcess]) -> dict[str, Any]:

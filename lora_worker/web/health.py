@@ -1,12 +1,17 @@
 """GET /healthz: liveness and the active job id. Open without a token; it carries no job data.
 
-200 with `status: ok`, or 503 with `status: failing` when the service cannot work as it claims (the ledger
-file deleted or replaced under it): the install script's health gate and any monitor see the difference."""
+200 with `status: ok`, or a 503 `ledger_replaced` in the one error shape when the service cannot work as it
+claims (the ledger file deleted or replaced under it), with what it saw in `details` (`health: failing`, the
+ledger's problem): the install script's health gate and any monitor see the difference.
+
+It only reads (the ledger's identity, the active job's row, NVML): no reconcile, no write, no signal. Reconcile
+runs at start-up, from the web process's timer and on authenticated requests (web/service.py)."""
 from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify
 
 from lora_worker.web import worker
+from lora_worker.web.errors import error_response
 from lora_worker.web.schemas import HealthSchema
 
 bp = Blueprint("health", __name__)
@@ -15,6 +20,8 @@ bp = Blueprint("health", __name__)
 @bp.get("/healthz")
 def healthz() -> Response:
     health = worker().health()
-    response = jsonify(HealthSchema().dump(health))
-    response.status_code = 200 if health["status"] == "ok" else 503
-    return response
+    if health["status"] != "ok":
+        details = {"health": health["status"], **{k: v for k, v in health.items() if k != "status"}}
+        return error_response(503, "ledger_replaced", f"The service cannot work as it claims: {health['ledger']}.",
+                              details=details)
+    return jsonify(HealthSchema().dump(health))

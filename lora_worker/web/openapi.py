@@ -58,11 +58,11 @@ IDEMPOTENCY_KEY = {
 }
 
 
-SUBMIT_ERRORS = ("bad_request", "request_entity_too_large", "validation_failed", "dataset_invalid",
-                 "base_model_invalid", "idempotency_key_reused", "output_exists", "job_active", "insufficient_vram",
+SUBMIT_ERRORS = ("bad_request", "request_timeout", "length_required", "request_entity_too_large",
+                 "validation_failed", "dataset_invalid", "base_model_invalid", "idempotency_key_reused", "output_exists", "job_active", "insufficient_vram",
                  "gpu_busy", "gpu_locked", "insufficient_disk", "trainer_unavailable", "sandbox_unavailable", "nvml_unavailable",
-                 *LEDGER, "launch_failed")
-JOB_READ_ERRORS = ("job_not_found", "validation_failed", *LEDGER)
+                 "train_root_missing", *LEDGER, "launch_failed")
+JOB_READ_ERRORS = ("job_not_found", "job_gone", "validation_failed", *LEDGER)
 
 DOCS: dict[str, Doc] = {
     "train.submit": Doc("Start a training job: validated, admitted, recorded, launched.", 202, AcceptedSchema,
@@ -82,13 +82,14 @@ DOCS: dict[str, Doc] = {
                          errors=JOB_READ_ERRORS, query=LogQuerySchema),
     "train.cancel": Doc("Ask a job to stop; harmless twice, 409 `job_finished` once it ended. With `wait`, answer "
                         "once it has ended (200), or after that many seconds with its state then (202).", 202,
-                        JobSchema, errors=("job_not_found", "job_finished", "validation_failed", *LEDGER),
+                        JobSchema, errors=("job_not_found", "job_gone", "job_finished", "validation_failed", *LEDGER),
                         query=CancelQuerySchema,
                         also={200: "With `wait`: the job ended within it (normally `cancelled`; a job that "
                                    "finished first says how it did)."}),
     "gpu.gpu_status": Doc("Each GPU's memory, compute processes and interlock, in PCI bus order.", 200,
                           GpuStatusSchema, errors=("nvml_unavailable", *LEDGER)),
-    "health.healthz": Doc("Liveness and the active job id; open without a token.", 200, HealthSchema),
+    "health.healthz": Doc("Liveness and the active job id; open without a token. It only reads: no reconcile, "
+                          "no write, no signal.", 200, HealthSchema, errors=("ledger_replaced",)),
     "metrics.metrics": Doc("Prometheus metrics: jobs by state, durations, the active job, GPU memory.", 200,
                            {"type": "string"}, media_type=METRICS_MEDIA_TYPE),
     "openapi.openapi_document": Doc("This document.", 200, {"type": "object"}, errors=()),

@@ -341,20 +341,24 @@ class GpuDeviceSchema(Schema):
     memory_free_mib = fields.Integer(allow_none=True)
     utilization_pct = fields.Integer(allow_none=True)
     temperature_c = fields.Integer(allow_none=True)
-    processes = fields.List(fields.Nested(GpuProcessSchema))
+    processes = fields.List(fields.Nested(GpuProcessSchema), allow_none=True, metadata={
+        "description": "null when NVML's process query failed: unknown, never empty (POST /train then refuses "
+                       "the device with a 503 `nvml_unavailable`)"})
+    processes_error = fields.String(allow_none=True, metadata={"description": "why `processes` is null"})
     lock = fields.Nested(GpuLockSchema)
     error = fields.String(allow_none=True)
 
 
 class GpuStatusSchema(Schema):
     devices = fields.List(fields.Nested(GpuDeviceSchema))
-    tts_on_3090 = fields.Boolean()
+    tts_on_3090 = fields.Boolean(allow_none=True, metadata={
+        "description": "null when the TTS device's processes cannot be read: unknown, not false"})
     active_job_id = fields.Integer(allow_none=True)
 
 
 class HealthSchema(Schema):
-    status = fields.String(metadata={"description": "`ok`, or `failing` (with a 503) when the ledger is not the "
-                                                    "file the service opened"})
+    status = fields.String(metadata={"description": "`ok`; when the ledger is not the file the service opened, the "
+                                                    "answer is a 503 `ledger_replaced` error instead"})
     ledger = fields.String(metadata={"description": "`ok`, or why the ledger file is not the one opened"})
     active_job_id = fields.Integer(allow_none=True)
     nvml = fields.String()

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import random
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lora_worker.config import Settings
-from lora_worker.errors import JobNotFound, NvmlUnavailable
-from lora_worker.host import sandbox
+from lora_worker.errors import JobGone, JobNotFound, NvmlUnavailable
+from lora_worker.host import fs, sandbox
 from lora_worker.host.nvml import Nvml
 from lora_worker.web.gpu_status import gpu_status
 from lora_worker.dispatch.dispatcher import Dispatcher
@@ -24,13 +26,19 @@ from lora_worker.ledger.models import Job, ProgressPoint
 from lora_worker.reconcile import current_job, reconcile
 from lora_worker.backends import Backend
 from lora_worker.run.local import wake_supervisor
-from lora_worker.transcript.logfile import LogChunk, LogReader
+from lora_worker.transcript.logfile import LogChunk, LogReader, log_paths
 from lora_worker.states import TERMINAL_STATES, JobState
 
 log = logging.getLogger(__name__)
 
 MAX_JOB_ID = 2**63 - 1  # SQLite's INTEGER; anything larger cannot name a job
 LONG_POLL_INTERVAL_S = 0.2
+# Reconcile (a dead supervisor's job marked failed) runs at start-up, every RECONCILE_EVERY_S from a thread of
+# the web process (web/app.py: start_reconcile_timer), and on an authenticated request at most once every
+# RECONCILE_MIN_GAP_S. Never from /healthz: it is open, and anyone polling it must not make the worker write,
+# kill or query Slurm.
+RECONCILE_EVERY_S = 30.0
+RECONCILE_MIN_GAP_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,23 @@ def retry_after_s(wait_s: float) -> int:
     return random.randint(max(1, math.ceil(whole / 2)), whole)
 
 
+def orphan_log_size(log_dir: Path, job_id: int) -> int | None:
+    """The size of `logs/job-<id>.log` if it is a regular file there, else None. Opened without following a
+    link (at logs/ or at the file) and without blocking (a FIFO planted there cannot hold the request)."""
+    try:
+        dir_fd = os.open(log_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fd, st = fs.open_regular(dir_fd, log_paths(log_dir, job_id)[0].name)
+        os.close(fd)
+        return st.st_size
+    except OSError:  # absent, a link, a FIFO, a device: nothing known
+        return None
+    finally:
+        os.close(dir_fd)
+
+
 @dataclass
 class Worker:
     """What every operation needs: settings, the ledger, NVML, and the backend that runs jobs."""
@@ -65,6 +90,8 @@ class Worker:
     def __post_init__(self) -> None:
         self._long_polls = threading.BoundedSemaphore(self.settings.long_poll_slots)
         self.dispatcher = Dispatcher(self.settings, self.db, self.nvml, self.backend)
+        self._reconciled_at = -math.inf  # time.monotonic() of the last request-driven reconcile
+        self._reconcile_gate = threading.Lock()
 
     def submit(self, request: TrainRequest, *, idempotency_key: str | None = None,
                body_sha256: str | None = None) -> tuple[Job, bool]:
@@ -123,7 +150,16 @@ class Worker:
         """A job as the ledger has it, after reconciling it if it claims to be active."""
         if not 0 < job_id <= MAX_JOB_ID:
             raise JobNotFound(f"No job has id {job_id}.", job_id=job_id)
-        return current_job(self.db, self.settings, job_id, actor="api", backend=self.backend)
+        try:
+            return current_job(self.db, self.settings, job_id, actor="api", backend=self.backend)
+        except JobNotFound:
+            size = orphan_log_size(self.settings.log_dir, job_id)
+            if size is None:
+                raise
+            log_path = log_paths(self.settings.log_dir, job_id)[0]
+            raise JobGone(f"Job {job_id} is not in the ledger (it was lost: deleted or replaced), but its run log "
+                          f"is still at {log_path} ({size} bytes).", job_id=job_id, ledger="lost",
+                          log_path=str(log_path), log_bytes=size) from None
 
     def jobs(self, *, status: list[str], limit: int, before_id: int | None) -> list[Job]:
         self.reconcile_active()
@@ -153,12 +189,12 @@ class Worker:
         return gpu_status(self.nvml.read(), self.settings, repo.active_job(self.db))
 
     def health(self) -> dict[str, Any]:
+        """What /healthz says. It only reads: no reconcile (no ledger write, no kill, no Slurm query)."""
         problem = self.db.identity_problem()
         if problem is not None:
             # Not the ledger we opened: nothing about jobs can be said, and nothing must be written.
             return {"status": "failing", "ledger": problem, "active_job_id": None, "nvml": "not checked",
                     "sandbox": sandbox.describe(self.settings)}
-        self.reconcile_active()
         active = repo.active_job(self.db)
         try:
             self.nvml.read()
@@ -170,3 +206,16 @@ class Worker:
 
     def reconcile_active(self) -> None:
         reconcile(self.db, self.settings, actor="api", backend=self.backend)
+
+    def reconcile_if_due(self) -> bool:
+        """Reconcile unless one ran in the last RECONCILE_MIN_GAP_S (or is running now); whether it ran."""
+        if not self._reconcile_gate.acquire(blocking=False):
+            return False
+        try:
+            if time.monotonic() - self._reconciled_at < RECONCILE_MIN_GAP_S:
+                return False
+            self._reconciled_at = time.monotonic()
+            self.reconcile_active()
+            return True
+        finally:
+            self._reconcile_gate.release()

@@ -19,7 +19,7 @@ REQUIRED = len(SHAPES) - len(OPTIONAL & SHAPES.keys())
 
 def refusal(tmp_path: Path, tensors: dict[str, tuple[str, list[int]]]) -> BaseModelInvalid:
     model = tmp_path / "m.safetensors"
-    write_safetensors(model, tensors, hollow=True)
+    write_safetensors(model, tensors)
     with pytest.raises(BaseModelInvalid) as caught:
         check_base_model(model)
     return caught.value
@@ -37,7 +37,7 @@ def test_the_shipped_key_set_is_the_real_checkpoints_every_tensor_and_shape():
 
 def test_the_real_checkpoints_key_set_is_accepted(tmp_path):
     model = tmp_path / "sdxl.safetensors"
-    write_safetensors(model, SDXL_TINY, hollow=True)
+    write_safetensors(model, SDXL_TINY)
     check_base_model(model)
 
 
@@ -113,7 +113,7 @@ def test_the_preflight_reads_the_header_of_a_real_sized_checkpoint_and_nothing_m
 
 
 def test_an_incomplete_model_is_a_422_that_changes_nothing(api, host, launches):
-    write_safetensors(host.model, without("first_stage_model.decoder.conv_out.bias"), hollow=True)
+    write_safetensors(host.model, without("first_stage_model.decoder.conv_out.bias"))
     response = api.post("/train", json=host.payload())
     body = response.get_json()
     assert response.status_code == 422 and body["error"] == "base_model_invalid"

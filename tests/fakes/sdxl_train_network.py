@@ -44,6 +44,7 @@ the worker gives the trainer an allow-listed environment and nothing else:
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import math
@@ -446,12 +447,38 @@ def caching_text_encoder_outputs(tokenizers: list[CLIPTokenizer], captions: list
 
 
 def sha256_of(path: str) -> str:
-    """train_util.calculate_sha256: the whole base checkpoint (what `sha_s` stands in for)."""
+    """train_util.calculate_sha256: the whole base checkpoint (what `sha_s` stands in for).
+
+    One departure: the test checkpoint is a sparse 6.9 GB file (real offsets, no weights), and hashing its
+    zeros would cost every test job ~15 s. A file with holes is hashed as its written extents, each with its
+    offset, and its size: as unique to the file, in milliseconds. A file without holes gets the real sha256."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
-        while block := fh.read(1 << 20):
-            digest.update(block)
+        size = os.fstat(fh.fileno()).st_size
+        extents = _data_extents(fh.fileno(), size)
+        if extents == [(0, size)]:
+            while block := fh.read(1 << 20):
+                digest.update(block)
+            return digest.hexdigest()
+        digest.update(f"sparse {size}".encode())
+        for begin, end in extents:
+            fh.seek(begin)
+            digest.update(f" {begin}:{end}".encode() + fh.read(end - begin))
     return digest.hexdigest()
+
+
+def _data_extents(fd: int, size: int) -> list:
+    """The file's written (begin, end) ranges, by SEEK_DATA/SEEK_HOLE; the whole file where they are unknown."""
+    extents, at = [], 0
+    try:
+        while at < size:
+            begin = os.lseek(fd, at, os.SEEK_DATA)
+            at = os.lseek(fd, begin, os.SEEK_HOLE)
+            extents.append((begin, at))
+    except OSError as exc:  # ENXIO: no data past `at`; anything else: a file system without hole reporting
+        if exc.errno != errno.ENXIO:
+            return [(0, size)]
+    return extents
 
 
 def legacy_model_hash(path: str) -> str:

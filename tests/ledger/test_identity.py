@@ -50,8 +50,11 @@ def test_a_ledger_deleted_under_the_service_fails_healthz_and_every_write(client
     job_id = finished_job(db)
     migrated.database_path.unlink()
     health = client.get("/healthz")
-    assert health.status_code == 503 and health.get_json()["status"] == "failing"
-    assert "deleted" in health.get_json()["ledger"]
+    body = health.get_json()  # the one error shape, what /healthz saw in details
+    assert health.status_code == 503 and (body["error"], body["status"], body["retryable"]) == (
+        "ledger_replaced", 503, False)
+    assert body["details"]["health"] == "failing" and "deleted" in body["details"]["ledger"]
+    assert "deleted" in body["message"]
     response = client.post(f"/train/{job_id}/cancel")
     assert response.status_code == 503 and response.get_json()["error"] == "ledger_replaced"
     with pytest.raises(LedgerReplaced):
@@ -67,7 +70,7 @@ def test_a_ledger_replaced_under_the_service_is_never_written_nor_read_as_ours(c
     before = stranger.read_bytes()
     shutil.move(stranger, migrated.database_path)  # a restore by `mv`: another inode at the same path
     health = client.get("/healthz")
-    assert health.status_code == 503 and "replaced" in health.get_json()["ledger"]
+    assert health.status_code == 503 and "replaced" in health.get_json()["details"]["ledger"]
     assert client.get("/train").status_code == 503
     with pytest.raises(LedgerReplaced):
         repo.create_job(db, columns())

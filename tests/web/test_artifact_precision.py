@@ -22,7 +22,7 @@ def rig(tmp_path: Path) -> dict:
     """The fake trainer installed, a model, the real run's dataset ("2_ohwx dog", 3 images), as test_fakes has."""
     install = install_fake_trainer(tmp_path / "opt")
     model = tmp_path / "models" / "sdxl_random.safetensors"
-    write_safetensors(model, SDXL_TINY, hollow=True)  # the full key set the (fake) loader wants
+    write_safetensors(model, SDXL_TINY)  # the full key set the (fake) loader wants
     dataset = make_dataset(tmp_path / "train", "t1", "2_ohwx dog", images=3)
     return {**install, "model": model, "dataset": dataset, "out": tmp_path / "train" / "t1" / "output" / "run1"}
 

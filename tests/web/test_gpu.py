@@ -199,6 +199,9 @@ def stub_pynvml(devices: list[dict], *, init_error: bool = False, slow: dict[str
     class NVMLError(Exception):
         pass
 
+    class NVMLError_FunctionNotFound(NVMLError):  # noqa: N801 - pynvml's name
+        pass
+
     def maybe_slow(name: str, index: int) -> None:
         if slow and f"{name}:{index}" in slow:
             time.sleep(slow[f"{name}:{index}"])
@@ -218,7 +221,8 @@ def stub_pynvml(devices: list[dict], *, init_error: bool = False, slow: dict[str
 
     ns = types.SimpleNamespace
     return StubNvml(
-        NVMLError=NVMLError, NVML_TEMPERATURE_GPU=0, nvmlInit=init,
+        NVMLError=NVMLError, NVMLError_FunctionNotFound=NVMLError_FunctionNotFound, NVML_TEMPERATURE_GPU=0,
+        nvmlInit=init,
         nvmlDeviceGetCount=lambda: len(devices),
         nvmlDeviceGetHandleByIndex=lambda i: i,
         nvmlDeviceGetPciInfo=call("bus", lambda v: ns(busId=v)),
@@ -227,7 +231,7 @@ def stub_pynvml(devices: list[dict], *, init_error: bool = False, slow: dict[str
         nvmlDeviceGetUUID=call("uuid", lambda v: v),
         nvmlDeviceGetUtilizationRates=call("util", lambda v: ns(gpu=v)),
         nvmlDeviceGetTemperature=call("temp", lambda v: v),
-        nvmlDeviceGetComputeRunningProcesses=call("procs", lambda v: [ns(pid=p, usedGpuMemory=m) for p, m in v]),
+        nvmlDeviceGetComputeRunningProcesses_v3=call("procs", lambda v: [ns(pid=p, usedGpuMemory=m) for p, m in v]),
     )
 
 

@@ -38,6 +38,7 @@ class GpuReading:
     temperature_c: int | None = None
     processes: tuple[GpuProcess, ...] = ()
     error: str | None = None  # set when this device could not be read
+    processes_error: str | None = None  # set when its compute processes could not be listed (not: none run)
 
 
 class Nvml(Protocol):
@@ -108,7 +109,10 @@ class PynvmlBackend:
             pynvml.nvmlDeviceGetUtilizationRates, handle).gpu, pynvml)
         reading["temperature_c"] = self._optional(lambda: self._call(
             pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU), pynvml)
-        procs = self._optional(lambda: self._call(pynvml.nvmlDeviceGetComputeRunningProcesses, handle), pynvml) or []
+        try:
+            procs = self._call(pynvml.nvmlDeviceGetComputeRunningProcesses, handle)
+        except (_Timeout, pynvml.NVMLError) as exc:
+            procs, reading["processes_error"] = [], f"{type(exc).__name__}: {exc}"
         reading["processes"] = tuple(
             GpuProcess(p.pid, p.usedGpuMemory // MIB if isinstance(p.usedGpuMemory, int) else None) for p in procs)
         return GpuReading(index=index, **reading)
@@ -180,7 +184,7 @@ class FakeNvml:
                 index=i, name=dev.get("name"), uuid=dev.get("uuid"), pci_bus_id=dev.get("pci_bus_id"),
                 memory_total_mib=total, memory_used_mib=used, memory_free_mib=total - used,
                 utilization_pct=dev.get("utilization_pct"), temperature_c=dev.get("temperature_c"),
-                processes=procs))
+                processes=procs, processes_error=dev.get("processes_error")))
         return readings
 
 

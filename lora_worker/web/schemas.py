@@ -361,6 +361,9 @@ class HealthSchema(Schema):
     trainer = fields.String(metadata={"description": "sd-scripts, or simulated: the test double, which trains nothing"})
     sandbox = fields.String(metadata={"description": "the trainer's sandbox in force: `bwrap (<path>)`, `none …`, "
                                                      "or `unavailable: …` (then POST /train is a 503)"})
+    deep = fields.Dict(metadata={"description": "with ?deep=1: the deep checks run once at start-up: `status` ok, "
+                                                "failing or pending (then 503), `failed` (names), `simulated`, "
+                                                "`checks` (name, ok, required, simulated, detail), `checked_at`"})
 
 
 class ErrorSchema(Schema):

@@ -17,6 +17,7 @@ from lora_worker.host import sandbox
 from lora_worker.host.nvml import Nvml
 from lora_worker.web.gpu_status import gpu_status
 from lora_worker.dispatch.dispatcher import Dispatcher
+from lora_worker.dispatch.readiness import DeepHealth
 from lora_worker.dispatch.request import TrainRequest
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
@@ -65,6 +66,7 @@ class Worker:
     def __post_init__(self) -> None:
         self._long_polls = threading.BoundedSemaphore(self.settings.long_poll_slots)
         self.dispatcher = Dispatcher(self.settings, self.db, self.nvml, self.backend)
+        self.deep_health = DeepHealth(self.settings, self.nvml)
 
     def submit(self, request: TrainRequest, *, idempotency_key: str | None = None,
                body_sha256: str | None = None) -> tuple[Job, bool]:

@@ -1,4 +1,5 @@
-"""`lora-worker`: the operator's commands (migrate, reconcile, serve, jobs …, doctor, check-ledger, config, demo)."""
+"""`lora-worker`: the operator's commands (migrate, reconcile, serve, jobs …, doctor, check-ledger, config, demo,
+smoke)."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +13,7 @@ from collections.abc import Callable, Sequence
 from lora_worker.ops import banner
 from lora_worker.ops import demo as demo_cli
 from lora_worker.ops import jobs as jobs_cli
+from lora_worker.ops import smoke as smoke_cli
 from lora_worker.config import Settings, load_settings
 from lora_worker.errors import ConfigError, LedgerCorrupt, LoraWorkerError
 from lora_worker.logs import configure_logging
@@ -116,6 +118,10 @@ def cmd_config(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_smoke(settings: Settings, args: argparse.Namespace) -> int:
+    return smoke_cli.run(settings, args)
+
+
 def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     return demo_cli.run(args)  # its own simulated host: the caller's settings are not used
 
@@ -128,6 +134,7 @@ COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], int]] = {
     "check-ledger": cmd_check_ledger,
     "jobs": cmd_jobs,
     "demo": cmd_demo,
+    "smoke": cmd_smoke,
     "config": cmd_config,
 }
 
@@ -146,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--bind", default=None, help="override the `bind` setting (default 127.0.0.1:8203)")
     jobs_cli.add_parser(sub)
     demo_cli.add_parser(sub)
+    smoke_cli.add_parser(sub)
     banner.add_parser(sub)
     return parser
 

@@ -42,6 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
                        help="the SDXL checkpoint (default: the only .safetensors in the models dirs)")
     smoke.add_argument("--device", type=int, action="append", default=None, help="only this device (repeatable)")
     smoke.add_argument("--timeout", type=float, default=3600.0, help="seconds each job may take")
+    smoke.add_argument("--token-file", default=None,
+                       help="the API token (`-`: read it from stdin, e.g. `< /etc/lora-worker/api_token` as root)")
 
 
 def run(settings: Settings, args: argparse.Namespace, out: TextIO | None = None) -> int:
@@ -50,7 +52,7 @@ def run(settings: Settings, args: argparse.Namespace, out: TextIO | None = None)
     model = args.base_model or _only_model(settings)
     devices = args.device or sorted(settings.devices)
     nvml = make_nvml(settings.nvml_timeout_s, settings.nvml_fake_file)
-    token = _token(settings)
+    token = _token(settings, args.token_file)
     started = time.monotonic()
     out.write(f"smoke: {url}, base model {model}, tier {TIER}, {IMAGES} generated {SIZE} px images, "
               f"device(s) {', '.join(map(str, devices))}\n")
@@ -145,7 +147,11 @@ def _only_model(settings: Settings) -> Path:
     return found[0]
 
 
-def _token(settings: Settings) -> str | None:
+def _token(settings: Settings, given: str | None) -> str | None:
+    if given == "-":
+        return sys.stdin.readline().strip() or None
+    if given is not None:
+        return Path(given).read_text().strip() or None
     credentials = os.environ.get("CREDENTIALS_DIRECTORY")
     path = Path(credentials) / "api_token" if credentials else settings.api_token_file
     if path is None or not path.exists():

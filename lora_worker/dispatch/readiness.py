@@ -81,8 +81,8 @@ def deep_checks(settings: Settings, nvml: Nvml, *, trainer: bool = True,
 
 
 def sandbox_check(settings: Settings, namespaces: Callable[[Settings], str | None]) -> Check:
-    problem = namespaces(settings)
-    return Check("sandbox", problem is None, sandbox.describe(settings) + (f"; {problem}" if problem else ""))
+    problem, described = namespaces(settings), sandbox.describe(settings)
+    return Check("sandbox", problem is None, described + (f"; {problem}" if problem and problem not in described else ""))
 
 
 def process_list_checks(settings: Settings, readings: list[GpuReading] | None,

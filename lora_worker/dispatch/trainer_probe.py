@@ -66,28 +66,34 @@ def run_probe(settings: Settings, timeout_s: float = TIMEOUT_S) -> tuple[dict[st
     problem = sandbox.unavailable(settings)
     if problem:
         return {}, f"cannot start it: {problem}"
-    code = SIMULATED_PROBE if settings.simulated else PROBE
-    scratch = Path(tempfile.mkdtemp(prefix="lw-probe-"))
-    try:
-        job = sandbox.JobPaths(dataset_dir=scratch, base_model_path=scratch, output_dir=scratch)
-        argv = sandbox.wrap([*command, "-c", code], job, settings, sandbox.host_facts(settings))
-        visible = ",".join(str(i) for i in sorted(settings.devices))
-        try:
-            done = subprocess.run(argv, env=trainer_env(settings, visible), cwd=settings.sd_scripts_dir,  # noqa: S603
-                                  capture_output=True, text=True, errors="replace", timeout=timeout_s,
-                                  stdin=subprocess.DEVNULL, check=False)
-        except subprocess.TimeoutExpired:
-            return {}, f"{command[0]} did not answer in {timeout_s:g}s"
-        except OSError as exc:
-            return {}, f"{command[0]} cannot be started: {exc.strerror or exc}"
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    done = _run_sandboxed([*command, "-c", SIMULATED_PROBE if settings.simulated else PROBE], settings, timeout_s)
+    if isinstance(done, str):
+        return {}, done
     lines = [line[len(MARK):] for line in done.stdout.splitlines() if line.startswith(MARK)]
     if done.returncode != 0 or not lines:
         said = (done.stderr.strip() or done.stdout.strip()).splitlines()
         return {}, (f"{command[0]} exited {done.returncode} in the sandbox"
                     + (f": {said[-1][:300]}" if said else " without a word"))
     return json.loads(lines[-1]), None
+
+
+def _run_sandboxed(argv: list[str], settings: Settings, timeout_s: float) -> subprocess.CompletedProcess[str] | str:
+    """`argv` in a job's sandbox (an empty scratch folder for its dataset, model and output) with a job's
+    environment, every configured device visible; or why it could not run."""
+    scratch = Path(tempfile.mkdtemp(prefix="lw-probe-"))
+    try:
+        job = sandbox.JobPaths(dataset_dir=scratch, base_model_path=scratch, output_dir=scratch)
+        wrapped = sandbox.wrap(argv, job, settings, sandbox.host_facts(settings))
+        visible = ",".join(str(i) for i in sorted(settings.devices))
+        return subprocess.run(wrapped, env=trainer_env(settings, visible), cwd=settings.sd_scripts_dir,  # noqa: S603
+                              capture_output=True, text=True, errors="replace", timeout=timeout_s,
+                              stdin=subprocess.DEVNULL, check=False)
+    except subprocess.TimeoutExpired:
+        return f"{argv[0]} did not answer in {timeout_s:g}s"
+    except OSError as exc:
+        return f"{argv[0]} cannot be started: {exc.strerror or exc}"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def verdict(answer: dict[str, Any], settings: Settings, readings: list[GpuReading] | None) -> tuple[bool, str]:

@@ -190,6 +190,10 @@ class Settings:
     # deployed unit insists on; "none" is only ever set explicitly (`make run` does, and says so, on a machine
     # without bubblewrap).
     sandbox: str = "bwrap"
+    bwrap_path: Path | None = None  # the bwrap executable; unset: the first in /usr/bin, /bin, /usr/local/bin
+    # Where the GPU device nodes are (/dev/nvidiactl, /dev/nvidia-uvm, /dev/nvidiaN): the deep health check
+    # looks for them here. Only a test moves it.
+    dev_root: Path = Path("/dev")
     # Where jobs run (backends.py): "local", this host's detached supervisor, one job at a time; or "slurm",
     # sbatch on a cluster that sees the same train root and model paths, followed by one poller process
     # (slurm/), with up to `max_active_jobs` queued or running at once (slots slurm-0 … slurm-N-1).

@@ -25,6 +25,7 @@
           ├── TrainRootMissing        503: the train root does not exist on this host (not mounted)
           ├── LedgerBusy              503: the ledger stayed locked past the busy timeout
           ├── LedgerUnwritable        503: the ledger's disk is full or failing
+          ├── HostNotReady            503: /healthz?deep=1: the deep checks did not find the host can train
           ├── LedgerReplaced          503: the ledger file was deleted or replaced under the service
           └── LaunchFailed            503: the supervisor process could not be started
 
@@ -201,6 +202,12 @@ class LedgerBusy(Unavailable):
     code = "ledger_busy"
     retryable = True
     retry_after_s = 1.0
+
+
+class HostNotReady(Unavailable):
+    """The deep health checks have not found that this host can train (still running, or one failed)."""
+
+    code = "host_not_ready"
 
 
 class LedgerReplaced(Unavailable):

@@ -50,7 +50,7 @@ CHECK_TIMER = Path("/etc/systemd/system/lora-worker-check.timer")
 TMPFILES = Path("/etc/tmpfiles.d/lora-worker.conf")
 COMMAND = Path("/usr/local/bin/lora-worker")
 STATE_DIR = Path("/var/lib/lora-worker")
-HEALTH_URL = "http://127.0.0.1:8203/healthz"
+HEALTH_URL = "http://127.0.0.1:8203/healthz?deep=1"  # 200 only once the deep checks found the host can train
 # What the service needs of the repository: the package, the migrations (found next to it), the unit files.
 CODE = ("lora_worker", "migrations", "systemd", "setup.cfg", "pyproject.toml", "README.md")
 # The GPU lock directory's mode, as lora_worker.host.locks wants it (a test holds the two together).

@@ -116,13 +116,18 @@ def build_argv(req: ResolvedRequest, settings: Settings) -> list[str]:
 
 def build_env(req: ResolvedRequest, settings: Settings) -> dict[str, str]:
     """The trainer's whole environment: an allow-list, so no token, LD_PRELOAD or PYTHONPATH leaks in."""
+    return trainer_env(settings, str(req.device_index))
+
+
+def trainer_env(settings: Settings, cuda_visible_devices: str) -> dict[str, str]:
+    """A job's environment for these devices (also the deep health check's, so it tests what a job gets)."""
     env = {
         "PATH": settings.child_path,
         "HOME": str(settings.state_dir),
         "LANG": "C.UTF-8",
         # CUDA numbers devices by speed unless told otherwise; PCI order matches NVML and nvidia-smi.
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-        "CUDA_VISIBLE_DEVICES": str(req.device_index),
+        "CUDA_VISIBLE_DEVICES": cuda_visible_devices,
         # Without it the `epoch`/`saving checkpoint` prints arrive late, block-buffered.
         "PYTHONUNBUFFERED": "1",
         "PYTHONIOENCODING": "utf-8",

@@ -24,12 +24,12 @@ from lora_worker.host import fs, kohya
 # caption past this is refused rather than read (one linked to /dev/zero never ends).
 CAPTION_MAX_BYTES = 64 * 1024
 
-_MAGIC: dict[str, tuple[bytes, ...]] = {
-    ".png": (b"\x89PNG\r\n\x1a\n",),
-    ".jpg": (b"\xff\xd8\xff",),
-    ".jpeg": (b"\xff\xd8\xff",),
-    ".bmp": (b"BM",),
-}
+# The formats of sd-scripts' extension list, by their first bytes. sd-scripts opens images by content (PIL's
+# Image.open, imagesize), never by name: a PNG named `.JPG` trains as a PNG. PIL would open a GIF or TIFF
+# too; the worker refuses those rather than vouch for them.
+_MAGIC: tuple[tuple[str, bytes], ...] = (
+    ("PNG", b"\x89PNG\r\n\x1a\n"), ("JPEG", b"\xff\xd8\xff"), ("BMP", b"BM"),
+)
 
 
 @dataclass(frozen=True)
@@ -122,14 +122,16 @@ def _open_folder(dataset_fd: int, dataset_dir: Path, name: str, st: os.stat_resu
 def _read_folder(folder_fd: int, folder_name: str) -> tuple[DatasetImage, ...]:
     entries = dict(_entries(folder_fd, Path(folder_name)))
     images = [name for name in sorted(entries) if kohya.is_trained_image(name)]
-    if not images:
+    problems = [f"{folder_name}/{name}: {why}" for name in sorted(entries) if (why := kohya.skipped_image(name))]
+    if not images and not problems:
         raise DatasetInvalid({"dataset_dir": [
-            f"{folder_name!r} holds no images ({', '.join(kohya.IMAGE_EXTENSIONS)})."]})
-    problems: list[str] = []
+            f"{folder_name!r} holds no images ({', '.join(kohya.IMAGE_EXTENSIONS)}, or the same in upper case)."]})
     manifest = []
     for name in images:
         size, problem = _check_image(folder_fd, name, entries[name])
-        caption_file = kohya.caption_name(name)
+        # sd-scripts reads the first candidate that exists (`os.path.isfile`, which follows a link; the worker
+        # refuses the link below instead)
+        caption_file = next((c for c in kohya.caption_candidates(name) if c in entries), kohya.caption_name(name))
         caption, caption_problem = _read_caption(folder_fd, caption_file, entries.get(caption_file))
         problems += [f"{folder_name}/{p}" for p in (problem, caption_problem) if p]
         manifest.append(DatasetImage(name, size, caption))
@@ -163,12 +165,17 @@ def _check_image(folder_fd: int, name: str, st: os.stat_result) -> tuple[int, st
         os.close(fd)
     if not head:
         return st.st_size, f"{name}: empty file"
-    suffix = os.path.splitext(name)[1].lower()
-    if suffix == ".webp":
-        ok = head[:4] == b"RIFF" and head[8:12] == b"WEBP"
-    else:
-        ok = head.startswith(_MAGIC[suffix])
-    return st.st_size, None if ok else f"{name}: not a {suffix[1:]} image"
+    if image_format(head) is None:
+        return st.st_size, (f"{name}: not an image sd-scripts can open (its content is none of "
+                            "PNG, JPEG, WebP, BMP)")
+    return st.st_size, None
+
+
+def image_format(head: bytes) -> str | None:
+    """The format PIL would open these first bytes as, or None."""
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "WebP"
+    return next((kind for kind, magic in _MAGIC if head.startswith(magic)), None)
 
 
 def _read_caption(folder_fd: int, name: str, st: os.stat_result | None) -> tuple[str | None, str | None]:

@@ -28,7 +28,7 @@ from lora_worker.dispatch.request import ResolvedRequest, TrainRequest, check_de
 from lora_worker.errors import IdempotencyKeyReused, JobActive, LaunchFailed
 from lora_worker.host.fingerprint import sd_scripts_commit, trainer_versions
 from lora_worker.host.nvml import Nvml
-from lora_worker.host.sandbox import require_sandbox
+from lora_worker.host.sandbox import require_namespaces, require_sandbox
 from lora_worker.host.trainer import require_trainer
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
@@ -94,6 +94,7 @@ class Dispatcher:
         require_trainer(self.settings)
         if not slurm:  # Slurm allocates the GPU (no lock or NVML here) and its cgroup holds the job, not bwrap
             require_sandbox(self.settings)
+            require_namespaces(self.settings)  # probed once (at start-up): bwrap can make them here
             admit(request.tier.name, request.device_index, self.settings, self.nvml)
         require_free_space(request.output_dir, self.settings.disk_mib[request.tier.name])
         columns = {**self._columns(request, manifest), "idempotency_key": idempotency_key,

@@ -80,6 +80,12 @@ def under(raw: str, base: Path, field: str) -> str:
     return raw
 
 
+def without_dot_components(path: str) -> str:
+    """`./t1/dataset` → `t1/dataset`, `/train/./t1/` → `/train/t1`: the same path, as the OS would read it."""
+    parts = [part for part in path.split("/") if part not in ("", ".")]
+    return ("/" if path.startswith("/") else "") + "/".join(parts)
+
+
 def require_no_output(lora_file: str) -> None:
     """Nothing at all may be at the LoRA's path: a file, a directory, a FIFO, or a symlink (dangling or not,
     which the trainer would write through to wherever it points). The output directory is walked without

@@ -20,6 +20,7 @@ import glob
 import os
 import shutil
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,12 +69,20 @@ def bwrap_executable() -> str | None:
     return shutil.which(BWRAP, path="/usr/bin:/bin:/usr/local/bin")
 
 
+def bwrap_for(settings: Settings) -> str | None:
+    """The settings' bwrap (`bwrap_path`) when it names an executable, else the one installed, else None."""
+    if settings.bwrap_path is not None:
+        return str(settings.bwrap_path) if os.access(settings.bwrap_path, os.X_OK) else None
+    return bwrap_executable()
+
+
 def unavailable(settings: Settings) -> str | None:
     """Why the configured sandbox cannot be used (a sentence), or None when it can."""
     if settings.sandbox == NONE:
         return None
-    if bwrap_executable() is None:
-        return f"the trainer sandbox ({BWRAP}) is not installed: {INSTALL_HINT}"
+    if bwrap_for(settings) is None:
+        where = f" at {settings.bwrap_path}" if settings.bwrap_path is not None else ""
+        return f"the trainer sandbox ({BWRAP}) is not installed{where}: {INSTALL_HINT}"
     return None
 
 
@@ -89,12 +98,12 @@ def describe(settings: Settings) -> str:
     if settings.sandbox == NONE:
         return "none (the trainer sees the whole host; set sandbox = \"bwrap\")"
     problem = unavailable(settings)
-    return f"unavailable: {problem}" if problem else f"{BWRAP} ({bwrap_executable()})"
+    return f"unavailable: {problem}" if problem else f"{BWRAP} ({bwrap_for(settings)})"
 
 
 def host_facts(settings: Settings) -> HostFacts:
     return HostFacts(
-        bwrap=bwrap_executable(),
+        bwrap=bwrap_for(settings),
         interpreter_dirs=_interpreter_dirs(settings.accelerate),
         device_nodes=tuple(Path(p) for pattern in DEVICE_GLOBS for p in sorted(glob.glob(pattern))),
         usr_aliases=tuple(_usr_alias(name) for name in USR_ALIASES if os.path.lexists(f"/{name}")),
@@ -150,7 +159,7 @@ def probe(settings: Settings, timeout_s: float = 10.0) -> str | None:
     problem = unavailable(settings)
     if problem or settings.sandbox == NONE:
         return problem
-    cmd = [str(bwrap_executable()), "--unshare-pid", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc",
+    cmd = [str(bwrap_for(settings)), "--unshare-pid", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc",
            "--dev", "/dev", "--", "true"]
     try:
         done = subprocess.run(cmd, capture_output=True, timeout=timeout_s, check=False)  # noqa: S603 - fixed argv
@@ -159,6 +168,31 @@ def probe(settings: Settings, timeout_s: float = 10.0) -> str | None:
     if done.returncode != 0:
         return f"bwrap cannot make its namespaces: {done.stderr.decode(errors='replace').strip()[:300]}"
     return None
+
+
+# bwrap's probe, once per executable: the service asks at start-up (readiness.DeepHealth), dispatch reads it.
+_probed: dict[str | None, str | None] = {}
+_probe_lock = threading.Lock()
+
+
+def probed_problem(settings: Settings) -> str | None:
+    """`probe`'s answer for this bwrap, made once per process and kept: a host whose kernel or AppArmor forbids
+    the namespaces does not change its mind between two requests, and dispatch must not pay 10 ms a POST."""
+    if settings.sandbox == NONE:
+        return None
+    key = bwrap_for(settings)
+    with _probe_lock:
+        if key not in _probed:
+            _probed[key] = probe(settings)
+        return _probed[key]
+
+
+def require_namespaces(settings: Settings) -> None:
+    """Refuse a job (503) whose sandbox would fail to start: every such job would end `trainer_crashed`."""
+    problem = probed_problem(settings)
+    if problem:
+        raise SandboxUnavailable(f"The trainer sandbox cannot start on this host: {problem}.",
+                                 sandbox=settings.sandbox)
 
 
 def _venv_of(launcher: Path) -> Path:

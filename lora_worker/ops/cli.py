@@ -1,4 +1,5 @@
-"""`lora-worker`: the operator's commands (migrate, reconcile, serve, jobs …, doctor, check-ledger, config, demo)."""
+"""`lora-worker`: the operator's commands (migrate, reconcile, serve, jobs …, doctor, check-ledger, config, demo,
+smoke)."""
 from __future__ import annotations
 
 import argparse
@@ -12,6 +13,7 @@ from collections.abc import Callable, Sequence
 from lora_worker.ops import banner
 from lora_worker.ops import demo as demo_cli
 from lora_worker.ops import jobs as jobs_cli
+from lora_worker.ops import smoke as smoke_cli
 from lora_worker.config import Settings, load_settings
 from lora_worker.errors import ConfigError, LedgerCorrupt, LoraWorkerError
 from lora_worker.logs import configure_logging
@@ -65,11 +67,15 @@ def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
     from lora_worker.ops.doctor import run_checks
     from lora_worker.host.nvml import make_nvml
 
-    checks = run_checks(settings, make_nvml(settings.nvml_timeout_s, settings.nvml_fake_file))
+    checks = run_checks(settings, make_nvml(settings.nvml_timeout_s, settings.nvml_fake_file), strict=args.strict)
     for check in checks:
-        print(check.line())
-    failed = [c for c in checks if c.required and not c.ok]
-    print(f"{len(checks) - len(failed)}/{len(checks)} checks passed" + (f"; {len(failed)} failed" if failed else ""))
+        print(check.line(), flush=True)
+    failed = [c for c in checks if c.failed]
+    simulated = [c for c in checks if c.simulated]
+    print(f"{len(checks) - len(failed)}/{len(checks)} checks passed" + (f"; {len(failed)} failed" if failed else "")
+          + (f"; {len(simulated)} only as the simulated host plays them (no GPU, no torch)" if simulated else ""))
+    if args.strict and failed:
+        print("doctor --strict: this host cannot train: " + ", ".join(c.name for c in failed))
     return 1 if failed else 0
 
 
@@ -112,6 +118,10 @@ def cmd_config(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_smoke(settings: Settings, args: argparse.Namespace) -> int:
+    return smoke_cli.run(settings, args)
+
+
 def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     return demo_cli.run(args)  # its own simulated host: the caller's settings are not used
 
@@ -124,6 +134,7 @@ COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], int]] = {
     "check-ledger": cmd_check_ledger,
     "jobs": cmd_jobs,
     "demo": cmd_demo,
+    "smoke": cmd_smoke,
     "config": cmd_config,
 }
 
@@ -133,12 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("migrate", help="create or upgrade the ledger schema")
     sub.add_parser("reconcile", help="mark active jobs whose supervisor died as failed")
-    sub.add_parser("doctor", help="check NVML, devices, the trainer install, state dir and train root")
+    doctor = sub.add_parser("doctor", help="check NVML, devices, the trainer install, state dir and train root")
+    doctor.add_argument("--strict", action="store_true",
+                        help="also start the trainer in its sandbox (torch, CUDA, bitsandbytes): exit 1 unless "
+                             "this host can train")
     sub.add_parser("check-ledger", help="read every page of the ledger (read-only; exit 1 if it is damaged)")
     serve = sub.add_parser("serve", help="migrate, reconcile and run gunicorn")
     serve.add_argument("--bind", default=None, help="override the `bind` setting (default 127.0.0.1:8203)")
     jobs_cli.add_parser(sub)
     demo_cli.add_parser(sub)
+    smoke_cli.add_parser(sub)
     banner.add_parser(sub)
     return parser
 

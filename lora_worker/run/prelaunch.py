@@ -54,7 +54,7 @@ def _new_subset(dataset_fd: int, folder: str) -> str | None:
 def _unsafe_entry(folder_fd: int, folder: str) -> str | None:
     entries = dict(fs.list_entries(folder_fd))
     opened = [n for n in entries if kohya.is_trained_image(n)]
-    opened += [c for c in map(kohya.caption_name, opened) if c in entries]
+    opened += [c for image in list(opened) for c in kohya.caption_candidates(image) if c in entries]
     for name in opened:
         if not stat.S_ISREG(entries[name].st_mode):
             return f"{folder}/{name} is now a {fs.kind_of(entries[name].st_mode)}, not a regular file"

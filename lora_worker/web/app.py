@@ -24,11 +24,13 @@ log = logging.getLogger(__name__)
 
 
 def build_app(config: Settings | dict[str, Any] | None = None, *, nvml: Nvml | None = None,
-              launch: Callable[[int, Settings], None] | None = None, backend: Backend | None = None) -> Flask:
+              launch: Callable[[int, Settings], None] | None = None, backend: Backend | None = None,
+              deep_health: bool = False) -> Flask:
     """Build the app. Nothing here runs at import time, and no connection is opened before this call.
 
     Jobs run on `backend` (default: the one the settings ask for); `launch` alone keeps that backend but
-    starts runs with it instead (a test's recorder)."""
+    starts runs with it instead (a test's recorder). `deep_health`: run the deep checks (readiness.py) now, in
+    the background, for /healthz?deep=1: the service does (wsgi.py); a test asks when it wants them."""
     settings = config if isinstance(config, Settings) else load_settings().with_overrides(**(config or {}))
     token = auth.load_token(settings)
     auth.require_token_off_loopback(settings, token)
@@ -39,6 +41,8 @@ def build_app(config: Settings | dict[str, Any] | None = None, *, nvml: Nvml | N
     worker = Worker(settings=settings, db=db,
                     nvml=nvml if nvml is not None else make_nvml(settings.nvml_timeout_s, settings.nvml_fake_file),
                     backend=backend)
+    if deep_health:  # in the background: a start must not wait for the trainer's torch import
+        worker.deep_health.start()
     for action in reconcile(db, settings, actor="startup", backend=backend):
         log.warning("start-up reconcile: job %s → failed (%s)", action.job_id, action.failure_class.value,
                     extra={"job": action.job_id})

@@ -83,6 +83,8 @@ _ADVICE: dict[str, tuple[str, str]] = {  # domain code → (Retry-After in words
     "launch_failed": ("", "Retry once; if it fails again an operator should read the worker's log."),
     "sandbox_unavailable": ("", "An operator must install bubblewrap (`apt-get install bubblewrap`; "
                                 "`lora-worker doctor`)."),
+    "host_not_ready": ("", "Deploy gate: wait while `details.deep.status` is pending; when failing, an operator "
+                           "must fix what `details.deep.failed` names (`lora-worker doctor --strict`)."),
     "ledger_replaced": ("", "An operator must restart the service: the ledger file was deleted or replaced "
                             "under it (`/healthz` says `failing`)."),
 }

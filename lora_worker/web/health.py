@@ -5,10 +5,15 @@ claims (the ledger file deleted or replaced under it), with what it saw in `deta
 ledger's problem): the install script's health gate and any monitor see the difference.
 
 It only reads (the ledger's identity, the active job's row, NVML): no reconcile, no write, no signal. Reconcile
-runs at start-up, from the web process's timer and on authenticated requests (web/service.py)."""
+runs at start-up, from the web process's timer and on authenticated requests (web/service.py).
+
+`?deep=1` adds the deep checks the service ran once at start-up (dispatch/readiness.py: bwrap's namespaces,
+NVML's process lists, the device nodes, the trainer outside what the unit hides, torch and CUDA in the sandbox),
+read from memory, never run by the request: 200 only when the host can train; a 503 `host_not_ready`
+while they are still running (`pending`) or when one failed. The deploy gate polls this."""
 from __future__ import annotations
 
-from flask import Blueprint, Response, jsonify
+from flask import Blueprint, Response, jsonify, request
 
 from lora_worker.web import worker
 from lora_worker.web.errors import error_response
@@ -24,4 +29,10 @@ def healthz() -> Response:
         details = {"health": health["status"], **{k: v for k, v in health.items() if k != "status"}}
         return error_response(503, "ledger_replaced", f"The service cannot work as it claims: {health['ledger']}.",
                               details=details)
+    if request.args.get("deep", "") not in ("", "0", "false"):
+        health["deep"] = deep = worker().deep_health.result()
+        if deep["status"] != "ok":
+            failed = ", ".join(deep.get("failed") or ()) or deep["status"]
+            return error_response(503, "host_not_ready", f"This host cannot train yet: {failed}.",
+                                  details={"deep": deep})
     return jsonify(HealthSchema().dump(health))

@@ -9,6 +9,7 @@ from typing import Any
 from marshmallow import RAISE, Schema, ValidationError, fields, missing, post_load, validate, validates
 
 from lora_worker.config import BACKENDS, DEFAULT_LORA_TARGETS, LORA_TARGET_PRESETS, SDXL_HPARAMS, TIERS
+from lora_worker.dispatch import paths
 from lora_worker.dispatch.request import TrainRequest
 from lora_worker.states import ACTIVE_STATES, TERMINAL_STATES, JobState, Phase
 
@@ -78,8 +79,15 @@ class TrainRequestSchema(Schema):
             raise ValidationError("Must be in Unicode normal form NFC.")
         if not value.startswith("/") and data_key == "base_model_path":  # dataset and output: under the root
             raise ValidationError("Must be an absolute path.")
-        if any(part in (".", "..") for part in value.split("/")):
-            raise ValidationError("Must not contain '.' or '..' components.")
+        if ".." in value.split("/"):  # `.` is harmless and normalised away (`./t1/dataset` is `t1/dataset`)
+            raise ValidationError("Must not contain '..' components.")
+
+    @validates("output_name")
+    def _no_suffix(self, value: str, data_key: str) -> None:
+        # sd-scripts appends the suffix itself (train_util.py L5781-5783, get_last_ckpt_name: output_name + ext)
+        if value.lower().endswith(".safetensors"):
+            raise ValidationError(f"Without the .safetensors suffix: sd-scripts adds it, and {value!r} would be "
+                                  f"saved as {value + '.safetensors'!r}; send {value[:-len('.safetensors')]!r}.")
 
     @validates("max_grad_norm")
     def _finite(self, value: float | None, data_key: str) -> None:
@@ -88,6 +96,8 @@ class TrainRequestSchema(Schema):
 
     @post_load
     def _make(self, data: dict[str, Any], **_: Any) -> TrainRequest:
+        for key in ("dataset_dir", "base_model_path", "output_dir"):
+            data[key] = paths.without_dot_components(data[key])
         return TrainRequest(**data)
 
 
@@ -365,6 +375,9 @@ class HealthSchema(Schema):
     trainer = fields.String(metadata={"description": "sd-scripts, or simulated: the test double, which trains nothing"})
     sandbox = fields.String(metadata={"description": "the trainer's sandbox in force: `bwrap (<path>)`, `none …`, "
                                                      "or `unavailable: …` (then POST /train is a 503)"})
+    deep = fields.Dict(metadata={"description": "with ?deep=1: the deep checks run once at start-up: `status` ok, "
+                                                "failing or pending (then 503), `failed` (names), `simulated`, "
+                                                "`checks` (name, ok, required, simulated, detail), `checked_at`"})
 
 
 class ErrorSchema(Schema):

@@ -19,6 +19,7 @@ from lora_worker.host import fs, sandbox
 from lora_worker.host.nvml import Nvml
 from lora_worker.web.gpu_status import gpu_status
 from lora_worker.dispatch.dispatcher import Dispatcher
+from lora_worker.dispatch.readiness import DeepHealth
 from lora_worker.dispatch.request import TrainRequest
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
@@ -92,6 +93,7 @@ class Worker:
         self.dispatcher = Dispatcher(self.settings, self.db, self.nvml, self.backend)
         self._reconciled_at = -math.inf  # time.monotonic() of the last request-driven reconcile
         self._reconcile_gate = threading.Lock()
+        self.deep_health = DeepHealth(self.settings, self.nvml)
 
     def submit(self, request: TrainRequest, *, idempotency_key: str | None = None,
                body_sha256: str | None = None) -> tuple[Job, bool]:

@@ -224,7 +224,6 @@ def test_relative_names_resolve_under_the_train_root_and_the_job_shows_absolute_
 @pytest.mark.parametrize("field, value", [
     ("dataset_dir", "../t1/dataset"), ("dataset_dir", "t1/../../x"), ("output_dir", "t1/../../out"),
     ("dataset_dir", "t1/escape"), ("output_dir", "t1/escape/out"), ("output_dir", "other/out"),
-    ("dataset_dir", "./t1/dataset"),
 ])
 def test_a_relative_name_that_climbs_out_is_a_422_with_every_containment_rule_kept(api, host, launches, field, value):
     (host.dataset.parent / "escape").symlink_to(host.root)

@@ -66,8 +66,14 @@ def test_the_playbooks_defaults_are_the_seeds_and_the_installers():
 
 
 def test_the_playbook_ends_with_a_health_gate_and_reports_a_change_only_when_the_installer_made_one():
-    last = play()["tasks"][-1]
+    last = [task for task in play()["tasks"] if "ansible.builtin.uri" in task][-1]
     assert last["ansible.builtin.uri"]["url"] == "{{ lora_worker_health_url }}"
     assert last["ansible.builtin.uri"]["status_code"] == 200 and last["retries"] >= 10
     assert play()["vars"]["lora_worker_health_url"] == install_script().HEALTH_URL
     assert install_task()["changed_when"] == "'0 change(s)' not in lora_worker_install.stdout"
+
+
+def test_the_playbook_runs_the_smoke_test_last_and_only_when_asked():
+    smoke = play()["tasks"][-1]
+    assert "lora-worker smoke --token-file -" in smoke["ansible.builtin.shell"]
+    assert smoke["when"] == "lora_worker_smoke | bool" and play()["vars"]["lora_worker_smoke"] is False

@@ -296,8 +296,10 @@ def test_no_driver_is_nvml_unavailable(monkeypatch):
 
 def test_doctor_reports_each_check_and_fails_on_what_is_missing(migrated, host, capsys, monkeypatch):
     from lora_worker.ops import cli
+    from lora_worker.dispatch import readiness
     migrated = replace(migrated, arbo_user="root", gpu_lock_group="root")  # this host's names: root's group
     monkeypatch.setattr(cli, "load_settings", lambda: migrated)
+    monkeypatch.setattr(readiness, "HIDDEN_BY_UNIT", ())  # the test host lives in /tmp, which the unit hides
     os.chmod(migrated.train_root, 0o2770)
     assert cli.main(["migrate"]) == 0  # creates the state dir's lock folders
     os.chmod(migrated.gpu_locks, 0o3770)  # as the tmpfiles entry makes it

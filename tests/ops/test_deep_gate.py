@@ -1,0 +1,57 @@
+"""The deploy gates on the deep health check, not on a bare 200: the installer's health gate and the playbook's
+poll `GET /healthz?deep=1`, which the real service (gunicorn, wsgi.py) answers from the checks it ran at
+start-up. And `lora-worker doctor --strict`, the same checks from a terminal."""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import yaml
+
+from lora_worker.config import REPO_ROOT
+from tests.helpers import install_script
+from tests.service import Service
+
+
+def deep(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"{url}/healthz?deep=1", timeout=5) as response:  # noqa: S310
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_the_installer_and_the_playbook_gate_on_the_deep_check():
+    assert install_script().HEALTH_URL == "http://127.0.0.1:8203/healthz?deep=1"
+    play = yaml.safe_load((REPO_ROOT / "deploy" / "lora-worker.yml").read_text())[0]
+    assert play["vars"]["lora_worker_health_url"].endswith("/healthz?deep=1")
+
+
+def test_the_gate_refuses_a_host_that_answers_200_but_cannot_train(migrated, host):
+    """The test host's trainer lives in /tmp, which the unit's PrivateTmp hides: a bare /healthz says 200."""
+    script = install_script()
+    service = Service(migrated, host.root / "gunicorn.log").start()
+    try:
+        assert script.health_gate(f"{service.url}/healthz", timeout_s=10) is True
+        assert script.health_gate(f"{service.url}/healthz?deep=1", timeout_s=3) is False
+        status, body = deep(service.url)
+        assert status == 503 and "trainer outside the unit's hidden paths" in body["deep"]["failed"]
+    finally:
+        service.stop()
+
+
+def test_the_gate_passes_a_simulated_host_and_says_it_was_simulated(migrated, host):
+    service = Service(migrated, host.root / "gunicorn.log",
+                      extra_env={"LORA_WORKER_TRAINER_KIND": "simulated"}).start()
+    try:
+        deadline = time.monotonic() + 30
+        while (answer := deep(service.url))[1]["deep"]["status"] == "pending" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        status, body = answer
+        assert status == 200, body
+        assert body["deep"]["simulated"] is True
+        assert install_script().health_gate(f"{service.url}/healthz?deep=1", timeout_s=5) is True
+    finally:
+        service.stop()

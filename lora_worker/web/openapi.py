@@ -89,7 +89,8 @@ DOCS: dict[str, Doc] = {
     "gpu.gpu_status": Doc("Each GPU's memory, compute processes and interlock, in PCI bus order.", 200,
                           GpuStatusSchema, errors=("nvml_unavailable", *LEDGER)),
     "health.healthz": Doc("Liveness and the active job id; open without a token. It only reads: no reconcile, "
-                          "no write, no signal.", 200, HealthSchema, errors=("ledger_replaced",)),
+                          "no write, no signal. With `deep=1`, 200 only once the start-up's deep checks found "
+                          "the host can train.", 200, HealthSchema, errors=("ledger_replaced", "host_not_ready")),
     "metrics.metrics": Doc("Prometheus metrics: jobs by state, durations, the active job, GPU memory.", 200,
                            {"type": "string"}, media_type=METRICS_MEDIA_TYPE),
     "openapi.openapi_document": Doc("This document.", 200, {"type": "object"}, errors=()),

@@ -243,7 +243,8 @@ def test_healthz_deep_serves_the_start_up_result_and_never_runs_the_checks_itsel
     try:
         client = app.test_client()
         pending = client.get("/healthz?deep=1")
-        assert pending.status_code == 503 and pending.get_json()["deep"]["status"] == "pending"
+        assert pending.status_code == 503 and pending.get_json()["error"] == "host_not_ready"
+        assert pending.get_json()["details"]["deep"]["status"] == "pending"
         assert client.get("/healthz").status_code == 200  # the bare liveness answer is unchanged
         app.extensions["lora_worker"].deep_health.wait(60)
         for _ in range(3):

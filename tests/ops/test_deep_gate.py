@@ -37,7 +37,8 @@ def test_the_gate_refuses_a_host_that_answers_200_but_cannot_train(migrated, hos
         assert script.health_gate(f"{service.url}/healthz", timeout_s=10) is True
         assert script.health_gate(f"{service.url}/healthz?deep=1", timeout_s=3) is False
         status, body = deep(service.url)
-        assert status == 503 and "trainer outside the unit's hidden paths" in body["deep"]["failed"]
+        assert status == 503 and body["error"] == "host_not_ready" and body["retryable"] is False
+        assert "trainer outside the unit's hidden paths" in body["details"]["deep"]["failed"]
     finally:
         service.stop()
 
@@ -47,7 +48,8 @@ def test_the_gate_passes_a_simulated_host_and_says_it_was_simulated(migrated, ho
                       extra_env={"LORA_WORKER_TRAINER_KIND": "simulated"}).start()
     try:
         deadline = time.monotonic() + 30
-        while (answer := deep(service.url))[1]["deep"]["status"] == "pending" and time.monotonic() < deadline:
+        while (answer := deep(service.url))[0] == 503 and answer[1]["details"]["deep"]["status"] == "pending" \
+                and time.monotonic() < deadline:
             time.sleep(0.2)
         status, body = answer
         assert status == 200, body

@@ -213,10 +213,22 @@ def check_ledger(settings: Settings) -> None:
     with the history (`verify_structure`); `check-ledger`, `doctor` and a migration read every page."""
     path = settings.database_path
     if not path.exists():
-        raise ConfigError(f"No ledger at {path}; run `lora-worker migrate` first.")
+        raise ConfigError(f"No ledger at {path}{_which_worker()}; run `lora-worker migrate` first.")
     verify_structure(path)
     refuse_newer_ledger(path)
     current, head = current_revision(path), head_revision()
+    if current is None:
+        raise ConfigError(f"Ledger {path} was never migrated{_which_worker()}; run `lora-worker migrate` first.")
     if current != head:
         raise ConfigError(f"Ledger {path} is at schema {current}, the code needs {head}; "
                           "run `lora-worker migrate`.")
+
+
+def _which_worker() -> str:
+    """A missing ledger under the built-in settings is most often the wrong worker's: say which settings these
+    are, before the advice to make a new ledger."""
+    if os.environ.get("LORA_WORKER_CONFIG") or os.environ.get("LORA_WORKER_STATE_DIR"):
+        return ""
+    return (" (the built-in settings: neither LORA_WORKER_CONFIG nor LORA_WORKER_STATE_DIR is set; for another "
+            "worker's ledger point LORA_WORKER_CONFIG at its config, e.g. LORA_WORKER_CONFIG=var/demo/worker.toml "
+            "for `make demo`'s)")

@@ -49,6 +49,7 @@ def cmd_reconcile(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     """Migrate, reconcile, then exec gunicorn with the shipped configuration."""
+    banner.refuse_open_bind(settings, args.bind)
     cmd_migrate(settings, args)
     cmd_reconcile(settings, args)
     conf = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "systemd",
@@ -108,6 +109,7 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_config(settings: Settings, args: argparse.Namespace) -> int:
+    banner.refuse_open_bind(settings, args.bind)  # first: `make run` stops here, before gunicorn's traceback
     banner.describe(settings, sys.stdout, bind=args.bind)
     return 0
 

@@ -5,6 +5,8 @@ BIN := $(VENV)/bin
 # Empty: gunicorn takes the `bind` setting (the config file, LORA_WORKER_BIND, else 127.0.0.1:8203);
 # `make run BIND=host:port` overrides it.
 BIND ?=
+# `make demo PORT=8214`: the demo's server on 127.0.0.1:PORT instead of 8204.
+PORT ?=
 LOCK := deploy/requirements.lock
 
 .PHONY: run test demo demo-slurm chaos bench install lock clean
@@ -50,7 +52,8 @@ test: $(VENV)/.installed
 
 # No GPU, no sd-scripts: a simulated host under ./var/demo (the test suite's fake trainer, a 24 GB card running
 # TTS and a 48 GB card), the real service on 127.0.0.1:8204, one `fast` job trained live to a verified LoRA,
-# then the curl commands for each step. The server stays up until Ctrl-C. Its own, smaller install: the
+# then the curl commands for each step. The server stays up until Ctrl-C (or the terminal closes, or make is
+# killed: nothing it started outlives it). Its own, smaller install: the
 # `demo` extra (tqdm, which the simulated trainer draws its progress bars with).
 $(VENV)/.demo-installed: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -58,7 +61,7 @@ $(VENV)/.demo-installed: setup.cfg pyproject.toml
 	touch $@
 
 demo: $(VENV)/.demo-installed
-	exec $(BIN)/lora-worker demo
+	exec $(BIN)/lora-worker demo $(if $(PORT),--bind 127.0.0.1:$(PORT))
 
 # The same demo with backend = slurm, each job an sbatch to a single-node Slurm of its own (tests/cluster/cluster.py:
 # munge, MariaDB + slurmdbd, slurmctld, slurmd, two fake GPUs), stopped at the end. Needs root and the Debian

@@ -17,7 +17,8 @@ the timer, and waits until GET /healthz answers 200. A second run changes nothin
 
 --root DIR writes every path under DIR (for staging and for CI). Accounts are host-wide, so under --root they
 are neither created nor assigned unless --accounts says so (the tests do, as root, with throwaway names).
---no-systemctl skips systemctl and the health gate. Standard library only: this runs before the venv exists.
+--no-systemctl skips systemctl and the health gate. --dry-run prints every change it would make (each
+`would:` line) and makes none. Standard library only: this runs before the venv exists.
 """
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling modules, also when loaded by a test
+import install_bytecode as bytecode  # noqa: E402
 
 SOURCE = Path(__file__).resolve().parent.parent
 LOCK = SOURCE / "deploy" / "requirements.lock"
@@ -140,8 +144,10 @@ exec {ids.venv}/bin/lora-worker "$@"
 
 
 class Installer:
-    def __init__(self, root: Path, ids: Identities, *, systemctl: bool, accounts: bool, pip_args: list[str]) -> None:
+    def __init__(self, root: Path, ids: Identities, *, systemctl: bool, accounts: bool, pip_args: list[str],
+                 dry_run: bool = False) -> None:
         self.root = root
+        self.dry_run = dry_run
         self.ids = ids
         self.systemctl = systemctl
         self.pip_args = pip_args
@@ -160,15 +166,21 @@ class Installer:
         self.directory(ids.train_root, 0o2770, group=ids.group, keep_owner={ids.service_user, ids.arbo_user})
         self.code()
         self.venv()
+        self.bytecode()
         service_group = self.primary_group(ids.service_user)
         self.directory(CONFIG_DIR, 0o750, group=service_group)
         self.file_once(CONFIG, config_text(ids), 0o640, group=service_group)
+        self.token_readable_by_others()
         self.file_once(TOKEN, secrets.token_urlsafe(32) + "\n", 0o600, group="root")
         for unit in (UNIT, CHECK_UNIT, CHECK_TIMER):
             self.file(unit, render((SOURCE / "systemd" / f"{unit.name}.in").read_text(), ids), 0o644)
         self.file(TMPFILES, render((SOURCE / "systemd" / "lora-worker.tmpfiles.conf.in").read_text(), ids), 0o644)
         self.file(COMMAND, command_script(ids), 0o755)
-        print(f"{len(self.changes)} change(s)" + ("" if self.changes else ": everything was already in place"))
+        print(f"{len(self.changes)} change(s)" + (" (dry run: none made)" if self.dry_run else "")
+              + ("" if self.changes else ": everything was already in place"))
+        if self.dry_run:
+            print("skipped: systemctl and the health gate (--dry-run)")
+            return 0
         if not self.systemctl:
             print("skipped: systemctl and the health gate (--no-systemctl)")
             return 0
@@ -226,6 +238,8 @@ class Installer:
         self.command(["useradd", "--system", "--user-group", "--groups", ids.group, "--home-dir", str(STATE_DIR),
                       "--no-create-home", "--shell", "/usr/sbin/nologin", ids.service_user],
                      f"user {ids.service_user}")
+        if self.dry_run:
+            return
         problem = exec_problem_for_user(ids.service_user, self.at(ids.accelerate))
         if problem:  # an ACL or a mount option the mode bits did not show: undo, never leave such a user
             subprocess.run(["userdel", ids.service_user], check=False)
@@ -259,7 +273,8 @@ class Installer:
                 self.directory(prefix / parent, 0o755, quiet=True)
             self.file(prefix / rel, data, 0o644, quiet=True)
         for rel in sorted(set(_code_files(target)) - set(wanted)):
-            (target / rel).unlink()
+            if not self.dry_run:
+                (target / rel).unlink()
             self.change(f"removed {prefix / rel}")
 
     def venv(self) -> None:
@@ -279,7 +294,42 @@ class Installer:
             self.command([*pip, "--require-hashes", "--no-deps", "-r", str(LOCK)], "pip install the lock")
             self.command([*pip, "--no-deps", "--no-build-isolation", "--no-index", "-e", str(self.at(self.ids.prefix))],
                          f"pip install -e {self.ids.prefix}")
-            stamp.write_text(wanted_text)
+            if not self.dry_run:
+                stamp.write_text(wanted_text)
+
+    def bytecode(self) -> None:
+        """Compile the worker and its venv (install_bytecode.py says why), so that no start under the unit's
+        read-only prefix compiles a module from source again."""
+        venv = self.at(self.ids.venv)
+        where = [self.at(self.ids.prefix / "lora_worker"), *sorted((venv / "lib").glob("python3*/site-packages"))]
+        stale = bytecode.stale(where)
+        code_written = any(c.startswith(("wrote", "removed")) and str(self.ids.prefix / "lora_worker") in c
+                           for c in self.changes)  # in a dry run, the code on disk is still the old one
+        if not stale and (venv / "bin" / "python").exists() and not (self.dry_run and code_written):
+            return
+        if not self.dry_run:
+            print(f"run: {venv / 'bin/python'} -m compileall -q -j 0 (the code and the venv's site-packages)",
+                  flush=True)
+            problem = bytecode.compile_all(venv / "bin" / "python", where)
+            if problem:
+                raise InstallError(f"compiling the byte code failed: {problem}")
+        self.change(f"compiled {len(stale)} module(s) to byte code" if stale and not self.dry_run
+                    else "compile the code's and the venv's byte code")
+
+    def token_readable_by_others(self) -> None:
+        """The token is arbo's key to this host: a copy anyone on the host could read is made private (below,
+        0600 root, as the unit's LoadCredential reads it), and said loudly: it may have been read already."""
+        target = self.at(TOKEN)
+        try:
+            st = target.lstat()
+        except FileNotFoundError:
+            return
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
+            raise InstallError(f"{TOKEN} is not a regular file (a link or other kind): replace it with a file")
+        if st.st_mode & 0o077:
+            print(f"WARNING: {TOKEN} was readable by others than root ({stat.filemode(st.st_mode)}): making it 0600; "
+                  "anyone on this host may have read it, so rotate it (write a new token there, then give arbo "
+                  "the new one)", file=sys.stderr)
 
     def start_service(self) -> None:
         self.command(["systemd-tmpfiles", "--create", str(TMPFILES)], "tmpfiles", record=False)
@@ -298,6 +348,9 @@ class Installer:
                   keep_owner: set[str] | None = None) -> None:
         target = self.at(path)
         if not target.is_dir():
+            if self.dry_run:
+                self.change(f"created {path} (mode {mode:04o})", quiet)
+                return
             target.mkdir(parents=True)
             self.change(f"created {path}", quiet)
         self.mode_and_owner(path, mode, group, keep_owner)
@@ -307,19 +360,30 @@ class Installer:
         data = content.encode() if isinstance(content, str) else content
         target = self.at(path)
         if not target.is_file() or target.read_bytes() != data:
-            target.parent.mkdir(parents=True, exist_ok=True)  # /etc/systemd/system … exist on a real host
-            tmp = target.with_name(f".{target.name}.new")
-            tmp.write_bytes(data)
-            os.chmod(tmp, mode)
-            os.replace(tmp, target)  # never a half-written unit or script
-            self.change(f"wrote {path}", quiet)
+            if self.dry_run:
+                self.change(f"wrote {path}", quiet)
+                if not target.is_file():
+                    return
+            else:
+                self._write(target, data, mode)
+                self.change(f"wrote {path}", quiet)
         self.mode_and_owner(path, mode, group)
+
+    def _write(self, target: Path, data: bytes, mode: int) -> None:
+        target.parent.mkdir(parents=True, exist_ok=True)  # /etc/systemd/system … exist on a real host
+        tmp = target.with_name(f".{target.name}.new")
+        tmp.write_bytes(data)
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)  # never a half-written unit or script
 
     def file_once(self, path: Path, content: str, mode: int, *, group: str) -> None:
         """Create a file only if it is absent (config, token): an operator's edits are never overwritten."""
         target = self.at(path)
         if target.exists():
             print(f"kept: {path} (exists)")
+        elif self.dry_run:
+            self.change(f"created {path} (mode {mode:04o})")
+            return
         else:
             # O_EXCL with the final mode: a token is never readable by anyone else, not even for an instant.
             fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
@@ -331,7 +395,8 @@ class Installer:
     def mode_and_owner(self, path: Path, mode: int, group: str | None, keep_owner: set[str] | None = None) -> None:
         target = self.at(path)
         if target.stat().st_mode & 0o7777 != mode:
-            os.chmod(target, mode)  # also sets setgid, which mkdir's mode would not
+            if not self.dry_run:
+                os.chmod(target, mode)  # also sets setgid, which mkdir's mode would not
             self.change(f"mode {mode:04o} on {path}")
         if group is None or not self.accounts_on or os.geteuid() != 0:
             return
@@ -343,21 +408,27 @@ class Installer:
         keep = {pwd.getpwnam(u).pw_uid for u in (keep_owner or ()) if _exists("passwd", u)}
         uid = st.st_uid if st.st_uid in keep else 0  # the train root may be a member's; anything else is root's
         if (st.st_uid, st.st_gid) != (uid, gid):
-            os.chown(target, uid, gid)
-            os.chmod(target, mode)  # chown clears setgid
+            if not self.dry_run:
+                os.chown(target, uid, gid)
+                os.chmod(target, mode)  # chown clears setgid
             self.change(f"owner {uid}:{group} on {path}")
 
     def command(self, argv: list[str], what: str, *, record: bool = True, check: bool = True) -> None:
         """Run a step; with check=False a failure is left for the health gate to report."""
-        print(f"run: {shlex.join(argv)}", flush=True)
-        subprocess.run(argv, check=check)
+        if self.dry_run:
+            print(f"would run: {shlex.join(argv)}", flush=True)
+        else:
+            print(f"run: {shlex.join(argv)}", flush=True)
+            subprocess.run(argv, check=check)
         if record:
             self.change(what)
 
     def change(self, what: str, quiet: bool = False) -> None:
+        if self.dry_run and what in self.changes:
+            return  # a directory not made yet is "created" once, not once per file in it
         self.changes.append(what)
-        if not quiet:
-            print(f"changed: {what}")
+        if not quiet or self.dry_run:  # a dry run prints every change, one by one
+            print(f"{'would' if self.dry_run else 'changed'}: {what}")
 
 
 def exec_problem(path: Path, *, uid: int | None, gids: set[int]) -> str | None:
@@ -460,6 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--root", type=Path, default=Path("/"), help="write every path under this directory")
     parser.add_argument("--accounts", action="store_true", help="under --root, still create and assign the accounts")
     parser.add_argument("--no-systemctl", action="store_true", help="skip systemctl and the health gate")
+    parser.add_argument("--dry-run", action="store_true", help="print every change it would make, make none")
     parser.add_argument("--pip-args", default="", help="extra arguments for pip install (quoted)")
     parser.add_argument("--health-url", default=HEALTH_URL)
     parser.add_argument("--health-timeout", type=float, default=60.0)
@@ -494,7 +566,7 @@ def main(argv: list[str] | None = None) -> int:
                      trainer_venv=args.trainer_venv, gpu_lock_dir=args.gpu_lock_dir,
                      gpu_lock_group=args.gpu_lock_group, gpu_lock_everyone=args.gpu_lock_everyone)
     installer = Installer(root, ids, systemctl=not args.no_systemctl, accounts=args.accounts,
-                          pip_args=shlex.split(args.pip_args))
+                          pip_args=shlex.split(args.pip_args), dry_run=args.dry_run)
     try:
         return installer.run(args.health_url, args.health_timeout)
     except InstallError as exc:

@@ -46,7 +46,7 @@ def allow_batch_rename(dbapi_conn: sqlite3.Connection, _record: object = None) -
 
 
 def upgrade(db_path: Path, revision: str = "head") -> None:
-    """Bring the ledger to `revision`, never migrating a damaged file.
+    """Bring the ledger to `revision` (up, or down to an older one), never migrating a damaged file.
 
     This runs at every service start (`lora-worker migrate`, the unit's ExecStartPre), so a ledger already at
     `revision` gets the bounded check only. Every page is read only when a revision is about to rewrite the
@@ -54,22 +54,59 @@ def upgrade(db_path: Path, revision: str = "head") -> None:
     db_path.parent.mkdir(parents=True, exist_ok=True)
     if db_path.exists():
         verify_structure(db_path)  # first: the schema version below is read from what it checks
+        refuse_newer_ledger(db_path)
         target = head_revision() if revision == "head" else revision
-        if current_revision(db_path) != target:
+        current = current_revision(db_path)
+        if current != target:
             verify_integrity(db_path)
+        if current is not None and target in ancestors(current):
+            from alembic import command
+
+            command.downgrade(alembic_config(db_path), target)
+            return
     from alembic import command
 
     command.upgrade(alembic_config(db_path), revision)
 
 
-def head_revision() -> str:
-    """The schema the code needs: the one revision in `migrations/versions` that no other revises (what
-    alembic's `get_current_head` says; tests/ledger holds them equal), read without importing alembic."""
+def refuse_newer_ledger(db_path: Path) -> None:
+    """Code rolled back onto a ledger a newer release migrated: refuse in one line that says how to go back.
+
+    This code cannot downgrade a revision it has never seen (the downgrade is in the newer code's migration
+    file), so the newer code must, before this one starts."""
+    current, known = current_revision(db_path), known_revisions()
+    if current is not None and current not in known:
+        head = head_revision()
+        raise ConfigError(f"Ledger {db_path} is at schema {current}, newer than this code's {head} (a rollback?); "
+                          f"downgrade it with the newer code first: `lora-worker migrate --to {head}`, "
+                          "then start this one.")
+
+
+def known_revisions() -> dict[str, list[str]]:
+    """Every revision in `migrations/versions`, with its parents, read without importing alembic."""
     revisions: dict[str, list[str]] = {}
     for path in sorted((MIGRATIONS_DIR / "versions").glob("*.py")):
         fields = {name: QUOTED.findall(value) for name, value in REVISION_LINE.findall(path.read_text())}
         if fields.get("revision"):
             revisions[fields["revision"][0]] = fields.get("down_revision", [])
+    return revisions
+
+
+def ancestors(revision: str) -> set[str]:
+    """The revisions below `revision` (not itself): the ones `migrate --to` goes down to."""
+    revisions, found, todo = known_revisions(), set(), list(known_revisions().get(revision, []))
+    while todo:
+        parent = todo.pop()
+        if parent not in found:
+            found.add(parent)
+            todo.extend(revisions.get(parent, []))
+    return found
+
+
+def head_revision() -> str:
+    """The schema the code needs: the one revision in `migrations/versions` that no other revises (what
+    alembic's `get_current_head` says; tests/ledger holds them equal), read without importing alembic."""
+    revisions = known_revisions()
     revised = {parent for parents in revisions.values() for parent in parents}
     heads = sorted(set(revisions) - revised)
     if len(heads) != 1:
@@ -128,11 +165,16 @@ def _quick_check(db_path: Path, statements: Callable[[sqlite3.Connection], list[
         raise LedgerCorrupt(f"ledger {db_path} failed PRAGMA quick_check: {detail}")
 
 
-def migrate(settings: Settings) -> int:
-    """`lora-worker migrate`: the state dir, the schema, then the job ids; returns the highest id ever given."""
+def migrate(settings: Settings, revision: str = "head") -> int | None:
+    """`lora-worker migrate [--to REV]`: the state dir, the schema, then the job ids; returns the highest id
+    ever given."""
+    if revision != "head" and revision not in known_revisions():
+        raise ConfigError(f"No schema revision {revision!r} in {MIGRATIONS_DIR / 'versions'}; this code knows "
+                          f"{', '.join(sorted(known_revisions()))}.")
     prepare_state_dir(settings)
-    upgrade(settings.database_path)
-    return seed_job_ids(settings)
+    upgrade(settings.database_path, revision)
+    # Below the head (a rollback in progress) the older code seeds the ids when it migrates.
+    return seed_job_ids(settings) if current_revision(settings.database_path) == head_revision() else None
 
 
 def seed_job_ids(settings: Settings) -> int:
@@ -171,9 +213,22 @@ def check_ledger(settings: Settings) -> None:
     with the history (`verify_structure`); `check-ledger`, `doctor` and a migration read every page."""
     path = settings.database_path
     if not path.exists():
-        raise ConfigError(f"No ledger at {path}; run `lora-worker migrate` first.")
+        raise ConfigError(f"No ledger at {path}{_which_worker()}; run `lora-worker migrate` first.")
     verify_structure(path)
+    refuse_newer_ledger(path)
     current, head = current_revision(path), head_revision()
+    if current is None:
+        raise ConfigError(f"Ledger {path} was never migrated{_which_worker()}; run `lora-worker migrate` first.")
     if current != head:
         raise ConfigError(f"Ledger {path} is at schema {current}, the code needs {head}; "
                           "run `lora-worker migrate`.")
+
+
+def _which_worker() -> str:
+    """A missing ledger under the built-in settings is most often the wrong worker's: say which settings these
+    are, before the advice to make a new ledger."""
+    if os.environ.get("LORA_WORKER_CONFIG") or os.environ.get("LORA_WORKER_STATE_DIR"):
+        return ""
+    return (" (the built-in settings: neither LORA_WORKER_CONFIG nor LORA_WORKER_STATE_DIR is set; for another "
+            "worker's ledger point LORA_WORKER_CONFIG at its config, e.g. LORA_WORKER_CONFIG=var/demo/worker.toml "
+            "for `make demo`'s)")

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TextIO
 
 from lora_worker.config import ENV_PREFIX, Settings
+from lora_worker.errors import ConfigError
+from lora_worker.host.bind import is_loopback
 
 CREDENTIAL = Path("api_token")  # the unit's LoadCredential= name, inside $CREDENTIALS_DIRECTORY
 
@@ -61,6 +63,16 @@ def describe(settings: Settings, out: TextIO, environ: Mapping[str, str] | None 
     if not settings.simulated and not settings.train_script.is_file():
         out.write(f"  (no sd-scripts at {settings.sd_scripts_dir} yet: point accelerate, sd_scripts_dir and "
                   "tokenizer_cache_dir at a real install; until then every POST /train is a 503)\n")
+
+
+def refuse_open_bind(settings: Settings, bind: str | None = None, environ: Mapping[str, str] | None = None) -> None:
+    """Without a token the worker serves loopback only (the web refuses anything else at start-up, in a
+    traceback from gunicorn): say so in one line before anything starts."""
+    bind = bind or settings.bind
+    if _token_source(settings, os.environ if environ is None else environ) is None and not is_loopback(bind):
+        raise ConfigError(f"no API token, and {bind} is not loopback: without a token the worker serves only "
+                          "127.0.0.1; set api_token_file (or LORA_WORKER_API_TOKEN_FILE) to a token file, or bind "
+                          "to 127.0.0.1:PORT")
 
 
 def _token_source(settings: Settings, environ: Mapping[str, str]) -> str | None:

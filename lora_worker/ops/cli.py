@@ -24,9 +24,9 @@ log = logging.getLogger("lora_worker.ops.cli")
 def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
     from lora_worker.ledger.migrate import current_revision, migrate
 
-    highest = migrate(settings)  # state dir, schema, and job ids above any this host ever ran
-    print(f"ledger {settings.database_path} at schema {current_revision(settings.database_path)}; "
-          f"next job id above {highest}")
+    highest = migrate(settings, getattr(args, "to", "head"))  # state dir, schema, job ids above any ever run
+    print(f"ledger {settings.database_path} at schema {current_revision(settings.database_path)}"
+          + (f"; next job id above {highest}" if highest is not None else ""))
     return 0
 
 
@@ -51,6 +51,7 @@ def cmd_reconcile(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
     """Migrate, reconcile, then exec gunicorn with the shipped configuration."""
+    banner.refuse_open_bind(settings, args.bind)
     cmd_migrate(settings, args)
     cmd_reconcile(settings, args)
     conf = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "systemd",
@@ -114,6 +115,7 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_config(settings: Settings, args: argparse.Namespace) -> int:
+    banner.refuse_open_bind(settings, args.bind)  # first: `make run` stops here, before gunicorn's traceback
     banner.describe(settings, sys.stdout, bind=args.bind)
     return 0
 
@@ -142,7 +144,10 @@ COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], int]] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lora-worker", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("migrate", help="create or upgrade the ledger schema")
+    migrate = sub.add_parser("migrate", help="create or upgrade the ledger schema")
+    migrate.add_argument("--to", default="head", metavar="REVISION",
+                         help="up or down to this schema revision (default: the code's head); before a rollback, "
+                              "the newer code takes the ledger down to the older code's head")
     sub.add_parser("reconcile", help="mark active jobs whose supervisor died as failed")
     doctor = sub.add_parser("doctor", help="check NVML, devices, the trainer install, state dir and train root")
     doctor.add_argument("--strict", action="store_true",

@@ -38,7 +38,29 @@ def run_checks(settings: Settings, nvml: Nvml, *, strict: bool = False) -> list[
     deep = deep_checks(settings, nvml, trainer=strict)
     if settings.backend == "slurm":
         deep = [sandbox_check(settings, sandbox.probe)]
-    return [*placement, *deep, *_trainer_checks(settings), *_disk_checks(settings), *identity_checks(settings)]
+    return [*placement, *deep, *_trainer_checks(settings), *_disk_checks(settings), *identity_checks(settings),
+            *token_file_check(settings)]
+
+
+def token_file_check(settings: Settings, environ: dict[str, str] | None = None) -> list[Check]:
+    """The API token file (api_token_file, else the installer's, beside the config file) must be private: a
+    token others on the host can read is anyone's key to the API. No line when there is no token file."""
+    environ = dict(os.environ) if environ is None else environ
+    beside_config = Path(environ["LORA_WORKER_CONFIG"]).parent / "api_token" if environ.get("LORA_WORKER_CONFIG") \
+        else None
+    path = settings.api_token_file or beside_config
+    try:
+        st = os.lstat(path) if path else None
+    except OSError:
+        st = None
+    if path is None or st is None:
+        return [] if path is None or path == beside_config else [Check("api token", False, f"{path} is missing")]
+    if not stat.S_ISREG(st.st_mode):
+        return [Check("api token", False, f"{path} is not a regular file (a link or other kind)")]
+    if st.st_mode & 0o007:
+        return [Check("api token", False, f"{path} ({stat.filemode(st.st_mode)}) is readable by every user on this "
+                                          f"host: sudo chmod 0600 {path}, then rotate the token (it may have been read)")]
+    return [Check("api token", True, f"{path} ({stat.filemode(st.st_mode)}), not readable by others")]
 
 
 def identity_checks(settings: Settings) -> list[Check]:

@@ -17,6 +17,7 @@ import struct
 import subprocess
 import sys
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -95,13 +96,13 @@ def set_trainer_modes(sd_scripts_dir: Path, **modes: Any) -> None:
     (sd_scripts_dir / "fake_trainer.json").write_text(json.dumps(modes))
 
 
-def start_tts_stand_in() -> subprocess.Popen[bytes]:
+def start_tts_stand_in(preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen[bytes]:
     """A sleeping process named like a TTS server: the foreign compute process on the 24 GB card."""
     # Its name (what /gpu-status and a 409 gpu_busy show) is set the way a real server's is: in /proc/self/comm.
     code = f"open('/proc/self/comm', 'w').write({TTS_COMM!r})\nimport time\nwhile True: time.sleep(3600)"
     return subprocess.Popen([TTS_NAME, "-c", code],  # noqa: S603
                             executable=sys.executable, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=preexec_fn)
 
 
 def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 5.0) -> None:

@@ -7,7 +7,6 @@ handed on: the trainer's environment is an allow-list, and only the file's path 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
 import os
 from collections.abc import Mapping
@@ -17,6 +16,7 @@ from flask import Flask, Response, request
 
 from lora_worker.web.errors import error_response
 from lora_worker.config import Settings
+from lora_worker.host.bind import is_loopback
 from lora_worker.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -57,26 +57,6 @@ def require_token_off_loopback(settings: Settings, token: bytes | None) -> None:
                           "or bind to 127.0.0.1")
     if token is None:
         log.warning("no API token: serving without auth on %s (development mode, loopback only)", settings.bind)
-
-
-def is_loopback(bind: str) -> bool:
-    """Whether every address of a gunicorn bind (`host:port`, `[v6]:port`, `unix:path`, comma-separated) is
-    reachable from this host only. Anything unrecognised counts as open."""
-    addresses = [a.strip() for a in bind.split(",") if a.strip()]
-    return bool(addresses) and all(_is_loopback_address(a) for a in addresses)
-
-
-def _is_loopback_address(address: str) -> bool:
-    if address.startswith("unix:"):
-        return True  # a socket file cannot be reached from another host
-    host = address.rsplit(":", 1)[0] if address.count(":") == 1 or address.startswith("[") else address
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name, or gunicorn's "fd://": we cannot tell, so it is not loopback
 
 
 def protect(app: Flask, token: bytes | None) -> None:

@@ -151,7 +151,8 @@ def test_the_code_is_mirrored_stale_files_removed_and_edits_undone(staged, tmp_p
     out = install(root).stdout
     assert not (code / "lora_worker/removed_module.py").exists()
     assert (code / "lora_worker/web/app.py").read_bytes() == (REPO_ROOT / "lora_worker/web/app.py").read_bytes()
-    assert "removed /opt/lora-training-worker/lora_worker/removed_module.py" in out and "2 change(s)" in out
+    assert "removed /opt/lora-training-worker/lora_worker/removed_module.py" in out and "3 change(s)" in out
+    assert "changed: compiled 1 module(s) to byte code" in out  # app.py, rewritten
     assert (code / "venv/bin/python").exists()  # the venv beside the code is not a stale code file
 
 

@@ -9,6 +9,7 @@
      │    ├── IdempotencyKeyReused    422: the same Idempotency-Key came with another body
      │    └── OutputExists            422: the LoRA file to be written already exists (field output_name)
      ├── JobNotFound                  404
+     │    └── EventNotFound           404: the job has no webhook event with this id
      ├── Conflict                     409: busy now; the same request may succeed later
      │    ├── JobActive               409: another job is queued or running
      │    ├── InsufficientVram        409: the device has too little free memory for the tier
@@ -106,6 +107,12 @@ class JobNotFound(LoraWorkerError):
     """No job has this id."""
 
     code = "job_not_found"
+
+
+class EventNotFound(JobNotFound):
+    """The job has no webhook event with this id."""
+
+    code = "event_not_found"
 
 
 class Conflict(LoraWorkerError):

@@ -18,6 +18,7 @@ from marshmallow import Schema
 from werkzeug.routing import Rule
 
 from lora_worker.web.auth import OPEN_ENDPOINTS
+from lora_worker.web.deliveries import DeliveriesSchema, DeliverySchema
 from lora_worker.web.errors import BY_CODE, CATALOGUE, ErrorEntry
 from lora_worker.web.schemas import (AcceptedSchema, CancelQuerySchema, ErrorSchema, GpuStatusSchema, HealthSchema,
                                      JobListQuerySchema, JobListSchema, JobSchema, LogQuerySchema, LogSchema,
@@ -86,6 +87,12 @@ DOCS: dict[str, Doc] = {
                         query=CancelQuerySchema,
                         also={200: "With `wait`: the job ended within it (normally `cancelled`; a job that "
                                    "finished first says how it did)."}),
+    "deliveries.deliveries": Doc("The job's webhook events, oldest first, each with every attempt to deliver it "
+                                 "(time, status code, latency, error).", 200, DeliveriesSchema,
+                                 errors=JOB_READ_ERRORS),
+    "deliveries.redeliver": Doc("Send one webhook event again, under its own `webhook-id`, next among the job's "
+                                "events.", 202, DeliverySchema,
+                                errors=("job_not_found", "event_not_found", "validation_failed", *LEDGER)),
     "gpu.gpu_status": Doc("Each GPU's memory, compute processes and interlock, in PCI bus order.", 200,
                           GpuStatusSchema, errors=("nvml_unavailable", *LEDGER)),
     "health.healthz": Doc("Liveness and the active job id; open without a token.", 200, HealthSchema),

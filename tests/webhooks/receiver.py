@@ -58,7 +58,7 @@ class Answer:
 class Receiver:
     """`script` answers the first requests in order; every later one gets 200."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.deliveries: list[Delivery] = []
         self.script: list[Answer] = []
         self.arrived = threading.Condition()
@@ -80,7 +80,7 @@ class Receiver:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 

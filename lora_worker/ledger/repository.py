@@ -250,6 +250,7 @@ class Counts:
     # status -> ([(upper bound in seconds, jobs in that bucket alone)], jobs, seconds in all); +Inf last
     durations: dict[str, tuple[list[tuple[float, int]], int, float]]
     reconcile_actions: dict[tuple[str, str], int]  # (actor, failure class) -> jobs
+    webhook_events: dict[str, int]  # pending | retrying | delivered | given_up -> events (migration 0012)
 
 
 def counts(db: Database) -> Counts:
@@ -272,6 +273,7 @@ def counts(db: Database) -> Counts:
         durations=durations,
         reconcile_actions={tuple(label.split("|", 1)): int(n)  # type: ignore[misc]
                            for metric, label, n in rows if metric == "reconcile"},
+        webhook_events={label: int(n) for metric, label, n in rows if metric == "webhook"},
     )
 
 

@@ -27,6 +27,7 @@ from lora_worker.host.nvml import Nvml
 from lora_worker.ledger.migrate import current_revision, head_revision, verify_integrity
 from lora_worker.host import sandbox
 from lora_worker.host.trainer import missing_trainer_parts
+from lora_worker.webhooks.probe import webhook_findings
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class Check:
 
 def run_checks(settings: Settings, nvml: Nvml) -> list[Check]:
     placement = slurm_checks(settings) if settings.backend == "slurm" else list(_gpu_checks(settings, nvml))
-    return [*placement, *_trainer_checks(settings), *_disk_checks(settings), *identity_checks(settings)]
+    return [*placement, *_trainer_checks(settings), *_disk_checks(settings), *identity_checks(settings),
+            *(Check(name, ok, detail) for name, ok, detail in webhook_findings(settings))]
 
 
 def identity_checks(settings: Settings) -> list[Check]:

@@ -100,7 +100,7 @@ def test_a_receiver_down_across_a_restart_of_the_worker_gets_everything_after(we
         got = back.wait_for(ended, timeout=60)
         types = [d.verified(secret)["type"] for d in delivered_once_each(got)]
         assert types[0] == "job.queued" and types[-1] == "job.succeeded"
-        assert states_all_delivered(hooked, job_id)
+        wait_for(lambda: states_all_delivered(hooked, job_id), what="the outbox to say delivered")
     finally:
         back.stop()
 

@@ -1,5 +1,5 @@
-"""A worker with a webhook target: a real receiver on loopback and a secret file, and the host's settings
-pointing at them."""
+"""Fixtures of a worker with a webhook target: a real receiver on loopback, a secret file, and the host's
+settings pointing at them (tests/webhooks and the chaos suite's kill points; tests/conftest.py loads them)."""
 from __future__ import annotations
 
 from collections.abc import Iterator

@@ -69,6 +69,10 @@ def serve(ready_fd: int) -> int:
     configure_logging()
     raw = os.environ.get(SETTINGS_ENV)
     settings = settings_from_json(raw) if raw else load_settings()
+    if not settings.webhook_url:  # the unit on a host that sends no webhooks: nothing to do, and no error
+        log.info("webhooks: no webhook_url is configured; nothing to send")
+        os.close(ready_fd)
+        return 0
     lock_fd = take_lock(sender_lock_path(settings), LOCK_WAIT_S)
     if lock_fd is None:
         log.info("webhooks: another sender holds %s", sender_lock_path(settings))

@@ -38,10 +38,12 @@ from lora_worker.host.safetensors import ExpectedLora, verify_lora
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import current_revision, prepare_state_dir, upgrade
+from lora_worker.ops import demo_webhooks
 from lora_worker.ops import simulated
 from lora_worker.ops.doctor import run_checks
 from lora_worker.ops.watch import watch
 from lora_worker.transcript.outcome import recorded_lora
+from lora_worker.webhooks.process import stop_sender
 from lora_worker.slurm.process import poller_lock_path
 from lora_worker.states import ACTIVE_STATES, JobState
 
@@ -85,8 +87,11 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     succeeded = False
     try:
-        with _tts_stand_in() as tts:
-            host = prepare_host(args.dir.resolve(), args.bind, tts.pid, args.step_s, out)
+        root = args.dir.resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        key = demo_webhooks.write_secret(root / "webhook_secret")
+        with _tts_stand_in() as tts, demo_webhooks.receiver(key, lambda line: _say(out, line)) as hooks:
+            host = prepare_host(root, args.bind, tts.pid, args.step_s, out, webhook_url=hooks)
             with _server(host, out) as url:
                 _show(host, url, started, out)
                 succeeded = True
@@ -102,7 +107,8 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     return 0 if succeeded else 1
 
 
-def prepare_host(root: Path, bind: str, tts_pid: int, step_s: float, out: TextIO) -> Host:
+def prepare_host(root: Path, bind: str, tts_pid: int, step_s: float, out: TextIO,
+                 webhook_url: str | None = None) -> Host:
     _say(out, f"simulated host in {_short(root)}")
     trainer = simulated.install_simulated_trainer(root / "trainer")
     simulated.set_trainer_modes(trainer["sd_scripts_dir"], **{**TRAINER_PACE, "step_s": step_s})
@@ -119,6 +125,10 @@ def prepare_host(root: Path, bind: str, tts_pid: int, step_s: float, out: TextIO
         "state_dir": root, "train_root": root / "train", "model_dirs": [root / "models"],
         "nvml_fake_file": root / "gpus.json", "bind": bind, "sandbox": sandbox, **trainer,
     }
+    if webhook_url:  # the demo's own receiver: each event of the job is printed as it arrives
+        values.update(webhook_url=webhook_url, webhook_secret_file=root / "webhook_secret",
+                      webhook_progress_interval_s=2.0)
+        _say(out, f"webhooks: {webhook_url} (a receiver in this process; signed with {_short(root)}/webhook_secret)")
     config = root / "worker.toml"
     # JSON strings and lists of them are valid TOML for these plain values.
     config.write_text("# Written by `lora-worker demo` at each run: a simulated host (no GPU, no sd-scripts).\n"
@@ -279,6 +289,7 @@ def _server(host: Host, out: TextIO) -> Iterator[str]:
         simulated.stop_process(proc, grace_s=30.0)
         if host.settings.backend == "slurm":
             _stop_poller(host.settings)
+        stop_sender(host.settings)  # the sender outlives the web by design; the demo's has nothing left to send
         _say(out, f"server stopped; the ledger, run logs and LoRAs stay in {_short(host.root)}")
 
 

@@ -47,8 +47,10 @@ def describe(event: dict[str, object]) -> str:
         return f"{kind} → {data.get('phase')}"
     if kind == "job.progress":
         return f"{kind} step {data.get('step')}/{data.get('total_steps')}, loss {data.get('loss')}"
-    if kind in ("job.succeeded", "job.failed", "job.cancelled"):
-        return f"{kind}: {data.get('lora_path') or data.get('failure_class')}"
+    if kind == "job.succeeded":
+        return f"{kind}: {data.get('lora_path')}"
+    if kind == "job.failed":
+        return f"{kind}: {data.get('failure_class')}"
     return kind
 
 

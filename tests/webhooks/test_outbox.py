@@ -122,3 +122,15 @@ def test_the_ledger_counts_events_by_state_for_metrics(hooked_db):
         assert conn.execute("SELECT sum(n) FROM job_counts WHERE metric = 'webhook'").fetchone()[0] == 0
     finally:
         conn.close()
+
+
+def test_a_job_reconcile_ends_sends_its_ending_too(hooked, hooked_db):
+    """No supervisor holds the job's lock: reconcile fails it, and the event commits with that write."""
+    from lora_worker.reconcile import reconcile
+
+    job = repo.create_job(hooked_db, subscribed())
+    repo.transition(hooked_db, job.id, JobState.RUNNING, actor="supervisor", phase="training",
+                    supervisor_pid=2**22 + 1, boot_id="not-this-boot")
+    reconcile(hooked_db, hooked, actor="startup")
+    (data,) = [d for t, d in events(hooked_db) if t == "job.failed"]
+    assert data["failure_class"] in ("host_rebooted", "supervisor_lost") and data["retryable"] is True

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench.common import JSON_ENV
 
-BENCHES = ("stream", "status", "dispatch", "history", "memory", "eta_replay", "supervisor", "slurm")
+BENCHES = ("stream", "status", "dispatch", "history", "memory", "eta_replay", "supervisor", "slurm", "webhooks")
 
 
 def main(argv: list[str]) -> int:

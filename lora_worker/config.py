@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
+from urllib.parse import urlsplit
 
 from lora_worker.errors import ConfigError
 
@@ -123,6 +124,11 @@ DEFAULT_STALL_LIMITS_S: Mapping[str, float] = MappingProxyType(
 BACKENDS = ("local", "slurm")
 
 
+# The events a job may send (ledger/outbox.py writes them); `job.checkpoint` once step checkpoints exist.
+WEBHOOK_EVENT_TYPES = ("job.queued", "job.started", "job.phase", "job.progress", "job.checkpoint",
+                       "job.succeeded", "job.failed", "job.cancelled")
+
+
 def _slurm_minutes(tier: Tier) -> int:
     """A Slurm time limit for a tier: half an hour for loading, caching and saving, and 6 s per step (the small
     card's slowest step is about 3 s); generous, since TIMEOUT ends a run that might have finished."""
@@ -205,6 +211,16 @@ class Settings:
     slurm_time_limit_min: Mapping[str, int] = field(default_factory=lambda: DEFAULT_SLURM_TIME_LIMIT_MIN)
     slurm_mem_mb: Mapping[str, int] = field(default_factory=lambda: DEFAULT_SLURM_MEM_MB)
     slurm_poll_interval_s: float = 2.0
+    # Webhooks (lora_worker/webhooks/): arbo's endpoint, from here only (a request may only opt out or choose
+    # event types). Unset: no job subscribes, and nothing is sent. The secret is a file, never a setting's value:
+    # `$CREDENTIALS_DIRECTORY/webhook_secret` (LoadCredential=) wins over `webhook_secret_file`.
+    webhook_url: str | None = None
+    webhook_secret_file: Path | None = None
+    webhook_event_types: str = ""  # comma-separated; empty: every type (ledger/outbox.py EVENT_TYPES)
+    webhook_progress_interval_s: float = 30.0
+    webhook_give_up_s: float = 24 * 3600.0
+    webhook_connect_timeout_s: float = 3.0
+    webhook_read_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.sandbox not in SANDBOXES:
@@ -215,6 +231,29 @@ class Settings:
             raise ConfigError(f"setting 'backend': {self.backend!r} is not one of {list(BACKENDS)}")
         if self.backend == "slurm":
             self._check_slurm()
+        if self.webhook_url is not None:
+            self._check_webhooks()
+
+    def _check_webhooks(self) -> None:
+        """A target the sender can reach as written: http or https, a host, no credentials in the URL."""
+        url = urlsplit(self.webhook_url or "")
+        if url.scheme not in ("http", "https") or not url.hostname or url.username or url.password:
+            raise ConfigError(f"setting 'webhook_url': {self.webhook_url!r} is not an http(s) URL with a host and "
+                              "no user or password in it (the secret signs each request instead)")
+        unknown = set(self.webhook_types) - set(WEBHOOK_EVENT_TYPES)
+        if unknown:
+            raise ConfigError(f"setting 'webhook_event_types': unknown {sorted(unknown)}; "
+                              f"known: {', '.join(WEBHOOK_EVENT_TYPES)}")
+        for name in ("webhook_progress_interval_s", "webhook_give_up_s", "webhook_connect_timeout_s",
+                     "webhook_read_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"setting {name!r}: {getattr(self, name)} must be above 0")
+
+    @property
+    def webhook_types(self) -> tuple[str, ...]:
+        """The event types a job sends unless its request chose fewer."""
+        chosen = tuple(t.strip() for t in self.webhook_event_types.split(",") if t.strip())
+        return chosen or WEBHOOK_EVENT_TYPES
 
     def _check_slurm(self) -> None:
         """The Slurm settings a submission and the poller rely on, refused at start-up rather than at sbatch."""

@@ -9,6 +9,7 @@
      │    ├── IdempotencyKeyReused    422: the same Idempotency-Key came with another body
      │    └── OutputExists            422: the LoRA file to be written already exists (field output_name)
      ├── JobNotFound                  404
+     │    └── EventNotFound           404: the job has no webhook event with this id
      ├── JobGone                      410: the ledger lost the job; its run log is all that is left
      ├── Conflict                     409: busy now; the same request may succeed later
      │    ├── JobActive               409: another job is queued or running
@@ -115,6 +116,12 @@ class JobGone(LoraWorkerError):
     """The ledger no longer holds this job; only its run log is left."""
 
     code = "job_gone"
+
+
+class EventNotFound(JobNotFound):
+    """The job has no webhook event with this id."""
+
+    code = "event_not_found"
 
 
 class Conflict(LoraWorkerError):

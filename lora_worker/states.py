@@ -65,3 +65,12 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),
 }
+
+# Failures the same request, unchanged, may not meet again: the host or the run went wrong, not the request
+# (a webhook's and a client's `retryable`). A class of the request or its files (dataset, model, arguments),
+# or of a run that would end the same way again (out of memory, past its time), is not among them.
+RETRYABLE_FAILURES = frozenset({
+    FailureClass.KILLED_BY_SIGNAL, FailureClass.TRAINER_CRASHED, FailureClass.STALLED,
+    FailureClass.SUPERVISOR_LOST, FailureClass.HOST_REBOOTED, FailureClass.LAUNCH_ERROR, FailureClass.NODE_FAIL,
+    FailureClass.SLURM_LOST,
+})

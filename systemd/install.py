@@ -51,6 +51,8 @@ UNIT = Path("/etc/systemd/system/lora-worker.service")
 # The ledger's full integrity check, once a day (no service start pays for reading the whole file).
 CHECK_UNIT = Path("/etc/systemd/system/lora-worker-check.service")
 CHECK_TIMER = Path("/etc/systemd/system/lora-worker-check.timer")
+# The webhook sender (lora_worker/webhooks/): skipped by its unit's condition until a webhook secret exists.
+WEBHOOKS_UNIT = Path("/etc/systemd/system/lora-worker-webhooks.service")
 TMPFILES = Path("/etc/tmpfiles.d/lora-worker.conf")
 COMMAND = Path("/usr/local/bin/lora-worker")
 STATE_DIR = Path("/var/lib/lora-worker")
@@ -172,7 +174,7 @@ class Installer:
         self.file_once(CONFIG, config_text(ids), 0o640, group=service_group)
         self.token_readable_by_others()
         self.file_once(TOKEN, secrets.token_urlsafe(32) + "\n", 0o600, group="root")
-        for unit in (UNIT, CHECK_UNIT, CHECK_TIMER):
+        for unit in (UNIT, CHECK_UNIT, CHECK_TIMER, WEBHOOKS_UNIT):
             self.file(unit, render((SOURCE / "systemd" / f"{unit.name}.in").read_text(), ids), 0o644)
         self.file(TMPFILES, render((SOURCE / "systemd" / "lora-worker.tmpfiles.conf.in").read_text(), ids), 0o644)
         self.file(COMMAND, command_script(ids), 0o755)
@@ -341,6 +343,10 @@ class Installer:
         # A restart never stops training (KillMode=process), so new code or settings take effect now.
         verb = "restart" if self.changes else "start"
         self.command(["systemctl", verb, "lora-worker.service"], f"{verb} lora-worker", record=False, check=False)
+        # Enabled always; it runs once /etc/lora-worker/webhook_secret exists (its ConditionPathExists=).
+        self.command(["systemctl", "enable", WEBHOOKS_UNIT.name], "enable the webhook sender", record=False)
+        self.command(["systemctl", "restart", WEBHOOKS_UNIT.name], "restart the webhook sender", record=False,
+                     check=False)
 
     # -- primitives ----------------------------------------------------------------------------------------
 

@@ -14,6 +14,8 @@ from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import upgrade
 from tests.helpers import Host, Launches, make_host
 
+pytest_plugins = ["tests.webhooks.fixtures"]  # the webhook target: tests/webhooks and tests/chaos
+
 
 @pytest.fixture
 def host(tmp_path: Path) -> Host:

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.slow
     ("history", "### Scale of history"),
     ("memory", "### Memory"),
     ("slurm", "### Slurm: poller cost and POST /train → trainer started"),
+    ("webhooks", "### Webhooks: what the outbox adds, and the sender's CPU per event"),
 ])
 def test_the_benchmark_runs_and_prints_its_table(bench: str, title: str):
     out = subprocess.run([sys.executable, "-m", f"bench.{bench}", "--quick"], cwd=REPO_ROOT, capture_output=True,

@@ -24,7 +24,8 @@ from lora_worker.dispatch.argv import build_argv, build_env
 from lora_worker.dispatch.dataset import DatasetManifest, inspect_dataset
 from lora_worker.dispatch.disk import require_free_space
 from lora_worker.dispatch.model import check_base_model
-from lora_worker.dispatch.request import ResolvedRequest, TrainRequest, check_device, resolve_request
+from lora_worker.dispatch.request import (ResolvedRequest, TrainRequest, check_device, resolve_request,
+                                         webhook_subscription)
 from lora_worker.errors import IdempotencyKeyReused, JobActive, LaunchFailed
 from lora_worker.host.fingerprint import sd_scripts_commit, trainer_versions
 from lora_worker.host.nvml import Nvml
@@ -98,7 +99,8 @@ class Dispatcher:
             admit(request.tier.name, request.device_index, self.settings, self.nvml)
         require_free_space(request.output_dir, self.settings.disk_mib[request.tier.name])
         columns = {**self._columns(request, manifest), "idempotency_key": idempotency_key,
-                   "request_sha256": body_sha256, "backend": self.settings.backend}
+                   "request_sha256": body_sha256, "backend": self.settings.backend,
+                   "webhook_events": webhook_subscription(self.settings, raw)}
         job = self._insert(columns)
         try:
             try:

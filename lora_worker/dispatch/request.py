@@ -14,6 +14,7 @@ from lora_worker.config import LORA_DTYPE, TIERS, Settings, Tier
 from lora_worker.errors import InvalidRequest
 from lora_worker.host import kohya
 from lora_worker.host.safetensors import ExpectedLora
+from lora_worker.ledger.outbox import Subscription
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,21 @@ class TrainRequest:
     seed: int
     max_grad_norm: float | None = None
     lora_target_modules: str | None = None
+    # The webhook events this job sends: None, the configured ones; (), none (an opt-out). Never a URL: where
+    # events go is the configuration's alone.
+    webhook_events: tuple[str, ...] | None = None
+
+
+def webhook_subscription(settings: Settings, request: TrainRequest) -> str | None:
+    """The job's webhook subscription as its row records it (ledger/outbox.py `Subscription`), or None: no
+    target configured, or the request opted out. A request only narrows the configured types."""
+    if not settings.webhook_url:
+        return None
+    chosen = settings.webhook_types if request.webhook_events is None else request.webhook_events
+    types = frozenset(chosen) & frozenset(settings.webhook_types)
+    if not types:
+        return None
+    return Subscription(types, settings.webhook_progress_interval_s, settings.webhook_give_up_s).to_json()
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,8 @@ class Job(Base):
     backend: Mapped[str] = mapped_column(String(8), server_default="local")
     slurm_job_id: Mapped[str | None] = mapped_column(String(32))
     queue_reason: Mapped[str | None] = mapped_column(String(64))
+    # Which webhook events the job sends (ledger/outbox.py `Subscription`, JSON), fixed at dispatch; NULL: none.
+    webhook_events: Mapped[str | None] = mapped_column(Text)
 
     events: Mapped[list[JobEvent]] = relationship(back_populates="job", order_by="JobEvent.id",
                                                   passive_deletes=True)
@@ -184,3 +186,44 @@ class JobCount(Base):
     metric: Mapped[str] = mapped_column(String(32), primary_key=True)
     label: Mapped[str] = mapped_column(String(96), primary_key=True)
     n: Mapped[float] = mapped_column(Float, server_default="0")
+
+
+class WebhookEvent(Base):
+    """One event of a job for arbo's webhook, written with the change it tells of (ledger/outbox.py)."""
+
+    __tablename__ = "webhook_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)  # orders a job's events
+    event_id: Mapped[str] = mapped_column(String(40))  # the `webhook-id` header: stable across attempts
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    type: Mapped[str] = mapped_column(String(32))
+    body: Mapped[str] = mapped_column(Text)  # the exact bytes every attempt sends
+    created_at: Mapped[str] = mapped_column(String(24))
+    state: Mapped[str] = mapped_column(String(16))  # pending | delivered | given_up
+    attempts: Mapped[int] = mapped_column(Integer, server_default="0")
+    next_attempt_at: Mapped[str] = mapped_column(String(24))
+    give_up_at: Mapped[str] = mapped_column(String(24))
+    delivered_at: Mapped[str | None] = mapped_column(String(24))
+    last_error: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (
+        CheckConstraint("state IN ('pending', 'delivered', 'given_up')", name="webhook_state_valid"),
+        Index("ix_webhook_events_event_id", "event_id", unique=True),
+        Index("ix_webhook_events_job", "job_id", "state", "id"),
+        Index("ix_webhook_events_due", "state", "next_attempt_at"),
+        {"sqlite_autoincrement": True},
+    )
+
+
+class WebhookAttempt(Base):
+    """One try at delivering an event: opened before the request leaves, closed with its answer."""
+
+    __tablename__ = "webhook_attempts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    event_pk: Mapped[int] = mapped_column(ForeignKey("webhook_events.id", ondelete="CASCADE"), index=True)
+    started_at: Mapped[str] = mapped_column(String(24))
+    finished_at: Mapped[str | None] = mapped_column(String(24))
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    latency_ms: Mapped[float | None] = mapped_column(Float)
+    error: Mapped[str | None] = mapped_column(Text)

@@ -15,12 +15,13 @@ from typing import Any
 
 import sqlalchemy.exc
 from sqlalchemy import Connection, delete, func, select, update
-from sqlalchemy.engine import CursorResult
 from sqlalchemy.orm import Session, defer
 
 from lora_worker.errors import JobActive, JobFinished, JobNotFound
+from lora_worker.ledger import outbox
 from lora_worker.ledger import statements as sql
 from lora_worker.ledger.db import Database
+from lora_worker.ledger.db import Driver as _Driver
 from lora_worker.ledger.models import Job, JobCount, JobEvent, ProgressPoint, utcnow
 # The failure text's shape and the progress SQL live with the statements both ledger paths share.
 from lora_worker.ledger.statements import (FAILURE_MAX_CHARS, FAILURE_TAIL_LINES, PROGRESS_POINT_SQL,  # noqa: F401
@@ -37,6 +38,7 @@ def create_job(db: Database, columns: dict[str, Any], *, actor: str = "api") -> 
             s.add(job)
             s.flush()
             _event(s, job.id, None, JobState.QUEUED, actor, "accepted")
+            outbox.emit(_on(s), job.id, outbox.QUEUED)  # committed with the row, or not at all
     except sqlalchemy.exc.IntegrityError as exc:
         if "jobs.slot" not in str(exc):
             raise  # e.g. a duplicate idempotency key: the caller looks the key up again
@@ -215,20 +217,6 @@ def cancel_state(db: Database, job_id: int) -> tuple[str | None, bool]:
         return sql.cancel_state_in(_Driver(conn), job_id)
 
 
-class _Driver:
-    """A SQLAlchemy connection as `statements.py` speaks to it: the DB-API's qmark SQL, straight to the
-    driver, in the connection's transaction (a tenth of the ORM's CPU on the hot paths; bench/stream.py)."""
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-
-    def execute(self, statement: str, params: Sequence[Any] = ()) -> CursorResult[Any]:
-        return self.conn.exec_driver_sql(statement, tuple(params))
-
-    def executemany(self, statement: str, rows: Iterable[Sequence[Any]]) -> CursorResult[Any]:
-        return self.conn.exec_driver_sql(statement, [tuple(r) for r in rows])  # type: ignore[arg-type]
-
-
 def _on(s: Session) -> _Driver:
     return _Driver(s.connection())
 
@@ -262,6 +250,7 @@ class Counts:
     # status -> ([(upper bound in seconds, jobs in that bucket alone)], jobs, seconds in all); +Inf last
     durations: dict[str, tuple[list[tuple[float, int]], int, float]]
     reconcile_actions: dict[tuple[str, str], int]  # (actor, failure class) -> jobs
+    webhook_events: dict[str, int]  # pending | retrying | delivered | given_up -> events (migration 0012)
 
 
 def counts(db: Database) -> Counts:
@@ -284,6 +273,7 @@ def counts(db: Database) -> Counts:
         durations=durations,
         reconcile_actions={tuple(label.split("|", 1)): int(n)  # type: ignore[misc]
                            for metric, label, n in rows if metric == "reconcile"},
+        webhook_events={label: int(n) for metric, label, n in rows if metric == "webhook"},
     )
 
 

@@ -16,10 +16,13 @@ import json
 import os
 import re
 from collections.abc import Iterable, Sequence
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from lora_worker.ledger import outbox
+# The ledger's clock and its text, re-exported: models and callers take them from here.
+from lora_worker.ledger.timestamps import iso_utc, parse_utc, utcnow  # noqa: F401
 from lora_worker.states import TERMINAL_STATES, TRANSITIONS, FailureClass, JobState
 
 
@@ -47,19 +50,6 @@ _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]*")
 
 
 # -- values as this schema stores them ------------------------------------------------------------------------
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
-def iso_utc(value: datetime) -> str:
-    """An aware datetime as the ledger stores it: ISO-8601 UTC text to the millisecond (`…T04:57:12.123Z`)."""
-    return value.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.") + f"{value.microsecond // 1000:03d}Z"
-
-
-def parse_utc(text: str | None) -> datetime | None:
-    return None if text is None else datetime.fromisoformat(text.replace("Z", "+00:00"))
-
 
 def bind(value: Any) -> Any:
     """A Python value as the driver stores it here: timestamps as ISO text, JSON columns' lists and dicts as JSON."""
@@ -116,6 +106,7 @@ def transition_in(db: Statements, job_id: int, to: JobState, *, actor: str, reas
     if db.execute(sql, params).rowcount != 1:
         return False
     record_event(db, job_id, current, to, actor, reason)
+    outbox.emit_transition(db, job_id, to)  # the webhook event commits with the change, or neither does
     return True
 
 
@@ -168,6 +159,7 @@ def failure_text(sentence: str, log_lines: Sequence[str] = ()) -> str:
 PROGRESS_POINT_SQL = ("INSERT INTO job_progress (job_id, step, loss, at) VALUES (?, ?, ?, ?) "
                       "ON CONFLICT (job_id, step) DO UPDATE SET loss = excluded.loss")
 _RUNNING_UPDATE_SQL: dict[tuple[str, ...], str] = {}
+_EVENTS_BEFORE_SQL = "SELECT webhook_events, phase FROM jobs WHERE id = ?"
 
 
 def update_running_in(db: Statements, job_id: int, points: Iterable[tuple[int, float | None, datetime]] = (),
@@ -179,11 +171,15 @@ def update_running_in(db: Statements, job_id: int, points: Iterable[tuple[int, f
         assignments = "".join(f"{c} = ?, " for c in columns)
         sql = _RUNNING_UPDATE_SQL[columns] = (f"UPDATE jobs SET {assignments}updated_at = ?, version = version + 1 "
                                               f"WHERE id = ? AND status = '{JobState.RUNNING.value}'")
+    # Only a step or a phase makes a webhook event; the job's subscription and old phase are read first.
+    before = db.execute(_EVENTS_BEFORE_SQL, (job_id,)).fetchone() if {"step", "phase"} & values.keys() else None
     if db.execute(sql, (*(bind(values[c]) for c in columns), iso_utc(utcnow()), job_id)).rowcount != 1:
         return False
     rows = [(job_id, step, loss, iso_utc(at)) for step, loss, at in points]
     if rows:
         db.executemany(PROGRESS_POINT_SQL, rows)
+    if before is not None and (subscription := outbox.Subscription.from_json(before[0])) is not None:
+        outbox.emit_running(db, job_id, old_phase=before[1], values=values, subscription=subscription)
     return True
 
 

@@ -28,6 +28,7 @@ from lora_worker.host.nvml import make_nvml
 from lora_worker.host.safetensors import ExpectedLora, verify_lora
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
+from lora_worker.ops import demo_webhooks
 from lora_worker.ops import simulated
 from lora_worker.ops.demo_host import (ON_CLUSTER, TRAINER_PACE, DemoError, Host, die_with_parent, prepare_host,
                                        refuse_taken_port, request, say, server, short, tts_stand_in)
@@ -61,8 +62,11 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     succeeded = False
     try:
         refuse_taken_port(args.bind)  # before anything is set up: the one line says who holds it
-        with tts_stand_in() as tts:
-            host = prepare_host(args.dir.resolve(), args.bind, tts.pid, args.step_s, out)
+        root = args.dir.resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        key = demo_webhooks.write_secret(root / "webhook_secret")
+        with tts_stand_in() as tts, demo_webhooks.receiver(key, lambda line: say(out, line)) as hooks:
+            host = prepare_host(root, args.bind, tts.pid, args.step_s, out, webhook_url=hooks)
             with server(host, out) as url:
                 _show(host, url, started, out)
                 succeeded = True

@@ -37,6 +37,7 @@ from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import current_revision, prepare_state_dir, upgrade
 from lora_worker.ops import simulated
 from lora_worker.slurm.process import poller_lock_path
+from lora_worker.webhooks.process import stop_sender
 from lora_worker.states import ACTIVE_STATES, JobState
 
 START_TIMEOUT_S = 60.0
@@ -60,7 +61,8 @@ class Host:
     settings: Settings
 
 
-def prepare_host(root: Path, bind: str, tts_pid: int, step_s: float, out: TextIO) -> Host:
+def prepare_host(root: Path, bind: str, tts_pid: int, step_s: float, out: TextIO,
+                 webhook_url: str | None = None) -> Host:
     say(out, f"simulated host in {short(root)}")
     trainer = simulated.install_simulated_trainer(root / "trainer")
     simulated.set_trainer_modes(trainer["sd_scripts_dir"], **{**TRAINER_PACE, "step_s": step_s})
@@ -77,6 +79,10 @@ def prepare_host(root: Path, bind: str, tts_pid: int, step_s: float, out: TextIO
         "state_dir": root, "train_root": root / "train", "model_dirs": [root / "models"],
         "nvml_fake_file": root / "gpus.json", "bind": bind, "sandbox": sandbox, **trainer,
     }
+    if webhook_url:  # the demo's own receiver (demo_webhooks.py): each event of the job printed as it arrives
+        values.update(webhook_url=webhook_url, webhook_secret_file=root / "webhook_secret",
+                      webhook_progress_interval_s=2.0)
+        say(out, f"webhooks: {webhook_url} (a receiver in this process; signed with {short(root)}/webhook_secret)")
     config = root / "worker.toml"
     # JSON strings and lists of them are valid TOML for these plain values.
     config.write_text("# Written by `lora-worker demo` at each run: a simulated host (no GPU, no sd-scripts).\n"
@@ -130,6 +136,7 @@ def server(host: Host, out: TextIO) -> Iterator[str]:
         simulated.stop_process(proc, grace_s=30.0)
         if host.settings.backend == "slurm":
             _stop_poller(host.settings)
+        stop_sender(host.settings)  # the sender outlives the web by design; the demo's has nothing left to send
         say(out, f"server stopped; the ledger, run logs and LoRAs stay in {short(host.root)}")
 
 

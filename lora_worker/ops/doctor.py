@@ -27,6 +27,7 @@ from lora_worker.host import sandbox
 from lora_worker.host.trainer import missing_trainer_parts
 from lora_worker.dispatch.readiness import Check, deep_checks, sandbox_check
 from lora_worker.ops.doctor_slurm import slurm_checks
+from lora_worker.webhooks.probe import webhook_findings
 
 __all__ = ["Check", "run_checks", "identity_checks", "slurm_checks"]
 
@@ -39,7 +40,7 @@ def run_checks(settings: Settings, nvml: Nvml, *, strict: bool = False) -> list[
     if settings.backend == "slurm":
         deep = [sandbox_check(settings, sandbox.probe)]
     return [*placement, *deep, *_trainer_checks(settings), *_disk_checks(settings), *identity_checks(settings),
-            *token_file_check(settings)]
+            *token_file_check(settings), *(Check(name, ok, detail) for name, ok, detail in webhook_findings(settings))]
 
 
 def token_file_check(settings: Settings, environ: dict[str, str] | None = None) -> list[Check]:

@@ -19,6 +19,7 @@ from typing import TextIO
 
 from lora_worker.config import Settings
 from lora_worker.errors import JobFinished
+from lora_worker.ledger import outbox
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job
@@ -53,6 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     which.add_argument("job_id", nargs="?", type=_positive_int)
     which.add_argument("--all", action="store_true", help="every queued or running job")
     cancel.add_argument("--wait", action="store_true", help="return once the jobs have ended")
+    cmd.add_parser("deliveries", help="a job's webhook events and each attempt to deliver them").add_argument(
+        "job_id", type=_positive_int)
     old = cmd.add_parser("prune", help="forget finished jobs past retention: rows, events and run logs")
     old.add_argument("--older-than", type=_days, metavar="DAYS", help="default: the retention_days setting")
     old.add_argument("--dry-run", action="store_true", help="say what would go, remove nothing")
@@ -168,6 +171,23 @@ def cmd_cancel(db: Database, settings: Settings, args: argparse.Namespace, out: 
     return 0
 
 
+def cmd_deliveries(db: Database, settings: Settings, args: argparse.Namespace, out: TextIO) -> int:
+    job = repo.get_job(db, args.job_id)
+    with db.reading() as d:
+        events = outbox.deliveries(d, job.id)
+    if not events:
+        out.write(f"job {job.id} has no webhook events" + ("" if settings.webhook_url else
+                                                          " (no webhook_url is configured)") + "\n")
+        return 0
+    for e in events:
+        out.write(f"{e['event_id']}  {e['type']:<14} {e['state']:<9} written {e['created_at']}"
+                  + (f"  next {e['next_attempt_at']}" if e["next_attempt_at"] else "") + "\n")
+        _table(out, ("AT", "STATUS", "MS", "ERROR"), [
+            (a["at"], str(a["status_code"] or "-"), f"{a['latency_ms']:.0f}" if a["latency_ms"] is not None
+             else "-", a["error"] or "") for a in e["attempts"]], indent=2)
+    return 0
+
+
 def cmd_prune(db: Database, settings: Settings, args: argparse.Namespace, out: TextIO) -> int:
     days = settings.retention_days if args.older_than is None else args.older_than
     done = prune(db, settings, older_than_days=days, dry_run=args.dry_run)
@@ -179,6 +199,7 @@ def cmd_prune(db: Database, settings: Settings, args: argparse.Namespace, out: T
 
 COMMANDS: dict[str, Callable[[Database, Settings, argparse.Namespace, TextIO], int]] = {
     "ls": cmd_ls, "show": cmd_show, "watch": cmd_watch, "log": cmd_log, "cancel": cmd_cancel, "prune": cmd_prune,
+    "deliveries": cmd_deliveries,
 }
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from flask import Flask, request
 
-from lora_worker.web import auth, gpu, health, metrics, openapi, train
+from lora_worker.web import auth, deliveries, gpu, health, metrics, openapi, train
 from lora_worker.web.errors import register_error_handlers
 from lora_worker.config import Settings, load_settings
 from lora_worker.errors import LoraWorkerError
@@ -18,6 +18,7 @@ from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import check_ledger, prepare_state_dir
 from lora_worker.reconcile import reconcile
 from lora_worker.web.service import RECONCILE_EVERY_S, Worker
+from lora_worker.webhooks.process import ensure_sender
 from lora_worker.backends import Backend, backend_for
 
 log = logging.getLogger(__name__)
@@ -46,12 +47,13 @@ def build_app(config: Settings | dict[str, Any] | None = None, *, nvml: Nvml | N
     for action in reconcile(db, settings, actor="startup", backend=backend):
         log.warning("start-up reconcile: job %s → failed (%s)", action.job_id, action.failure_class.value,
                     extra={"job": action.job_id})
+    ensure_sender(settings)  # events a crash left in the outbox go out without waiting for a new job
 
     app = Flask(__name__, static_folder=None)  # an API: no /static route
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions["lora_worker"] = worker
     app.extensions["lora_worker_metrics"] = metrics.registry_for(worker)
-    for blueprint in (train.bp, gpu.bp, health.bp, metrics.bp, openapi.bp):
+    for blueprint in (train.bp, deliveries.bp, gpu.bp, health.bp, metrics.bp, openapi.bp):
         app.register_blueprint(blueprint)
     auth.protect(app, token)
     reconcile_on_requests(app)

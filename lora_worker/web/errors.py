@@ -65,6 +65,7 @@ _ADVICE: dict[str, tuple[str, str]] = {  # domain code → (Retry-After in words
     "idempotency_key_reused": ("", "Use a new Idempotency-Key for a different body."),
     "output_exists": ("", "Choose another `output_name`: a finished LoRA is never overwritten."),
     "job_not_found": ("", "Check the job id; pruned jobs are gone."),
+    "event_not_found": ("", "Check the event id: `GET /train/<id>/deliveries` lists the job's events."),
     "job_active": ("", "Retry later: one job trains at a time (`details.active_job_id` names it; poll it and "
                        "retry once it has ended). No Retry-After: when it ends is not known."),
     "job_gone": ("", "Nothing to wait for: the ledger lost the job (`details.log_path` is its run log); "

@@ -41,6 +41,9 @@ class LedgerCollector:
                         [f.value for f in FailureClass], counts.failures_by_class)
         yield _durations(counts.durations)
         yield _reconcile_actions(counts.reconcile_actions)
+        yield _by_label("lora_worker_webhook_events", "Webhook events in the outbox by delivery state (retrying: "
+                        "tried and due again; given_up: 410 Gone or past webhook_give_up_s).", "state",
+                        ["pending", "retrying", "delivered", "given_up"], counts.webhook_events)
         queued = GaugeMetricFamily("lora_worker_queue_depth",
                                    "Jobs accepted and waiting to start (on Slurm: waiting for a GPU).")
         queued.add_metric([], counts.by_status.get(JobState.QUEUED.value, 0))

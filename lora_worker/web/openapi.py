@@ -17,7 +17,9 @@ from flask import Blueprint, Flask, Response, current_app, jsonify
 from marshmallow import Schema
 from werkzeug.routing import Rule
 
+from lora_worker.config import WEBHOOK_EVENT_TYPES
 from lora_worker.web.auth import OPEN_ENDPOINTS
+from lora_worker.web.deliveries import DeliveriesSchema, DeliverySchema
 from lora_worker.web.errors import BY_CODE, CATALOGUE, ErrorEntry
 from lora_worker.web.schemas import (AcceptedSchema, CancelQuerySchema, ErrorSchema, GpuStatusSchema, HealthSchema,
                                      JobListQuerySchema, JobListSchema, JobSchema, LogQuerySchema, LogSchema,
@@ -86,6 +88,12 @@ DOCS: dict[str, Doc] = {
                         query=CancelQuerySchema,
                         also={200: "With `wait`: the job ended within it (normally `cancelled`; a job that "
                                    "finished first says how it did)."}),
+    "deliveries.deliveries": Doc("The job's webhook events, oldest first, each with every attempt to deliver it "
+                                 "(time, status code, latency, error).", 200, DeliveriesSchema,
+                                 errors=JOB_READ_ERRORS),
+    "deliveries.redeliver": Doc("Send one webhook event again, under its own `webhook-id`, next among the job's "
+                                "events.", 202, DeliverySchema,
+                                errors=("job_not_found", "event_not_found", "validation_failed", *LEDGER)),
     "gpu.gpu_status": Doc("Each GPU's memory, compute processes and interlock, in PCI bus order.", 200,
                           GpuStatusSchema, errors=("nvml_unavailable", *LEDGER)),
     "health.healthz": Doc("Liveness and the active job id; open without a token. It only reads: no reconcile, "
@@ -94,6 +102,25 @@ DOCS: dict[str, Doc] = {
     "metrics.metrics": Doc("Prometheus metrics: jobs by state, durations, the active job, GPU memory.", 200,
                            {"type": "string"}, media_type=METRICS_MEDIA_TYPE),
     "openapi.openapi_document": Doc("This document.", 200, {"type": "object"}, errors=()),
+}
+
+
+WEBHOOKS: dict[str, Any] = {
+    "description": "With `webhook_url` configured, the worker POSTs each job's events there (README, Webhooks), "
+                   "signed by the Standard Webhooks spec: `webhook-id` (stable across attempts: drop repeats), "
+                   "`webhook-timestamp` (Unix seconds of the attempt), `webhook-signature` (`v1,` + base64 "
+                   "HMAC-SHA256 of `{id}.{timestamp}.{body}` with each active secret, space-separated). Verify "
+                   "with any Standard Webhooks library. In order per job, at least once, retried with backoff "
+                   "until webhook_give_up_s; a 2xx delivers, 410 gives up.",
+    "events": list(WEBHOOK_EVENT_TYPES),
+    "headers": ["webhook-id", "webhook-timestamp", "webhook-signature"],
+    "body": {"type": "object", "required": ["type", "timestamp", "data"], "properties": {
+        "type": {"type": "string", "enum": list(WEBHOOK_EVENT_TYPES)},
+        "timestamp": {"type": "string", "format": "date-time"},
+        "data": {"type": "object", "description": "the job as GET /train/<id> shows it when the event was "
+                                                  "written (worker_job_id, status, phase, step, total_steps, "
+                                                  "loss, lora_path, lora_sha256, failure_class, error, …), "
+                                                  "plus `retryable`"}}},
 }
 
 
@@ -120,6 +147,8 @@ def build_document(app: Flask) -> dict[str, Any]:
     spec.components.schema("Error", schema=ErrorSchema)
     # Every error a client can meet and what to do about it; the README's table says the same.
     spec.options["x-errors"] = [_entry(entry) for entry in CATALOGUE]
+    # OpenAPI 3.0 has no `webhooks` (3.1 does): what the worker POSTs to `webhook_url` goes under x-webhooks.
+    spec.options["x-webhooks"] = WEBHOOKS
     for rule in sorted(app.url_map.iter_rules(), key=lambda r: (r.rule, r.endpoint)):
         doc = DOCS.get(rule.endpoint)
         if doc is None:

@@ -8,7 +8,8 @@ from typing import Any
 
 from marshmallow import RAISE, Schema, ValidationError, fields, missing, post_load, validate, validates
 
-from lora_worker.config import BACKENDS, DEFAULT_LORA_TARGETS, LORA_TARGET_PRESETS, SDXL_HPARAMS, TIERS
+from lora_worker.config import (BACKENDS, DEFAULT_LORA_TARGETS, LORA_TARGET_PRESETS, SDXL_HPARAMS, TIERS,
+                                WEBHOOK_EVENT_TYPES)
 from lora_worker.dispatch import paths
 from lora_worker.dispatch.request import TrainRequest
 from lora_worker.states import ACTIVE_STATES, TERMINAL_STATES, JobState, Phase
@@ -70,6 +71,11 @@ class TrainRequestSchema(Schema):
     seed = fields.Integer(required=True, strict=True, validate=validate.Range(*SEED))
     max_grad_norm = JsonNumber(load_default=None, allow_nan=False, validate=validate.Range(*MAX_GRAD_NORM))
     lora_target_modules = fields.String(load_default=None, validate=validate.OneOf(list(LORA_TARGET_PRESETS)))
+    webhook_events = fields.List(fields.String(validate=validate.OneOf(list(WEBHOOK_EVENT_TYPES))),
+                                 load_default=None, validate=validate.Length(max=len(WEBHOOK_EVENT_TYPES)),
+                                 metadata={"description": "the webhook events this job sends, among the configured "
+                                                          "ones; [] sends none; absent: every configured one. "
+                                                          "Where they go is the worker's configuration alone"})
 
     @validates("dataset_dir", "base_model_path", "output_dir")
     def _plain_absolute_path(self, value: str, data_key: str) -> None:
@@ -98,6 +104,8 @@ class TrainRequestSchema(Schema):
     def _make(self, data: dict[str, Any], **_: Any) -> TrainRequest:
         for key in ("dataset_dir", "base_model_path", "output_dir"):
             data[key] = paths.without_dot_components(data[key])
+        if data.get("webhook_events") is not None:
+            data["webhook_events"] = tuple(dict.fromkeys(data["webhook_events"]))
         return TrainRequest(**data)
 
 

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from lora_worker.config import Settings
-from lora_worker.errors import JobGone, JobNotFound, NvmlUnavailable
+from lora_worker.errors import EventNotFound, JobGone, JobNotFound, NvmlUnavailable
 from lora_worker.host import fs, sandbox
 from lora_worker.host.nvml import Nvml
 from lora_worker.web.gpu_status import gpu_status
 from lora_worker.dispatch.dispatcher import Dispatcher
 from lora_worker.dispatch.readiness import DeepHealth
 from lora_worker.dispatch.request import TrainRequest
+from lora_worker.ledger import outbox
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, ProgressPoint
@@ -28,6 +29,7 @@ from lora_worker.reconcile import current_job, reconcile
 from lora_worker.backends import Backend
 from lora_worker.run.local import wake_supervisor
 from lora_worker.transcript.logfile import LogChunk, LogReader, log_paths
+from lora_worker.webhooks.process import ensure_sender
 from lora_worker.states import TERMINAL_STATES, JobState
 
 log = logging.getLogger(__name__)
@@ -98,7 +100,9 @@ class Worker:
     def submit(self, request: TrainRequest, *, idempotency_key: str | None = None,
                body_sha256: str | None = None) -> tuple[Job, bool]:
         self.reconcile_active()  # a dead supervisor's job must not hold the slot
-        return self.dispatcher.submit(request, idempotency_key=idempotency_key, body_sha256=body_sha256)
+        accepted = self.dispatcher.submit(request, idempotency_key=idempotency_key, body_sha256=body_sha256)
+        ensure_sender(self.settings)  # its job.queued is in the outbox; a sender must be there to send it
+        return accepted
 
     # -- reading -----------------------------------------------------------------------------------------
 
@@ -185,6 +189,22 @@ class Worker:
             # id) or none at all is simply left to that poll.
             wake_supervisor(job.boot_id, job.supervisor_pid, job.supervisor_start_ticks)
         return self._wait(job, wait_s, lambda j: JobState(j.status) in TERMINAL_STATES)
+
+    def deliveries(self, job_id: int) -> list[dict[str, Any]]:
+        """Each webhook event of the job, with each attempt to deliver it."""
+        self._job_now(job_id)
+        with self.db.reading() as db:
+            return outbox.deliveries(db, job_id)
+
+    def redeliver(self, job_id: int, event_id: str) -> dict[str, Any]:
+        """Send one event again, under its own id, whatever became of it; the sender picks it up at once."""
+        self._job_now(job_id)
+        with self.db.writing() as db:
+            if not outbox.redeliver(db, job_id, event_id, self.settings.webhook_give_up_s):
+                raise EventNotFound(f"Job {job_id} has no webhook event {event_id!r}.", job_id=job_id,
+                                    event_id=event_id)
+        ensure_sender(self.settings)
+        return next(e for e in self.deliveries(job_id) if e["event_id"] == event_id)
 
     def gpu_status(self) -> dict[str, Any]:
         self.reconcile_active()  # a dead supervisor's job is neither active nor "ours"

@@ -127,6 +127,11 @@ def test_make_demos_flow_from_a_fresh_clone_trains_a_verified_lora_and_labels_th
         assert re.search(r"POST /train on GPU 0 → 409 gpu_busy: GPU 0 is in use by tts_server", out.text)
         assert "tts_on_3090: true" in out.text
         assert re.search(r"job 1: running \(training\), step \d+/400", out.text)
+        # Each event of the job reached the demo's own receiver, signed, in order.
+        out.wait_for("webhook ← job.succeeded", timeout=60)
+        arrived = re.findall(r"webhook ← (job\.\w+).*\(signature verified\)", out.text)
+        assert arrived[:2] == ["job.queued", "job.started"] and arrived[-1] == "job.succeeded", arrived
+        assert "job.phase" in arrived and "REFUSED" not in out.text
         timing = float(re.search(r"a verified LoRA ([\d.]+) s after the demo started", out.text)[1])
         assert timing < 90, timing  # "well under a minute" on an idle machine; this box is shared
 

@@ -22,6 +22,7 @@ FAMILIES = {
     "lora_worker_job_failures": "gauge",
     "lora_worker_job_duration_seconds": "histogram",
     "lora_worker_reconcile_actions": "gauge",
+    "lora_worker_webhook_events": "gauge",
     "lora_worker_queue_depth": "gauge",
     "lora_worker_active_jobs": "gauge",
     "lora_worker_active_job_phase": "gauge",

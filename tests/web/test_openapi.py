@@ -79,7 +79,7 @@ def test_requests_are_documented_from_their_schemas(document):
         assert query == set(schema().fields), path
     for path, method in ops:
         if "{job_id}" in path:
-            (param,) = [p for p in ops[(path, method)]["parameters"] if p["in"] == "path"]
+            (param,) = [p for p in ops[(path, method)]["parameters"] if p["in"] == "path" and p["name"] == "job_id"]
             assert param == {"in": "path", "name": "job_id", "required": True,
                              "schema": {"type": "integer", "minimum": 0}}
 

@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any
 
 from lora_worker.errors import ConfigError
+from lora_worker import binds
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENV_PREFIX = "LORA_WORKER_"
@@ -211,6 +212,18 @@ class Settings:
             raise ConfigError(f"setting 'backend': {self.backend!r} is not one of {list(BACKENDS)}")
         if self.backend == "slurm":
             self._check_slurm()
+        if self.sandbox == "bwrap":
+            self._check_sandbox_binds()
+
+    def _check_sandbox_binds(self) -> None:
+        """The installation's directories the sandbox binds: never `/`, a system directory or the state dir
+        because a setting points near it (lora_worker/binds.py; the launcher's interpreter is checked at dispatch)."""
+        holds = [p for p in (self.state_dir, self.train_root, self.api_token_file) if p is not None]
+        for name, path in (("accelerate", self.accelerate.parent.parent), ("sd_scripts_dir", self.sd_scripts_dir),
+                           ("tokenizer_cache_dir", self.tokenizer_cache_dir)):
+            if not binds.already_present(path) and (problem := binds.too_wide(path, holds, [self.state_dir])):
+                raise ConfigError(f"setting {name!r}: the trainer's sandbox would bind {problem}, which opens it up; "
+                                  "point it at the trainer's own installation")
 
     def _check_slurm(self) -> None:
         """The Slurm settings a submission and the poller rely on, refused at start-up rather than at sbatch."""

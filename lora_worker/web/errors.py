@@ -74,6 +74,8 @@ _ADVICE: dict[str, tuple[str, str]] = {  # domain code → (Retry-After in words
     "launch_failed": ("", "Retry once; if it fails again an operator should read the worker's log."),
     "sandbox_unavailable": ("", "An operator must install bubblewrap (`apt-get install bubblewrap`; "
                                 "`lora-worker doctor`)."),
+    "log_unreadable": ("", "Do not retry: an operator must look at the state dir's logs/ (the message names "
+                           "what is there instead of the log); the job's state is unaffected."),
     "ledger_replaced": ("", "An operator must restart the service: the ledger file was deleted or replaced "
                             "under it (`/healthz` says `failing`)."),
 }

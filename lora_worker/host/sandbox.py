@@ -112,7 +112,10 @@ def describe(settings: Settings) -> str:
     if settings.sandbox == NONE:
         return "none (the trainer sees the whole host; set sandbox = \"bwrap\")"
     problem = unavailable(settings)
-    return f"unavailable: {problem}" if problem else f"{BWRAP} ({bwrap_executable()})"
+    if problem:
+        return f"unavailable: {problem}"
+    as_root = f"; run as root: the trainer is uid {SANDBOX_UID} in a user namespace" if os.geteuid() == 0 else ""
+    return f"{BWRAP} ({bwrap_executable()}){as_root}"
 
 
 def host_facts(settings: Settings) -> HostFacts:
@@ -191,6 +194,8 @@ def probe(settings: Settings, timeout_s: float = 10.0) -> str | None:
         return problem
     cmd = [str(bwrap_executable()), "--unshare-pid", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc",
            "--dev", "/dev", "--", "true"]
+    if os.geteuid() == 0:  # what a job run as root gets (wrap): the user namespace must work too
+        cmd[1:1] = ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID)]
     try:
         done = subprocess.run(cmd, capture_output=True, timeout=timeout_s, check=False)  # noqa: S603 - fixed argv
     except (OSError, subprocess.TimeoutExpired) as exc:

@@ -116,3 +116,13 @@ def test_a_trainer_started_by_root_is_not_root_and_cannot_write_proc_sys(client,
     assert found["uid"] != 0 and found["euid"] != 0 and found["gid"] != 0, found
     assert int(found["cap_eff"], 16) == 0, found
     assert found["proc_sys"] != "written", found
+
+
+@needs_bwrap
+def test_doctor_and_healthz_say_that_a_trainer_started_by_root_is_uid_65534(migrated, monkeypatch):
+    from lora_worker.host.nvml import FakeNvml
+    from lora_worker.ops.doctor import run_checks
+
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 0)
+    (check,) = [c for c in run_checks(migrated, FakeNvml.from_file(migrated.nvml_fake_file)) if c.name == "sandbox"]
+    assert check.ok and "run as root: the trainer is uid 65534 in a user namespace" in check.detail, check.detail

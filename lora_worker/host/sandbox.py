@@ -154,7 +154,14 @@ def wrap(argv: list[str], job: JobPaths, settings: Settings, facts: HostFacts,
         # bwrap run by root makes no user namespace: the trainer would be the host's root. In one of its own
         # it is nobody, with no capability on the host.
         cmd += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID)]
-    cmd += ["--ro-bind", "/usr", "/usr"]
+    cmd += _host_mounts(settings, facts) + _job_mounts(job, settings, facts, held)
+    cmd += ["--chdir", str(settings.sd_scripts_dir), "--"]
+    return cmd + list(argv)
+
+
+def _host_mounts(settings: Settings, facts: HostFacts) -> list[str]:
+    """What of the host every job's sandbox has: the system, the GPU, and private scratch space."""
+    cmd = ["--ro-bind", "/usr", "/usr"]
     for name, target in facts.usr_aliases:
         cmd += ["--symlink", target, f"/{name}"] if target else ["--ro-bind", f"/{name}", f"/{name}"]
     for path in facts.etc_files:
@@ -168,14 +175,19 @@ def wrap(argv: list[str], job: JobPaths, settings: Settings, facts: HostFacts,
     # Private and empty: scratch space, and HOME/HF_HOME (the state dir's path, none of its files).
     for scratch in _unique([Path("/tmp"), settings.state_dir, settings.hf_home_dir]):
         cmd += ["--tmpfs", str(scratch)]
+    return cmd
+
+
+def _job_mounts(job: JobPaths, settings: Settings, facts: HostFacts, held: Mapping[Path, int]) -> list[str]:
+    """The installation by path, the job's checked directories by descriptor (the output dir read-write)."""
     mounts = [(p, "--ro-bind") for p in (*_operator_binds(settings, facts), job.base_model_path)]
     mounts += [(p, "--ro-bind") for p in held if p != job.output_dir]  # the dataset and its kohya folder
     mounts.append((job.output_dir, "--bind"))
+    cmd: list[str] = []
     # Shallow paths first, so a deeper bind (the output dir inside a read-only tree) is mounted over them.
     for path, how in sorted(_unique_binds(mounts), key=lambda b: (len(b[0].parts), str(b[0]))):
         cmd += [how + "-fd", str(held[path]), str(path)] if path in held else [how, str(path), str(path)]
-    cmd += ["--chdir", str(settings.sd_scripts_dir), "--"]
-    return cmd + list(argv)
+    return cmd
 
 
 def wait_status(returncode: int | None, settings: Settings) -> int | None:

@@ -4,7 +4,8 @@ The sandbox binds a few directories the settings point at (the launcher's venv, 
 and the interpreter the launcher's `#!` line names. Each is derived from a path (`<venv>/bin/accelerate` →
 `<venv>`), so a setting one level too close to `/` would bind `/` itself, or `/etc`, `/home`, the state dir:
 read-only, but with the ledger, the token, other train ids and every host process's files in view. Such a
-bind is refused (config load, doctor, dispatch and the supervisor all ask `too_wide`), never narrowed by guess.
+bind is refused (config load, doctor, dispatch and the supervisor all ask `too_wide`), never narrowed by
+guess. A directory inside the state dir may be bound (the demo keeps its trainer there), not one of its own.
 
 Anything under /usr is already in the sandbox, read-only, and is not bound again. Pure path logic and one
 realpath: no import of the project, so config.py can use it at load.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 # `/` and the directories of the host's own system (FHS), and their usual second levels: binding any of them
 # whole exposes far more than a trainer installation.
@@ -29,23 +31,27 @@ def already_present(path: Path) -> bool:
     return path == USR or USR in path.parents
 
 
-def too_wide(path: Path, holds: Iterable[Path], within: Iterable[Path] = ()) -> str | None:
+def too_wide(path: Path, holds: Iterable[Path]) -> str | None:
     """Why binding `path` would open the sandbox up (a sentence), or None when it may be bound.
 
-    `holds` are what the trainer must never see: the state dir (ledger, token, logs, locks), the train root
-    (other train ids), the token file; `path` may not be one of them or hold one. Nor may it lie `within` the
-    state dir. Neither `path` nor what it resolves to may be `/` or a system directory."""
-    holds, within = list(holds), list(within)
+    `holds` are what the trainer must never see: the state dir and what the worker keeps in it (ledger, logs,
+    locks), the train root (other train ids), the token file; `path` may not be one of them or hold one.
+    Neither `path` nor what it resolves to may be `/` or a system directory."""
+    holds = list(holds)
     for shown, candidate in _forms(path):
         if candidate in SYSTEM_DIRS:
             return f"{shown} is {'the root directory' if candidate == Path('/') else 'a system directory'}"
         for guarded in holds:
             if any(inside(form, candidate) for _, form in _forms(guarded)):
                 return f"{shown} holds {guarded}"
-        for guarded in within:
-            if any(inside(candidate, form) for _, form in _forms(guarded)):
-                return f"{shown} lies in {guarded}"
     return None
+
+
+def protected(settings: Any) -> list[Path]:
+    """What of the worker's own a bind may never hold, from the settings."""
+    found = [settings.state_dir, settings.database_path, settings.log_dir, settings.lock_dir, settings.slurm_logs,
+             settings.gpu_locks, settings.train_root, settings.api_token_file]
+    return [p for p in found if p is not None]
 
 
 def inside(path: Path, directory: Path) -> bool:

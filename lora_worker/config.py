@@ -218,10 +218,10 @@ class Settings:
     def _check_sandbox_binds(self) -> None:
         """The installation's directories the sandbox binds: never `/`, a system directory or the state dir
         because a setting points near it (lora_worker/binds.py; the launcher's interpreter is checked at dispatch)."""
-        holds = [p for p in (self.state_dir, self.train_root, self.api_token_file) if p is not None]
+        holds = binds.protected(self)
         for name, path in (("accelerate", self.accelerate.parent.parent), ("sd_scripts_dir", self.sd_scripts_dir),
                            ("tokenizer_cache_dir", self.tokenizer_cache_dir)):
-            if not binds.already_present(path) and (problem := binds.too_wide(path, holds, [self.state_dir])):
+            if not binds.already_present(path) and (problem := binds.too_wide(path, holds)):
                 raise ConfigError(f"setting {name!r}: the trainer's sandbox would bind {problem}, which opens it up; "
                                   "point it at the trainer's own installation")
 

@@ -91,9 +91,9 @@ def unavailable(settings: Settings) -> str | None:
 
 def bind_problem(settings: Settings, facts: HostFacts) -> str | None:
     """Why one of the operator's directories may not be bound (it would open the sandbox up), or None."""
-    holds = [p for p in (settings.state_dir, settings.train_root, settings.api_token_file) if p is not None]
+    holds = binds.protected(settings)
     for path in _operator_binds(settings, facts):
-        if problem := binds.too_wide(path, holds, within=[settings.state_dir]):
+        if problem := binds.too_wide(path, holds):
             return (f"the sandbox would bind {problem} (from the settings 'accelerate', 'sd_scripts_dir', "
                     "'tokenizer_cache_dir' or the launcher's interpreter); point them at the trainer's own "
                     "installation")

@@ -30,7 +30,7 @@ def host(tmp_path: Path):
     ("sd_scripts_dir", "/var", "/var is a system directory"),
     ("sd_scripts_dir", "/root", "/root is a system directory"),
     ("tokenizer_cache_dir", "/srv/lora", "holds /srv/lora/state"),  # the state dir's parent
-    ("tokenizer_cache_dir", "/srv/lora/state/tok", "lies in /srv/lora/state"),
+    ("tokenizer_cache_dir", "/srv/lora/state/logs", "holds /srv/lora/state/logs"),  # every job's run log
     ("sd_scripts_dir", "/worktank/arbo", "holds /worktank/arbo/train"),  # every train id in view
 ])
 def test_a_setting_that_would_bind_a_system_directory_is_refused_at_load(setting, value, said):
@@ -48,9 +48,12 @@ def test_a_link_to_the_root_is_refused_by_what_it_resolves_to(tmp_path):
         Settings(sd_scripts_dir=tmp_path / "fluxgym")
 
 
-def test_the_deployed_layout_and_a_system_wide_launcher_are_accepted():
+def test_the_deployed_layout_a_system_wide_launcher_and_the_demos_are_accepted():
     Settings()  # /opt/fluxgym/.venv, sd-scripts, tokenizers
     Settings(accelerate=Path("/usr/local/bin/accelerate"))  # /usr/local: in the sandbox read-only already
+    demo = Path("/tmp/lora-worker-demo")  # the demo's state dir holds its trainer, beside the ledger
+    Settings(state_dir=demo, accelerate=demo / "trainer/venv/bin/accelerate", sd_scripts_dir=demo / "trainer/sd",
+             tokenizer_cache_dir=demo / "trainer/tokenizers")
 
 
 # -- at dispatch and in doctor: the launcher's interpreter --------------------------------------------------------

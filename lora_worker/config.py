@@ -16,6 +16,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from lora_worker.errors import ConfigError
+from lora_worker import binds
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ENV_PREFIX = "LORA_WORKER_"
@@ -233,6 +234,8 @@ class Settings:
             self._check_slurm()
         if self.webhook_url is not None:
             self._check_webhooks()
+        if self.sandbox == "bwrap":
+            self._check_sandbox_binds()
 
     def _check_webhooks(self) -> None:
         """A target the sender can reach as written: http or https, a host, no credentials in the URL."""
@@ -254,6 +257,17 @@ class Settings:
         """The event types a job sends unless its request chose fewer."""
         chosen = tuple(t.strip() for t in self.webhook_event_types.split(",") if t.strip())
         return chosen or WEBHOOK_EVENT_TYPES
+
+
+    def _check_sandbox_binds(self) -> None:
+        """The installation's directories the sandbox binds: never `/`, a system directory or the state dir
+        because a setting points near it (lora_worker/binds.py; the launcher's interpreter is checked at dispatch)."""
+        holds = binds.protected(self)
+        for name, path in (("accelerate", self.accelerate.parent.parent), ("sd_scripts_dir", self.sd_scripts_dir),
+                           ("tokenizer_cache_dir", self.tokenizer_cache_dir)):
+            if not binds.already_present(path) and (problem := binds.too_wide(path, holds)):
+                raise ConfigError(f"setting {name!r}: the trainer's sandbox would bind {problem}, which opens it up; "
+                                  "point it at the trainer's own installation")
 
     def _check_slurm(self) -> None:
         """The Slurm settings a submission and the poller rely on, refused at start-up rather than at sbatch."""

@@ -28,6 +28,7 @@
           ├── LedgerUnwritable        503: the ledger's disk is full or failing
           ├── HostNotReady            503: /healthz?deep=1: the deep checks did not find the host can train
           ├── LedgerReplaced          503: the ledger file was deleted or replaced under the service
+          ├── LogUnreadable           503: a file of the run log is a link, a FIFO… (planted in the state dir)
           └── LaunchFailed            503: the supervisor process could not be started
 
 HTTP statuses are assigned in `lora_worker.web.errors`; nothing here knows about HTTP. What a client may do is
@@ -229,6 +230,12 @@ class LedgerUnwritable(Unavailable):
     code = "ledger_unwritable"
     retryable = True
     retry_after_s = 10.0
+
+
+class LogUnreadable(Unavailable):
+    """The job's run log cannot be read: something that is not its regular file is where it was."""
+
+    code = "log_unreadable"
 
 
 class LaunchFailed(Unavailable):

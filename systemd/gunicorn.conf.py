@@ -18,6 +18,9 @@ bind = [address.strip() for address in load_settings().bind.split(",") if addres
 workers = 1
 worker_class = "lora_worker.web.buffered_worker.BufferingThreadWorker"
 threads = 8
+# At most this many connections at once; those waiting (being read, or kept alive) get all but twice the threads,
+# and past that the one waiting longest is closed (buffered_worker.py): idle clients never stop the accept.
+worker_connections = 1000
 # No preload: the app (and its SQLite engine) is built in the worker after fork, never in the master.
 preload_app = False
 timeout = 30

@@ -33,26 +33,52 @@ def open_lock_file(path: str | os.PathLike[str], *, create: bool) -> int | None:
     Open first without O_CREAT: with fs.protected_regular, O_CREAT on another user's file in a sticky
     directory fails with EACCES even though the file exists. Create with O_EXCL, so a name that appears
     between the two opens is opened again rather than trusted."""
-    while True:
-        try:
-            fd = os.open(path, _OPEN_FLAGS)
-        except FileNotFoundError:
-            if not create:
-                return None
+    try:
+        dir_fd = _open_lock_dir(path)
+    except FileNotFoundError:
+        if not create:
+            return None
+        raise
+    name = os.path.basename(os.fspath(path))
+    try:
+        while True:
             try:
-                fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o600)
-            except FileExistsError:
-                continue
-            # fchmod, not the open's mode: the umask (0007 under the unit) must not narrow who may join.
-            os.fchmod(fd, lock_file_mode(os.stat(os.path.dirname(os.fspath(path)) or ".").st_mode))
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise NotALockFile(errno.ELOOP, "a symbolic link, not a lock file", str(path)) from exc
-            raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise NotALockFile(errno.EINVAL, "not a regular file", str(path))
-        return fd
+                fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
+            except FileNotFoundError:
+                if not create:
+                    return None
+                try:
+                    fd = os.open(name, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dir_fd)
+                except FileExistsError:
+                    continue
+                # fchmod, not the open's mode: the umask (0007 under the unit) must not narrow who may join.
+                os.fchmod(fd, lock_file_mode(os.fstat(dir_fd).st_mode))
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise NotALockFile(errno.ELOOP, "a symbolic link, not a lock file", str(path)) from exc
+                raise
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise NotALockFile(errno.EINVAL, "not a regular file", str(path))
+            return fd
+    finally:
+        os.close(dir_fd)
+
+
+def _open_lock_dir(path: str | os.PathLike[str]) -> int:
+    """The lock's directory (locks/, the GPU lock dir), never through a link at its own name: one planted
+    there would put every lock somewhere else."""
+    directory = (os.path.dirname(os.fspath(path)) or ".").rstrip("/") or "/"
+    parent = os.open(os.path.dirname(directory) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return os.open(os.path.basename(directory) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       dir_fd=parent)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise NotALockFile(exc.errno, "its directory is a symbolic link or not a directory", directory) from exc
+        raise
+    finally:
+        os.close(parent)
 
 
 def hold_lock(path: str | os.PathLike[str]) -> int | None:

@@ -133,6 +133,32 @@ def open_regular(dir_fd: int | None, name: str) -> tuple[int, os.stat_result]:
     return fd, st
 
 
+def open_in(directory: str | os.PathLike[str], name: str, flags: int = os.O_RDONLY, mode: int = 0o640) -> int:
+    """`name` in one of our own directories (the state dir's logs/, …): the path up to `directory` is the
+    operator's, but `directory` itself is not followed if it is a link, nor is `name`, and nothing blocks (a
+    FIFO read answers at once, a FIFO write ENXIO). Refused unless what opened is a regular file; other OSErrors
+    (ENOENT, EEXIST with O_EXCL, ENOSPC) pass through. `flags` may add O_CREAT, O_EXCL, O_APPEND, O_TRUNC."""
+    path = os.fspath(directory)
+    parent = os.open(os.path.dirname(path.rstrip("/")) or "/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        dir_fd = open_subdir(parent, os.path.basename(path.rstrip("/")), shown=path)
+    finally:
+        os.close(parent)
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise Refused(errno.ELOOP, f"{path}/{name} is a symlink, not a regular file") from exc
+    finally:
+        os.close(dir_fd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise Refused(errno.EINVAL, f"{path}/{name} is a {kind_of(st.st_mode)}, not a regular file")
+    return fd
+
+
 def read_capped(fd: int, cap: int) -> bytes:
     """At most `cap` bytes of a regular file; Refused if it holds more (nothing past cap+1 is read)."""
     chunks: list[bytes] = []

@@ -144,10 +144,12 @@ class ProcessHost:
     def become_subreaper(self) -> bool:
         return processes.set_child_subreaper()
 
-    def spawn(self, argv: list[str], *, cwd: Path, env: Mapping[str, str]) -> TrainerProcess:
-        """Start the trainer as the leader of a new group; raises OSError if it cannot be started."""
+    def spawn(self, argv: list[str], *, cwd: Path, env: Mapping[str, str],
+              pass_fds: tuple[int, ...] = ()) -> TrainerProcess:
+        """Start the trainer as the leader of a new group; raises OSError if it cannot be started. `pass_fds`
+        are inherited (the checked directories the sandbox binds); every other descriptor is closed."""
         popen = subprocess.Popen(  # noqa: S603 - argv is the stored list; no shell
-            argv, cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL,
+            argv, cwd=cwd, env=dict(env), stdin=subprocess.DEVNULL, pass_fds=pass_fds,
             # One pipe for both streams: the kernel keeps the trainer's writes in the order they were made,
             # which two pipes cannot (a "saving checkpoint:" line must follow the redraw before it).
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,

@@ -11,8 +11,15 @@ namespace, whose init is bwrap; `--die-with-parent` makes bwrap die with the sup
 namespace's init dies the kernel kills every process in it. A grandchild that called setsid and re-exec'd
 itself under another name is still in the namespace, so it dies with it, supervisor or not.
 
-`wrap` is pure: what it needs from the host (the interpreter's prefix, which device nodes exist) is read by
-`host_facts` first, so the command can be tested for any host.
+The job's own directories (dataset, its kohya folder, output) are bound through the very descriptors the
+pre-exec check opened and compared (run/prelaunch.py, `--ro-bind-fd`/`--bind-fd`), never by name again: a
+rename or a link planted between the check and the mount changes nothing that is mounted (bwrap itself
+compares the mounted directory with the descriptor). The operator's directories are bound by path, but never
+one that would open the sandbox up (lora_worker/binds.py). Run as root, the trainer gets a user namespace of its own
+(uid and gid 65534 in it, no capability on the host) and a read-only /proc/sys.
+
+`wrap` is pure: what it needs from the host (the interpreter's prefix, which device nodes exist, whether we
+are root) is read by `host_facts` first, so the command can be tested for any host.
 """
 from __future__ import annotations
 
@@ -21,11 +28,13 @@ import os
 import shutil
 import subprocess
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from lora_worker.config import Settings
 from lora_worker.errors import SandboxUnavailable
+from lora_worker import binds
 
 BWRAP = "bwrap"
 NONE = "none"
@@ -42,6 +51,8 @@ ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "passwd",
 # nvidia module's parameters. Not /sys/fs (cgroups) or /sys/kernel.
 SYS_PARTS = ("/sys/devices", "/sys/bus", "/sys/class", "/sys/dev", "/sys/module")
 DEVICE_GLOBS = ("/dev/nvidia*", "/dev/dri")  # nvidia0…N, nvidiactl, nvidia-uvm(-tools), nvidia-modeset, nvidia-caps
+# Who the trainer is inside its user namespace when the service runs as root: `nobody`, never uid 0.
+SANDBOX_UID = SANDBOX_GID = 65534
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,7 @@ class HostFacts:
     usr_aliases: tuple[tuple[str, str | None], ...]  # ("lib", "usr/lib") for a symlink, ("lib", None) for a dir
     etc_files: tuple[Path, ...]
     sys_parts: tuple[Path, ...]
+    as_root: bool = False  # the service runs as uid 0: the trainer gets a user namespace (see wrap)
 
 
 def bwrap_executable() -> str | None:
@@ -83,6 +95,17 @@ def unavailable(settings: Settings) -> str | None:
     if bwrap_for(settings) is None:
         where = f" at {settings.bwrap_path}" if settings.bwrap_path is not None else ""
         return f"the trainer sandbox ({BWRAP}) is not installed{where}: {INSTALL_HINT}"
+    return bind_problem(settings, host_facts(settings))
+
+
+def bind_problem(settings: Settings, facts: HostFacts) -> str | None:
+    """Why one of the operator's directories may not be bound (it would open the sandbox up), or None."""
+    holds = binds.protected(settings)
+    for path in _operator_binds(settings, facts):
+        if problem := binds.too_wide(path, holds):
+            return (f"the sandbox would bind {problem} (from the settings 'accelerate', 'sd_scripts_dir', "
+                    "'tokenizer_cache_dir' or the launcher's interpreter); point them at the trainer's own "
+                    "installation")
     return None
 
 
@@ -98,7 +121,10 @@ def describe(settings: Settings) -> str:
     if settings.sandbox == NONE:
         return "none (the trainer sees the whole host; set sandbox = \"bwrap\")"
     problem = unavailable(settings)
-    return f"unavailable: {problem}" if problem else f"{BWRAP} ({bwrap_for(settings)})"
+    if problem:
+        return f"unavailable: {problem}"
+    as_root = f"; run as root: the trainer is uid {SANDBOX_UID} in a user namespace" if os.geteuid() == 0 else ""
+    return f"{BWRAP} ({bwrap_for(settings)}){as_root}"
 
 
 def host_facts(settings: Settings) -> HostFacts:
@@ -109,24 +135,48 @@ def host_facts(settings: Settings) -> HostFacts:
         usr_aliases=tuple(_usr_alias(name) for name in USR_ALIASES if os.path.lexists(f"/{name}")),
         etc_files=tuple(Path("/etc", name) for name in ETC_FILES if os.path.exists(f"/etc/{name}")),
         sys_parts=tuple(Path(p) for p in SYS_PARTS if os.path.isdir(p)),
+        as_root=os.geteuid() == 0,
     )
 
 
-def wrap(argv: list[str], job: JobPaths, settings: Settings, facts: HostFacts) -> list[str]:
-    """The command that runs `argv` in the job's sandbox (or `argv` itself with sandbox = "none")."""
+def wrap(argv: list[str], job: JobPaths, settings: Settings, facts: HostFacts,
+         held: Mapping[Path, int] | None = None) -> list[str]:
+    """The command that runs `argv` in the job's sandbox (or `argv` itself with sandbox = "none").
+
+    `held` are the descriptors the pre-exec check opened, by the path they were reached at: the dataset and
+    the output dir must be among them (a job's directory is never bound by name); the caller passes them to
+    bwrap (pass_fds) and closes them once it has started."""
     if settings.sandbox == NONE:
         return list(argv)
     if facts.bwrap is None:
         raise FileNotFoundError(f"no {BWRAP} executable: {INSTALL_HINT}")
+    held = dict(held or {})
+    missing = [str(p) for p in (job.dataset_dir, job.output_dir) if p not in held]
+    if missing:
+        raise ValueError(f"not checked before the mount: {', '.join(missing)}")
+    if problem := bind_problem(settings, facts):
+        raise ValueError(problem)
     cmd = [facts.bwrap,
            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net", "--unshare-cgroup-try",
-           "--die-with-parent", "--cap-drop", "ALL",
-           "--ro-bind", "/usr", "/usr"]
+           "--die-with-parent", "--cap-drop", "ALL"]
+    if facts.as_root:
+        # bwrap run by root makes no user namespace: the trainer would be the host's root. In one of its own
+        # it is nobody, with no capability on the host.
+        cmd += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID)]
+    cmd += _host_mounts(settings, facts) + _job_mounts(job, settings, facts, held)
+    cmd += ["--chdir", str(settings.sd_scripts_dir), "--"]
+    return cmd + list(argv)
+
+
+def _host_mounts(settings: Settings, facts: HostFacts) -> list[str]:
+    """What of the host every job's sandbox has: the system, the GPU, and private scratch space."""
+    cmd = ["--ro-bind", "/usr", "/usr"]
     for name, target in facts.usr_aliases:
         cmd += ["--symlink", target, f"/{name}"] if target else ["--ro-bind", f"/{name}", f"/{name}"]
     for path in facts.etc_files:
         cmd += ["--ro-bind", str(path), str(path)]
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm"]
+    # /proc/sys read-only: its files belong to the host's root, which a namespace made by root still maps.
+    cmd += ["--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys", "--dev", "/dev", "--tmpfs", "/dev/shm"]
     for node in facts.device_nodes:
         cmd += ["--dev-bind", str(node), str(node)]
     for part in facts.sys_parts:
@@ -134,15 +184,19 @@ def wrap(argv: list[str], job: JobPaths, settings: Settings, facts: HostFacts) -
     # Private and empty: scratch space, and HOME/HF_HOME (the state dir's path, none of its files).
     for scratch in _unique([Path("/tmp"), settings.state_dir, settings.hf_home_dir]):
         cmd += ["--tmpfs", str(scratch)]
-    binds = [(p, "--ro-bind") for p in (*facts.interpreter_dirs, _venv_of(settings.accelerate),
-                                         settings.sd_scripts_dir, settings.tokenizer_cache_dir,
-                                         job.dataset_dir, job.base_model_path)]
-    binds.append((job.output_dir, "--bind"))
+    return cmd
+
+
+def _job_mounts(job: JobPaths, settings: Settings, facts: HostFacts, held: Mapping[Path, int]) -> list[str]:
+    """The installation by path, the job's checked directories by descriptor (the output dir read-write)."""
+    mounts = [(p, "--ro-bind") for p in (*_operator_binds(settings, facts), job.base_model_path)]
+    mounts += [(p, "--ro-bind") for p in held if p != job.output_dir]  # the dataset and its kohya folder
+    mounts.append((job.output_dir, "--bind"))
+    cmd: list[str] = []
     # Shallow paths first, so a deeper bind (the output dir inside a read-only tree) is mounted over them.
-    for path, how in sorted(_unique_binds(binds), key=lambda b: (len(b[0].parts), str(b[0]))):
-        cmd += [how, str(path), str(path)]
-    cmd += ["--chdir", str(settings.sd_scripts_dir), "--"]
-    return cmd + list(argv)
+    for path, how in sorted(_unique_binds(mounts), key=lambda b: (len(b[0].parts), str(b[0]))):
+        cmd += [how + "-fd", str(held[path]), str(path)] if path in held else [how, str(path), str(path)]
+    return cmd
 
 
 def wait_status(returncode: int | None, settings: Settings) -> int | None:
@@ -161,6 +215,8 @@ def probe(settings: Settings, timeout_s: float = 10.0) -> str | None:
         return problem
     cmd = [str(bwrap_for(settings)), "--unshare-pid", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc",
            "--dev", "/dev", "--", "true"]
+    if os.geteuid() == 0:  # what a job run as root gets (wrap): the user namespace must work too
+        cmd[1:1] = ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID)]
     try:
         done = subprocess.run(cmd, capture_output=True, timeout=timeout_s, check=False)  # noqa: S603 - fixed argv
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -195,6 +251,13 @@ def require_namespaces(settings: Settings) -> None:
                                  sandbox=settings.sandbox)
 
 
+def _operator_binds(settings: Settings, facts: HostFacts) -> list[Path]:
+    """The installation's directories the sandbox binds read-only (not those under /usr: already there)."""
+    found = [*facts.interpreter_dirs, _venv_of(settings.accelerate), settings.sd_scripts_dir,
+             settings.tokenizer_cache_dir]
+    return [p for p in _unique(found) if not binds.already_present(p)]
+
+
 def _venv_of(launcher: Path) -> Path:
     """`<venv>/bin/accelerate` → `<venv>`."""
     return launcher.parent.parent
@@ -216,27 +279,24 @@ def _interpreter_dirs(launcher: Path) -> tuple[Path, ...]:
     if not parts:
         return ()
     interpreter = Path(parts[0])
-    found: list[Path] = []
     venv = interpreter.parent.parent
     cfg = venv / "pyvenv.cfg"
-    if cfg.is_file():
-        found.append(venv)
+    found: list[Path] = [venv] if cfg.is_file() else []
+    bin_dirs = [Path(os.path.realpath(interpreter)).parent]
+    if found:
         for line in cfg.read_text(errors="replace").splitlines():
             key, _, value = line.partition("=")
             if key.strip() == "home" and value.strip():
-                found.append(Path(value.strip()).parent)
-    real = Path(os.path.realpath(interpreter))
-    found.append(real.parent.parent)
-    return tuple(p for p in _unique(found) if not _under(p, Path("/usr")) and p != Path("/"))
+                bin_dirs.append(Path(value.strip()))
+    # Each bin directory's prefix; /bin, /sbin … are in the sandbox already (a link into /usr, or bound).
+    aliases = {Path("/", name) for name in USR_ALIASES}
+    found += [d.parent for d in bin_dirs if d not in aliases]
+    return tuple(_unique(found))  # `/` or a system directory among them: refused by bind_problem
 
 
 def _usr_alias(name: str) -> tuple[str, str | None]:
     path = f"/{name}"
     return (name, os.readlink(path)) if os.path.islink(path) else (name, None)
-
-
-def _under(path: Path, base: Path) -> bool:
-    return path == base or base in path.parents
 
 
 def _unique(paths: list[Path]) -> list[Path]:

@@ -128,6 +128,9 @@ def cmd_log(db: Database, settings: Settings, args: argparse.Namespace, out: Tex
         return _print_log(db, settings, current_job(db, settings, args.job_id, actor="cli"), args.follow, out)
     except KeyboardInterrupt:  # the usual way to stop following
         return 130
+    except OSError as exc:  # a link or a FIFO where the log was: refused at once (host/fs.py `open_in`)
+        out.write(f"lora-worker: the run log of job {args.job_id} cannot be read: {exc}\n")
+        return 1
 
 
 def _print_log(db: Database, settings: Settings, job: Job, follow: bool, out: TextIO) -> int:

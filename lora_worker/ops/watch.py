@@ -108,12 +108,15 @@ class _Looker:
         if job.version != self._version:
             self._losses = [p.loss for p in repo.progress_points(self.db, job.id)]
             self._version = job.version
-        size = self.reader.size() if self.reader.exists() else 0
-        if size != self._log_size:
-            # Blank lines (sd-scripts prints "\nepoch N/M\n") would take the room of the lines worth reading.
-            text = self.reader.tail_lines(LOG_LINES * 4).text
-            self._lines = [_printable(line) for line in text.splitlines() if line.strip()][-LOG_LINES:]
-            self._log_size = size
+        try:
+            size = self.reader.size() if self.reader.exists() else 0
+            if size != self._log_size:
+                # Blank lines (sd-scripts prints "\nepoch N/M\n") would take the room of the lines worth reading.
+                text = self.reader.tail_lines(LOG_LINES * 4).text
+                self._lines = [_printable(line) for line in text.splitlines() if line.strip()][-LOG_LINES:]
+                self._log_size = size
+        except OSError as exc:  # a link or a FIFO where the log was: said, never waited on
+            self._lines, self._log_size = [f"(the run log cannot be read: {exc})"], -1
         return View(job, self._losses, self._lines)
 
 

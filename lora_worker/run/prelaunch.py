@@ -7,40 +7,76 @@ directory, stops the job (`failed`, `launch_error`) before the trainer has opene
 again at what the trainer will open inside them (no new subset folder, no image or caption turned into a
 link or a FIFO) and at the LoRA's path, where nothing may be yet: the file found there after the run is
 then the trainer's, which is how the artifact check knows it is fresh without comparing clocks.
+
+The directories stay open from this look to the trainer's start: the sandbox mounts those descriptors, not
+the paths again (`check`; `what_moved` is the look alone).
 """
 from __future__ import annotations
 
 import os
 import stat
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from lora_worker.host import fs, kohya
 from lora_worker.ledger.supervisor import JobRecord
 
 
+@dataclass
+class Checked:
+    """The outcome of the last look: why the trainer must not start (None: it may), and the directories as
+    they were checked, open, by the path they were reached at. The sandbox binds these very descriptors
+    (host/sandbox.py), so nothing renamed or linked after the check is what gets mounted."""
+
+    moved: str | None
+    held: dict[Path, int] = field(default_factory=dict)
+
+    def close(self) -> None:
+        for fd in self.held.values():
+            os.close(fd)
+        self.held.clear()
+
+
 def what_moved(job: JobRecord) -> str | None:
     """Why the trainer must not start (a sentence), or None when everything is as it was checked."""
+    checked = check(job)
+    checked.close()
+    return checked.moved
+
+
+def check(job: JobRecord) -> Checked:
+    """The last look; the caller closes what it holds (at once when `moved`, else once bwrap has started)."""
     folder = kohya.folder_name(job.repeats, job.trigger, job.subject_class)
     directories = (("dataset_dir", job.dataset_dir, job.dataset_dev_ino),
                    ("the kohya folder", os.path.join(job.dataset_dir, folder), job.kohya_dev_ino),
                    ("output_dir", job.output_dir, job.output_dev_ino))
     fds: dict[str, int] = {}
+    checked = Checked(None)
     try:
         for label, path, recorded in directories:
             try:
                 fds[label] = fs.open_dir(path)
             except OSError as exc:
-                return f"{label} {path} cannot be opened without following links ({exc})"
+                checked.moved = f"{label} {path} cannot be opened without following links ({exc})"
+                return checked
+            checked.held[Path(path)] = fds[label]
             now = fs.FileId.of(os.fstat(fds[label]))
             if recorded is not None and now != fs.FileId.parse(recorded):
-                return f"{label} {path} is not the directory that was checked (was {recorded}, now {now})"
+                checked.moved = f"{label} {path} is not the directory that was checked (was {recorded}, now {now})"
+                return checked
         try:
-            return (_new_subset(fds["dataset_dir"], folder) or _unsafe_entry(fds["the kohya folder"], folder)
-                    or _lora_present(fds["output_dir"], os.path.basename(job.lora_file)))
+            checked.moved = (_new_subset(fds["dataset_dir"], folder)
+                             or _unsafe_entry(fds["the kohya folder"], folder)
+                             or _lora_present(fds["output_dir"], os.path.basename(job.lora_file)))
         except OSError as exc:  # made unreadable meanwhile: as good as moved
-            return f"the dataset or output_dir can no longer be listed ({exc.strerror or exc})"
+            checked.moved = f"the dataset or output_dir can no longer be listed ({exc.strerror or exc})"
+        return checked
+    except BaseException:
+        checked.close()
+        raise
     finally:
-        for fd in fds.values():
-            os.close(fd)
+        if checked.moved is not None:
+            checked.close()
 
 
 def _new_subset(dataset_fd: int, folder: str) -> str | None:

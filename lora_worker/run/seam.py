@@ -16,7 +16,7 @@ from lora_worker.host.process_host import ProcessHost
 from lora_worker.host.processes import Identity
 from lora_worker.ledger.supervisor import JobRecord
 from lora_worker.config import Settings
-from lora_worker.run.prelaunch import what_moved
+from lora_worker.run.prelaunch import Checked, check
 
 
 class Trainer(Protocol):
@@ -84,11 +84,41 @@ class RunHost(Protocol):
 
 
 class SupervisorHost(ProcessHost):
-    """The real RunHost: the OS seam, and the job's files looked at once more right before exec."""
+    """The real RunHost: the OS seam, and the job's files looked at once more right before exec.
+
+    The directories that last look opened stay open until the trainer has started: the sandbox binds those
+    descriptors (inherited by bwrap, then closed here), never the paths again."""
+
+    def __init__(self, wake_fd: int | None = None) -> None:
+        super().__init__(wake_fd)
+        self._checked: Checked | None = None
 
     def what_moved(self, job: JobRecord) -> str | None:
-        return what_moved(job)
+        self._release()
+        checked = check(job)
+        self._checked = checked if checked.moved is None else None
+        return checked.moved
 
     def command_for(self, job: JobRecord, settings: Settings) -> list[str]:
         paths = sandbox.JobPaths(Path(job.dataset_dir), Path(job.base_model_path), Path(job.output_dir))
-        return sandbox.wrap(job.argv, paths, settings, sandbox.host_facts(settings))
+        if settings.sandbox == sandbox.NONE:
+            self._release()  # nothing binds them: the trainer opens its paths itself, and inherits no fd
+        held = self._checked.held if self._checked is not None else {}
+        try:
+            return sandbox.wrap(job.argv, paths, settings, sandbox.host_facts(settings), held)
+        except ValueError as exc:  # refused (a bind too wide, nothing checked): the trainer is not started
+            self._release()
+            raise OSError(f"the sandbox refuses to start: {exc}") from exc
+
+    def spawn(self, argv: list[str], *, cwd: Path, env: Mapping[str, str],
+              pass_fds: tuple[int, ...] = ()) -> Trainer:
+        held = tuple(self._checked.held.values()) if self._checked is not None else ()
+        try:
+            return super().spawn(argv, cwd=cwd, env=env, pass_fds=pass_fds + held)
+        finally:
+            self._release()  # bwrap has its own copies now (or never started)
+
+    def _release(self) -> None:
+        if self._checked is not None:
+            self._checked.close()
+            self._checked = None

@@ -7,6 +7,9 @@ On disk, under the state directory's logs/:
                      rename) to its last `tail_bytes`, and S moves on.
 Offsets in the API are logical (bytes since the start of the log), so a client following with `?offset=`
 never sees bytes twice; if it falls behind a rewrite, it is told how many bytes it skipped.
+
+Every file here is opened with host/fs.py's `open_in`: logs/ itself and the file are never followed as links,
+and a FIFO or anything but a regular file is refused at once (OSError) instead of blocking a request thread.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from lora_worker.host import fs
 
 TAIL_HEADER = re.compile(rb"^# lora-worker log tail from byte (\d+)\n")
 REDRAW_EVERY_S = 30.0  # how often a still-open progress bar is copied into the log as a line
@@ -30,9 +35,7 @@ def _create_new(head: Path, tail: Path):  # type: ignore[no-untyped-def]
     anyway, it belongs to another run and is moved aside with its tail, kept, and never written again."""
     while True:
         try:
-            fd = os.open(head, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         0o640)
-            return os.fdopen(fd, "ab")
+            return os.fdopen(_open(head, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND), "ab")
         except FileExistsError:
             suffix = f".replaced-{time.time_ns()}"
             for path in (head, tail):
@@ -49,8 +52,8 @@ def append_note(log_dir: Path, job_id: int, message: str, *, head_bytes: int) ->
     head, tail = log_paths(log_dir, job_id)
     log_dir.mkdir(parents=True, exist_ok=True)
     data = f"[lora-worker] {message}\n".encode("utf-8", "replace")
-    append = os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
-    if tail.exists():
+    append = os.O_WRONLY | os.O_APPEND
+    if os.path.lexists(tail):
         path, flags, prefix = tail, append, b""
     elif (size := _size(head)) and size + len(data) <= head_bytes:
         path, flags, prefix = head, append, b""
@@ -58,7 +61,7 @@ def append_note(log_dir: Path, job_id: int, message: str, *, head_bytes: int) ->
         path, flags, prefix = tail, append | os.O_CREAT | os.O_EXCL, _tail_header(size)
     else:  # the supervisor never opened it: the closing line is the whole log
         path, flags, prefix = head, append | os.O_CREAT | os.O_EXCL, b""
-    fd = os.open(path, flags, 0o640)
+    fd = _open(path, flags)
     try:
         os.write(fd, prefix + data)
     finally:
@@ -165,7 +168,7 @@ class JobLog:
 
     def _open_tail(self) -> None:
         self._tail_start = self._head_size
-        self._tail = self.tail_path.open("wb")
+        self._tail = os.fdopen(_open(self.tail_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb")
         self._tail.write(_tail_header(self._tail_start))
         self._tail.flush()
 
@@ -174,7 +177,7 @@ class JobLog:
         self._tail.close()
         tmp = self.tail_path.with_suffix(".tmp")
         try:
-            with self.tail_path.open("rb") as fh:
+            with os.fdopen(_open(self.tail_path), "rb") as fh:
                 header = fh.readline()
                 fh.seek(len(header) + self._tail_size - self.tail_bytes)
                 body = fh.read()
@@ -182,7 +185,7 @@ class JobLog:
             newline = body.find(b"\n")
             body = body[newline + 1:] if 0 <= newline < len(body) - 1 else body
             start = self._tail_start + self._tail_size - len(body)
-            with tmp.open("wb") as out:
+            with os.fdopen(_open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as out:
                 out.write(_tail_header(start) + body)
             os.replace(tmp, self.tail_path)
             self._tail_start, self._tail_size = start, len(body)
@@ -190,7 +193,8 @@ class JobLog:
             tmp.unlink(missing_ok=True)  # a full disk: the tail grows on uncompacted, and compaction is retried
             raise
         finally:
-            self._tail = self.tail_path.open("ab")  # whatever happened above, the log stays writable
+            # Whatever happened above, the log stays writable.
+            self._tail = os.fdopen(_open(self.tail_path, os.O_WRONLY | os.O_APPEND), "ab")
 
 
 @dataclass(frozen=True)
@@ -207,7 +211,7 @@ class LogReader:
         self.head_path, self.tail_path = log_paths(log_dir, job_id)
 
     def exists(self) -> bool:
-        return self.head_path.exists()
+        return os.path.lexists(self.head_path)
 
     def size(self) -> int:
         with _TailView(self.tail_path) as tail:
@@ -249,7 +253,7 @@ class _TailView:
 
     def __enter__(self) -> _TailView:
         try:
-            self._fh = self.path.open("rb")
+            self._fh = os.fdopen(_open(self.path), "rb")
         except FileNotFoundError:
             return self
         header = self._fh.readline()
@@ -347,16 +351,25 @@ def _tail_header(start: int) -> bytes:
     return f"# lora-worker log tail from byte {start}\n".encode()
 
 
+def _open(path: Path, flags: int = os.O_RDONLY) -> int:
+    """A file of the log dir: never through a link, never blocking, a regular file or OSError."""
+    return fs.open_in(path.parent, path.name, flags)
+
+
 def _size(path: Path) -> int:
     try:
-        return path.stat().st_size
+        fd = _open(path)
     except FileNotFoundError:
         return 0
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
 
 
 def _read_range(path: Path, offset: int, length: int) -> bytes:
     if length <= 0:
         return b""
-    with path.open("rb") as fh:
+    with os.fdopen(_open(path), "rb") as fh:
         fh.seek(offset)
         return fh.read(length)

@@ -8,7 +8,17 @@ Here the worker's event loop reads every request, without blocking, until its he
 (Content-Length, at most `max_body_bytes`) are in memory; only then does a thread parse and serve it, from that
 buffer, in microseconds. A request that is not whole within REQUEST_DEADLINE_S is answered 408 and closed; one
 that declares a body over `max_body_bytes` is answered 413 at once; a chunked body (which no client of this API
-sends) 411. Slow clients then cost a socket and a buffer each (at most `worker_connections`), never a thread.
+sends) 411. Slow clients then cost a socket and a buffer each, never a thread.
+
+A client may send its next request on the same connection before the first is answered (HTTP pipelining):
+what gunicorn read ahead is then buffered here the same way, so a complete request followed by a dripped one
+never leaves a thread waiting on the second.
+
+Waiting connections (being buffered, or kept alive between requests) have a budget: in time, the deadline
+above and gunicorn's `keepalive`; in number, `worker_connections` less twice the threads. When one more is
+accepted over that number, the one that has waited longest is closed: idle clients that reconnect as fast as
+they are dropped cannot hold every connection, so the worker never stops accepting, and a client that sends
+its request whole (every authorised one) is read and served at once, never queued behind them.
 
 Relies on gthread's internals (TConn, the poller, enqueue_req) of the pinned gunicorn (setup.cfg).
 """
@@ -42,6 +52,7 @@ class BufferingThreadWorker(ThreadWorker):
     def init_process(self) -> None:
         self.max_body_bytes = load_settings().max_body_bytes
         self.buffering: deque[TConn] = deque()  # oldest deadline first
+        self.waiting_budget = max(1, self.cfg.worker_connections - 2 * self.cfg.threads)
         # With TLS the bytes on the socket are records, not a request: buffer only plain HTTP (this service
         # serves plain HTTP; TLS would be a front proxy's, which buffers requests itself).
         self.buffer_requests = not self.cfg.is_ssl
@@ -58,6 +69,8 @@ class BufferingThreadWorker(ThreadWorker):
             return  # as gthread: another worker took it, or the client left
         self.nr_conns += 1
         self._buffer(TConn(self.cfg, client, address, listener.getsockname()))  # TConn makes it non-blocking
+        if len(self.buffering) + len(self.keepalived_conns) > self.waiting_budget:
+            self._drop_longest_waiting()
 
     def on_client_socket_readable(self, conn: TConn, client: socket.socket) -> None:
         """A kept-alive connection has a next request: buffer it like a new one."""
@@ -67,12 +80,41 @@ class BufferingThreadWorker(ThreadWorker):
         self.keepalived_conns.remove(conn)
         self._buffer(conn)
 
-    def _buffer(self, conn: TConn) -> None:
+    def finish_request(self, conn: TConn, fs: Any) -> None:
+        """A request served: if its client pipelined more behind it, buffer that like a new request."""
+        if self.buffer_requests and self.alive and _kept_alive(fs) and conn.parser is not None:
+            ahead = conn.parser.unreader.take_buffered()
+            if ahead:
+                conn.sock.setblocking(False)
+                self._buffer(conn, ahead)
+                return
+        super().finish_request(conn, fs)
+
+    def _buffer(self, conn: TConn, ahead: bytes = b"") -> None:
         conn.prebuffer = bytearray()
         conn.continued = False
         conn.timeout = time.monotonic() + REQUEST_DEADLINE_S
         self.buffering.append(conn)
         self.poller.register(conn.sock, selectors.EVENT_READ, partial(self._on_buffering_readable, conn))
+        if ahead:  # already read: it may be whole, and the socket may never be readable again
+            self._received(conn, ahead)
+
+    def _drop_longest_waiting(self) -> None:
+        """Over the budget of waiting connections: close the one that has waited longest (kept alive, or
+        still sending its request), as its timeout would have, only sooner."""
+        keepalive_s = self.cfg.keepalive
+        kept = self.keepalived_conns[0] if self.keepalived_conns else None
+        buffering = self.buffering[0] if self.buffering else None
+        if kept is not None and (buffering is None
+                                 or kept.timeout - keepalive_s <= buffering.timeout - REQUEST_DEADLINE_S):
+            self.keepalived_conns.popleft()
+            try:
+                self.poller.unregister(kept.sock)
+            except (KeyError, ValueError, OSError):
+                pass
+            self._close(kept)
+        elif buffering is not None:
+            self._drop(buffering)
 
     # -- reading, on the event loop -----------------------------------------------------------------------
 
@@ -86,6 +128,9 @@ class BufferingThreadWorker(ThreadWorker):
         if not data:
             self._drop(conn)
             return
+        self._received(conn, data)
+
+    def _received(self, conn: TConn, data: bytes) -> None:
         conn.prebuffer += data
         verdict = self._verdict(conn)
         if verdict == "wait":
@@ -181,3 +226,11 @@ class BufferingThreadWorker(ThreadWorker):
             conn.sock.send(data)
         except OSError:
             pass
+
+
+def _kept_alive(fs: Any) -> bool:
+    """Whether the thread's answer kept the connection open for another request."""
+    try:
+        return not fs.cancelled() and fs.result() is True
+    except Exception:  # noqa: BLE001 - gunicorn's own finish_request handles a failed request
+        return False

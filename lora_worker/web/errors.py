@@ -86,6 +86,8 @@ _ADVICE: dict[str, tuple[str, str]] = {  # domain code → (Retry-After in words
                                 "`lora-worker doctor`)."),
     "host_not_ready": ("", "Deploy gate: wait while `details.deep.status` is pending; when failing, an operator "
                            "must fix what `details.deep.failed` names (`lora-worker doctor --strict`)."),
+    "log_unreadable": ("", "Do not retry: an operator must look at the state dir's logs/ (the message names "
+                           "what is there instead of the log); the job's state is unaffected."),
     "ledger_replaced": ("", "An operator must restart the service: the ledger file was deleted or replaced "
                             "under it (`/healthz` says `failing`)."),
 }

@@ -81,7 +81,7 @@ DOCS: dict[str, Doc] = {
     "train.progress": Doc("The loss curve: (step, loss, t) thinned to at most `points`.", 200, ProgressSeriesSchema,
                           errors=JOB_READ_ERRORS, query=ProgressQuerySchema),
     "train.job_log": Doc("A job's run log: its last lines, or from a logical byte offset.", 200, LogSchema,
-                         errors=JOB_READ_ERRORS, query=LogQuerySchema),
+                         errors=(*JOB_READ_ERRORS, "log_unreadable"), query=LogQuerySchema),
     "train.cancel": Doc("Ask a job to stop; harmless twice, 409 `job_finished` once it ended. With `wait`, answer "
                         "once it has ended (200), or after that many seconds with its state then (202).", 202,
                         JobSchema, errors=("job_not_found", "job_gone", "job_finished", "validation_failed", *LEDGER),

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_worker.config import Settings
-from lora_worker.errors import EventNotFound, JobGone, JobNotFound, NvmlUnavailable
+from lora_worker.errors import EventNotFound, JobGone, JobNotFound, LogUnreadable, NvmlUnavailable
 from lora_worker.host import fs, sandbox
 from lora_worker.host.nvml import Nvml
 from lora_worker.web.gpu_status import gpu_status
@@ -174,9 +174,12 @@ class Worker:
     def log(self, job_id: int, *, lines: int | None, offset: int | None, limit: int) -> LogChunk:
         self._job_now(job_id)
         reader = LogReader(self.settings.log_dir, job_id)
-        if offset is not None:
-            return reader.read_from(offset, limit)
-        return reader.tail_lines(lines if lines is not None else 100)
+        try:
+            if offset is not None:
+                return reader.read_from(offset, limit)
+            return reader.tail_lines(lines if lines is not None else 100)
+        except OSError as exc:  # a link or a FIFO where the log was: refused at once, never waited on
+            raise LogUnreadable(f"The run log of job {job_id} cannot be read: {exc}.", job_id=job_id) from exc
 
     def cancel(self, job_id: int, *, wait_s: float = 0.0) -> Job:
         """Ask the job to stop; with `wait_s`, answer once it has ended (cancelled, or whatever it ended as)

@@ -185,6 +185,8 @@ def binds(cmd: list[str]) -> dict[str, str]:
     for i, arg in enumerate(args):
         if arg in ("--ro-bind", "--bind", "--dev-bind"):
             found[args[i + 2]] = arg
+        elif arg in ("--ro-bind-fd", "--bind-fd"):
+            found[args[i + 2]] = f"{arg} {args[i + 1]}"
         elif arg in ("--tmpfs", "--proc", "--dev"):
             found[args[i + 1]] = arg
         elif arg == "--symlink":
@@ -197,27 +199,32 @@ def test_the_command_mounts_the_jobs_paths_and_nothing_else_of_the_host():
                         accelerate=Path("/opt/fluxgym/.venv/bin/accelerate"))
     job = sandbox.JobPaths(Path("/train/7/dataset"), Path("/models/sdxl.safetensors"), Path("/train/7/output"))
     argv = [str(settings.accelerate), "launch", "--output_dir=/train/7/output"]
-    cmd = sandbox.wrap(argv, job, settings, facts())
+    held = {Path("/train/7/dataset"): 7, Path("/train/7/dataset/10_x y"): 8, Path("/train/7/output"): 9}
+    cmd = sandbox.wrap(argv, job, settings, facts(), held)
     assert cmd[-len(argv):] == argv and cmd[cmd.index("--") + 1:] == argv
     assert {"--unshare-pid", "--die-with-parent", "--unshare-net"} <= set(cmd)
     assert binds(cmd) == {
         "/usr": "--ro-bind", "/lib": "--symlink usr/lib", "/bin": "--symlink usr/bin",
-        "/etc/ld.so.cache": "--ro-bind", "/proc": "--proc", "/dev": "--dev", "/dev/shm": "--tmpfs",
+        "/etc/ld.so.cache": "--ro-bind", "/proc": "--proc", "/proc/sys": "--ro-bind", "/dev": "--dev",
+        "/dev/shm": "--tmpfs",
         "/dev/nvidia0": "--dev-bind", "/dev/nvidiactl": "--dev-bind", "/dev/nvidia-uvm": "--dev-bind",
         "/sys/bus": "--ro-bind", "/sys/devices": "--ro-bind",
         # Private scratch; the state dir's path is an empty tmpfs (HOME), none of its files.
         "/tmp": "--tmpfs", "/var/lib/lora-worker": "--tmpfs", "/var/lib/lora-worker/hf": "--tmpfs",
         "/opt/python3.11": "--ro-bind", "/opt/fluxgym/.venv": "--ro-bind", "/opt/fluxgym/sd-scripts": "--ro-bind",
-        "/opt/fluxgym/tokenizers": "--ro-bind", "/train/7/dataset": "--ro-bind",
-        "/models/sdxl.safetensors": "--ro-bind", "/train/7/output": "--bind",
+        "/opt/fluxgym/tokenizers": "--ro-bind", "/models/sdxl.safetensors": "--ro-bind",
+        # The job's directories: the descriptors the pre-exec check opened, never the paths again.
+        "/train/7/dataset": "--ro-bind-fd 7", "/train/7/dataset/10_x y": "--ro-bind-fd 8",
+        "/train/7/output": "--bind-fd 9",
     }
+    assert "--unshare-user" not in cmd  # not root: bwrap makes its user namespace itself
     assert cmd[cmd.index("--chdir") + 1] == "/opt/fluxgym/sd-scripts"
 
 
 def test_an_output_dir_inside_a_read_only_path_is_mounted_after_it():
     settings = Settings(sandbox="bwrap")
     job = sandbox.JobPaths(Path("/train/7"), Path("/models/m.safetensors"), Path("/train/7/output"))
-    cmd = sandbox.wrap(["x"], job, settings, facts())
+    cmd = sandbox.wrap(["x"], job, settings, facts(), {job.dataset_dir: 3, job.output_dir: 4})
     assert cmd.index("/train/7/output") > cmd.index("/train/7")
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lora_worker.host import sandbox
 from lora_worker.ledger import repository as repo
 from lora_worker.run.local import launch_supervisor
 from lora_worker.run.prelaunch import what_moved
@@ -16,6 +17,7 @@ from tests.helpers import png_bytes, set_modes, wait_for
 
 FOLDER = "10_ohwx woman"
 TERMINAL = {s.value for s in TERMINAL_STATES}
+needs_bwrap = pytest.mark.skipif(sandbox.bwrap_executable() is None, reason="bubblewrap is not installed")
 
 
 @pytest.fixture
@@ -130,3 +132,79 @@ def test_a_folder_that_can_no_longer_be_listed_is_a_reason_not_a_supervisor_erro
 
     monkeypatch.setattr(fs, "list_entries", denied)
     assert what_moved(accepted) == "the dataset or output_dir can no longer be listed (Permission denied)"
+
+
+# -- the window between the last look and the mount ------------------------------------------------------------
+
+class WithArgv:
+    """The accepted job, running `argv` instead of its trainer."""
+
+    def __init__(self, job, argv: list[str]) -> None:
+        self.job, self.argv = job, argv
+
+    def __getattr__(self, name: str):
+        return getattr(self.job, name)
+
+
+def in_the_sandbox_after(job, settings, swap, script: str) -> tuple[int | None, str]:
+    """The real seam, as the runner uses it: the last look, then `swap` (the attacker, in the window), then the
+    command the sandbox mounts and a real bwrap running `sh -c script dataset_dir output_dir` in it."""
+    from lora_worker.run.seam import SupervisorHost
+
+    seam = SupervisorHost()
+    assert seam.what_moved(job) is None
+    swap()
+    argv = ["sh", "-c", script, "sh", job.dataset_dir, job.output_dir]
+    trainer = seam.spawn(seam.command_for(WithArgv(job, argv), settings), cwd=settings.sd_scripts_dir,
+                         env={"PATH": "/usr/bin:/bin"})
+    out = b""
+    while (chunk := trainer.read(5.0)) is not None:
+        out += chunk
+    trainer.close()
+    return trainer._popen.wait(10), out.decode(errors="replace")
+
+
+def other_train_id(host) -> Path:
+    other = host.settings.train_root / "t2" / "dataset"
+    (other / "10_other person").mkdir(parents=True)
+    (other / "10_other person" / "secret.txt").write_text("another train id's caption")
+    return other
+
+
+@needs_bwrap
+@pytest.mark.parametrize("how", ["symlink", "rename"])
+def test_a_dataset_swapped_after_the_check_is_not_what_the_sandbox_mounts(accepted, host, how):
+    other = other_train_id(host)
+    settings = host.settings.with_overrides(sandbox="bwrap")
+
+    def swap() -> None:
+        host.dataset.rename(host.dataset.with_name("dataset.checked"))
+        if how == "symlink":
+            host.dataset.symlink_to(other)
+        else:
+            other.rename(host.dataset)  # another train id's dataset, moved into place under our name
+
+    rc, out = in_the_sandbox_after(accepted, settings, swap, 'ls "$1"; cat "$1"/*/secret.txt')
+    assert "another train id's caption" not in out and "10_other person" not in out, out
+    assert FOLDER in out, out  # the dataset the check saw, wherever it was moved to
+
+
+@needs_bwrap
+@pytest.mark.parametrize("how", ["symlink", "rename"])
+def test_an_output_dir_swapped_after_the_check_is_not_mounted_read_write(accepted, host, how):
+    foreign = host.root / "foreign"
+    foreign.mkdir()
+    output = host.dataset.parent / "output"
+    settings = host.settings.with_overrides(sandbox="bwrap")
+
+    def swap() -> None:
+        output.rename(output.with_name("output.checked"))
+        if how == "symlink":
+            output.symlink_to(foreign)
+        else:
+            foreign.rename(output)
+
+    rc, out = in_the_sandbox_after(accepted, settings, swap, 'echo written > "$2/evil.txt" && echo done')
+    assert rc == 0 and "done" in out, out
+    assert (output.with_name("output.checked") / "evil.txt").exists()  # the checked directory got it
+    assert not (foreign / "evil.txt").exists() and not (output / "evil.txt").exists(), "a foreign dir was written"

@@ -99,17 +99,17 @@ def test_a_full_disk_never_stops_the_writer(tmp_path, monkeypatch):
 
 
 def test_a_compaction_that_fails_on_a_full_disk_leaves_the_log_writable(tmp_path, monkeypatch):
-    from pathlib import Path
+    from lora_worker.run import logfile
 
     log = JobLog(tmp_path, 4, head_bytes=100, tail_bytes=200)
-    real_open = Path.open
+    real_open = logfile._open  # every file of the log dir is opened there (no link followed, never blocking)
 
-    def full_for_the_copy(self, mode="r", *args, **kwargs):
-        if self.suffix == ".tmp":
+    def full_for_the_copy(path, flags=0):  # 0: O_RDONLY
+        if path.suffix == ".tmp":
             raise OSError(28, "No space left on device")
-        return real_open(self, mode, *args, **kwargs)
+        return real_open(path, flags)
 
-    monkeypatch.setattr(Path, "open", full_for_the_copy)
+    monkeypatch.setattr(logfile, "_open", full_for_the_copy)
     written = [f"line {i:04d}\n" for i in range(100)]  # 10 bytes each: compaction is due many times over
     for line in written:
         log.feed(line)

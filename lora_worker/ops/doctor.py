@@ -20,6 +20,7 @@ from pathlib import Path
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from lora_worker.backends import backend_for
 from lora_worker.config import Settings
 from lora_worker.errors import LoraWorkerError, NvmlUnavailable
 from lora_worker.host.locks import gpu_lock_dir_mode
@@ -42,7 +43,8 @@ class Check:
 
 
 def run_checks(settings: Settings, nvml: Nvml) -> list[Check]:
-    placement = slurm_checks(settings) if settings.backend == "slurm" else list(_gpu_checks(settings, nvml))
+    here = backend_for(settings).places_here  # this host's GPUs, or the scheduler's
+    placement = list(_gpu_checks(settings, nvml)) if here else slurm_checks(settings)
     return [*placement, *_trainer_checks(settings), *_disk_checks(settings), *identity_checks(settings)]
 
 

@@ -32,16 +32,20 @@ def kill_leftovers(job: JobProcesses) -> list[int]:
     if not job.trainer_pid or job.boot_id != processes.boot_id():
         return []
     leader = processes.Identity(job.boot_id, job.trainer_pid, job.trainer_start_ticks or -1)
-    # Our output dir is in the trainer's and launcher's argv: a member that shows it is ours even when the
-    # group's leader (the launcher) is gone. A reused pid cannot lead a group while our group still exists.
     token = next((a for a in job.argv if a.startswith("--output_dir=")), None)
     members = processes.group_members(job.trainer_pid)
     leader_alive = processes.matches(leader)
-    if not (leader_alive or any(token and processes.cmdline_contains(pid, token) for pid in members)):
+    if not (leader_alive or _shows(members, token)):
         return []
     killed = [pid for pid in dict.fromkeys([*members, *_namespace_of(job.trainer_pid, leader_alive)]) if _kill(pid)]
     processes.signal_group(job.trainer_pid, signal.SIGKILL)  # anything forked while we looked
     return killed + (_escaped(token, killed, job.trainer_start_ticks or 0) if token else [])
+
+
+def _shows(members: list[int], token: str | None) -> bool:
+    """Our output dir is in the trainer's and launcher's argv: a member that shows it is ours even when the
+    group's leader (the launcher) is gone. A reused pid cannot lead a group while our group still exists."""
+    return token is not None and any(processes.cmdline_contains(pid, token) for pid in members)
 
 
 def _namespace_of(leader: int, leader_alive: bool) -> list[int]:

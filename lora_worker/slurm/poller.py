@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from lora_worker.config import Settings
 from lora_worker.ledger import repository as repo
@@ -29,6 +30,26 @@ __all__ = ["Poller", "UNKNOWN_CYCLES"]
 
 log = logging.getLogger(__name__)
 BACKEND = "slurm"  # the rows this poller follows (the ledger's `backend` column)
+
+
+@dataclass(frozen=True)
+class Answers:
+    """One cycle's answers: squeue's listing, accounting's records, and the ids accounting answered for."""
+
+    live: dict[str, SlurmJob]
+    records: dict[str, SlurmJob]
+    answered: set[str]
+
+    def of(self, sid: str | None) -> tuple[SlurmJob | None, bool]:
+        """What is known of the job, and whether Slurm answered for it. squeue alone says what is live: a job
+        it does not list is not, whatever sacct's record says (slurmdbd keeps RUNNING for a job slurmctld
+        lost); sacct says how a job ended."""
+        if sid is None:
+            return None, False
+        record = self.records.get(sid)
+        if record is not None and stage(record) is not Stage.ENDED:
+            record = None
+        return record or self.live.get(sid), sid in self.live or sid in self.answered
 
 
 class Poller:
@@ -50,23 +71,20 @@ class Poller:
             log.warning("slurm poller: ledger unavailable (%s); next cycle", exc)
             return
         self._drop_ended_elsewhere({j.id for j in jobs})
-        ids = {j.slurm_job_id for j in jobs if j.slurm_job_id}
         try:
-            live = self.scheduler.queue(ids)
+            answers = self._ask({j.slurm_job_id for j in jobs if j.slurm_job_id})
         except SchedulerUnavailable as exc:
             log.warning("slurm poller: squeue did not answer (%s); next cycle", exc)
             return
-        records, answered = self._accounting({i for i in ids if stage(live.get(i)) in (Stage.ENDED, Stage.UNLISTED)})
         for job in jobs:
-            sid = job.slurm_job_id
-            # squeue alone says what is live: a job it does not list is not, whatever sacct's record says
-            # (slurmdbd keeps RUNNING for a job slurmctld lost). sacct says how a job ended.
-            record = records.get(sid) if sid else None
-            if record is not None and stage(record) is not Stage.ENDED:
-                record = None
-            known = (record or live.get(sid)) if sid else None
-            self._follow(job, known, answered=sid in live or sid in answered)
+            known, answered = answers.of(job.slurm_job_id)
+            self._follow(job, known, answered=answered)
             self.beat()
+
+    def _ask(self, ids: set[str]) -> Answers:
+        live = self.scheduler.queue(ids)
+        records, answered = self._accounting({i for i in ids if stage(live.get(i)) in (Stage.ENDED, Stage.UNLISTED)})
+        return Answers(live, records, answered)
 
     def _accounting(self, ids: set[str]) -> tuple[dict[str, SlurmJob], set[str]]:
         """What accounting says of these jobs, and which of them it answered for."""

@@ -93,18 +93,39 @@ def settle(job: SlurmJob | None, *, slurm_job_id: str, recorded: int | None, can
     it, or Slurm says it was cancelled after the worker asked); a job that ended before keeps its own outcome.
     `verify` checks the LoRA; it is called only when the run claims success."""
     returncode = returncode_of(job, recorded)
+    stopped = _stopped_by_worker(slurm_job_id, returncode, cancelled=cancelled, requeued=requeued,
+                                 stalled_in=stalled_in, progress=progress, log_tail=log_tail)
+    if stopped is not None:
+        return stopped
+    if job is None and recorded is None:
+        return _failed(FailureClass.SLURM_LOST, f"Slurm no longer knows job {slurm_job_id} and it left no exit "
+                       "status: it ended without the worker seeing how", log_tail, returncode)
+    state = job.state if job is not None else "COMPLETED" if recorded == 0 else "FAILED"
+    if state not in ("COMPLETED", "FAILED"):
+        return _ended_by_slurm(state, job, slurm_job_id, log_tail, returncode)
+    if returncode is None:
+        returncode = 0 if state == "COMPLETED" else 1
+    artifact = verify() if returncode == 0 and "model_saved" in progress.flags else None
+    return decide(returncode=returncode, progress=progress, log_tail=log_tail, artifact=artifact)
+
+
+def _stopped_by_worker(slurm_job_id: str, returncode: int | None, *, cancelled: bool, requeued: bool,
+                       stalled_in: str | None, progress: Progress, log_tail: list[str]) -> Outcome | None:
+    """The outcome of a job the worker stopped (a cancel, a requeue, a stall), whatever Slurm calls its end."""
     if cancelled:
         return decide(returncode=returncode, progress=progress, log_tail=log_tail, cancelled=True)
     if requeued:  # the poller stopped a second run under the same id; the first one's node was lost
         return _failed(FailureClass.NODE_FAIL, f"Slurm requeued job {slurm_job_id} after it had run (its node "
                        "was lost, or requeue is forced); a second run was refused and the job stopped", log_tail,
                        returncode)
-    if stalled_in is not None:  # the poller stopped it: whatever Slurm calls that, it is a stall
+    if stalled_in is not None:
         return decide(returncode=returncode, progress=progress, log_tail=log_tail, stalled_in=stalled_in)
-    if job is None and recorded is None:
-        return _failed(FailureClass.SLURM_LOST, f"Slurm no longer knows job {slurm_job_id} and it left no exit "
-                       "status: it ended without the worker seeing how", log_tail, returncode)
-    state = job.state if job is not None else "COMPLETED" if recorded == 0 else "FAILED"
+    return None
+
+
+def _ended_by_slurm(state: str, job: SlurmJob | None, slurm_job_id: str, log_tail: list[str],
+                    returncode: int | None) -> Outcome:
+    """An ending Slurm itself caused: its limits, its nodes, a cancel nobody here asked for, a preemption."""
     if state in ENDED_BY_SLURM:
         failure, sentence = ENDED_BY_SLURM[state]
         return _failed(failure, sentence.format(id=slurm_job_id), log_tail, returncode)
@@ -112,13 +133,8 @@ def settle(job: SlurmJob | None, *, slurm_job_id: str, recorded: int | None, can
         by = job.detail if job is not None and job.detail else "CANCELLED"
         return _failed(FailureClass.KILLED_BY_SIGNAL, f"Slurm cancelled job {slurm_job_id} ({by}); the worker had "
                        "not asked for it", log_tail, returncode, signal=15)
-    if state not in ("COMPLETED", "FAILED"):  # DEADLINE, PREEMPTED, REVOKED, SPECIAL_EXIT: Slurm stopped it
-        return _failed(FailureClass.KILLED_BY_SIGNAL, f"Slurm ended job {slurm_job_id} ({state})", log_tail,
-                       returncode)
-    if returncode is None:
-        returncode = 0 if state == "COMPLETED" else 1
-    artifact = verify() if returncode == 0 and "model_saved" in progress.flags else None
-    return decide(returncode=returncode, progress=progress, log_tail=log_tail, artifact=artifact)
+    # DEADLINE, PREEMPTED, REVOKED, SPECIAL_EXIT: Slurm stopped it
+    return _failed(FailureClass.KILLED_BY_SIGNAL, f"Slurm ended job {slurm_job_id} ({state})", log_tail, returncode)
 
 
 def _failed(failure: FailureClass, sentence: str, log_tail: list[str], returncode: int | None,

@@ -31,7 +31,7 @@ from lora_worker.slurm.nodelog import NodeLog
 from lora_worker.slurm.sbatch import log_path
 from lora_worker.slurm.scheduler import Scheduler, SlurmJob
 from lora_worker.slurm.states import Stage, settle, stage
-from lora_worker.states import FailureClass, JobState
+from lora_worker.states import FailureClass, JobState, Phase
 from lora_worker.transcript.ending import Reasons, ended, write_final
 from lora_worker.transcript.eta import EtaClock
 from lora_worker.transcript.logfile import JobLog
@@ -41,7 +41,6 @@ from lora_worker.transcript.progress import ProgressReporter
 from lora_worker.transcript.resume import ResumedLog, resumed
 from lora_worker.transcript.stop import StopReason, StopSchedule
 from lora_worker.transcript.watchdog import Watchdog
-from lora_worker.states import Phase
 
 log = logging.getLogger(__name__)
 
@@ -252,6 +251,7 @@ class SlurmRun:
             return False
         if write_final(self.ledger, self.job.id, outcome, self.output.progress, SLURM_REASONS, artifact=extra):
             log.info("job %s: %s", self.job.id, ended(outcome))
+        self.node_log.discard()
         return True
 
     def _saw_output(self, phase: Phase, step: int) -> None:

@@ -92,6 +92,10 @@ class NodeLog:
         except OSError as exc:  # a full disk: a restart may log some bytes twice, never lose any
             log.warning("job %s: cannot record its log offset (%s)", self.job_id, exc)
 
+    def discard(self) -> None:
+        """The row has ended: no poller will take the job up again, so its offset record goes."""
+        offset_path(self.settings, self.job_id).unlink(missing_ok=True)
+
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)

@@ -197,3 +197,17 @@ def test_a_restarted_poller_takes_elapsed_time_from_the_rows_start(slurm: SlurmW
     slurm.cycles()
     row = slurm.job(job.id)
     assert row.eta_basis == "history" and row.eta_s == pytest.approx(2000, abs=5)
+
+
+def test_an_ended_jobs_log_offset_record_goes_with_it(slurm: SlurmWorker):
+    from lora_worker.slurm.nodelog import offset_path
+
+    job = slurm.submit()
+    slurm.scheduler.set(job.slurm_job_id, "RUNNING")
+    slurm.log(job, TRAINING)
+    slurm.cycles()
+    assert offset_path(slurm.settings, job.id).read_text().strip() == str(len(TRAINING.encode()))
+    slurm.rc(job, 3)
+    slurm.scheduler.set(job.slurm_job_id, "FAILED", code=3, signal=0)
+    slurm.cycles()
+    assert slurm.job(job.id).status == "failed" and not offset_path(slurm.settings, job.id).exists()

@@ -1,26 +1,43 @@
-"""Where a job's run happens, behind one small interface: the web and dispatch start runs and reconcile asks
-after them only through a `Backend`, never through the supervisor's process or lock files themselves.
+"""Where a job's run happens, behind one interface: the web, dispatch, reconcile and the operator's CLI
+decide nothing by a backend's name; they ask the job's `Backend`.
 
 `LocalBackend` (run/local.py, `backend = "local"`): a detached supervisor on this host, attending the job while
-it holds the job's flock. `SlurmBackend` (slurm/, `backend = "slurm"`):
-  - `launch` submits the job (`sbatch` of a batch script running the stored argv on a node that sees the same
-    train root and model paths) and returns once the scheduler accepted it and the poller runs, or raises
-    LaunchFailed;
-  - `attended` is the poller's lock (or, without a poller, whether Slurm still knows the job), so reconcile
-    never fails a job that is merely queued on the cluster;
-  - a cancel needs nothing of the backend: the API flags the row and the poller scancels.
-`backend_for(settings)` is the one place that picks a backend, so adding one changes this package only.
+it holds the job's flock. `SlurmBackend` (slurm/backend.py): an sbatch of the job, followed by the poller.
+
+The seam:
+  - `launch`: start attending a queued row (or raise LaunchFailed);
+  - `attended`: whether something attends the job now (reconcile fails an active job nobody attends);
+  - `wake`: a cancel was just flagged on the row: tell whoever attends it, now rather than at its next look;
+  - `abandon`: reconcile is about to fail the row: make sure nothing of the job still runs (the pids killed);
+    None if that cannot be made sure now, and the row is left for a later reconcile;
+  - `places_here`: whether the job runs on this host's GPUs (so dispatch admits it by NVML, the GPU lock and
+    the sandbox here) or the scheduler's;
+  - `admit`: what else a new job must pass before its row is written (one job at a time locally);
+  - `slots`: the one-active-job index's slots a new row may take, tried in order;
+  - `cancels_queued_at_once`: whether a cancel of a queued row ends it at once (nothing has started it) or only
+    flags it (it may start on a node any moment).
+The backend is chosen per row (`backend_of(job)`: the row's `backend` column), never from the settings alone:
+a worker switched back to local keeps attending the Slurm rows it has. `backend_for(settings)` is the one
+for new jobs.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
+from lora_worker import slurm
 from lora_worker.config import Settings
 from lora_worker.run.local import Launch, LaunchOnly, LocalBackend
+
+if TYPE_CHECKING:
+    from lora_worker.ledger.db import Database
+    from lora_worker.ledger.models import Job
 
 
 class Backend(Protocol):
     name: str
+    label: str  # for a sentence: "this host", "Slurm"
+    places_here: bool
+    cancels_queued_at_once: bool
 
     def launch(self, job_id: int, settings: Settings) -> None:
         """Start attending the queued job `job_id`; return once it is attended (it will leave `queued` by
@@ -30,14 +47,37 @@ class Backend(Protocol):
         """Whether something attends the job now. An active job nobody attends is failed by reconcile, so a
         backend must say True for as long as its run may still write the row."""
 
+    def wake(self, job: Job) -> None:
+        """A cancel was just flagged on `job`'s row. Best effort: whoever attends it looks at the row anyway."""
+
+    def abandon(self, job: Job, settings: Settings) -> tuple[int, ...] | None:
+        """Stop whatever of the unattended `job` still runs; the pids killed, or None if not sure now."""
+
+    def admit(self, settings: Settings, db: Database) -> None:
+        """Raise JobActive (or another WorkerError) if no new job can be accepted now."""
+
+    def slots(self, settings: Settings) -> list[str]:
+        """The slots a new row may take, tried in order."""
+
 
 def backend_for(settings: Settings, launch: Launch | None = None) -> Backend:
-    """The backend the settings ask for (`backend = "local"` or `"slurm"`), or a local one that starts runs
-    with `launch` (a test's recorder)."""
+    """The backend new jobs get (`backend = "local"` or Slurm's), or a local one that starts runs with
+    `launch` (a test's recorder)."""
     if launch is not None:
         return LaunchOnly(launch)
-    if settings.backend == "slurm":
-        from lora_worker.slurm.backend import SlurmBackend  # only a Slurm worker loads it
+    return named(settings.backend)
+
+
+def named(name: str) -> Backend:
+    if name == slurm.NAME:
+        from lora_worker.slurm.backend import SlurmBackend  # only a worker with Slurm rows loads it
 
         return SlurmBackend()
     return LocalBackend()
+
+
+def backend_of(job: Job, default: Backend | None = None) -> Backend:
+    """The backend of this row: `default` (the worker's own, a test's) if it is the row's, else the row's."""
+    if default is not None and default.name == job.backend:
+        return default
+    return named(job.backend)

@@ -2,15 +2,15 @@
 crash. Cheap enough to run at start-up (`lora-worker reconcile`, ExecStartPre) and on every request that
 touches an active row.
 
-"Is the job attended?" is asked of its backend (backends.py); the local one answers with the supervisor's
-flock, which the kernel drops when it dies (zombie or not).
-A leftover trainer is killed only if its identity matches the row: a pid now used by a stranger is never
-signalled. The failed row quotes the end of the job's run log, as a failure the supervisor wrote would.
+"Is the job attended?" is asked of the row's own backend (backends.py `backend_of`); the local one answers with
+the supervisor's flock, which the kernel drops when it dies (zombie or not). Before the row is failed, the
+backend stops what of the job may still run (`abandon`): a local leftover trainer is killed only if its
+identity matches the row (run/leftovers.py), a Slurm job is scancelled; a row whose job cannot be made sure
+to be stopped is left for a later reconcile. The failed row quotes the end of the job's run log, as a failure the supervisor wrote would.
 """
 from __future__ import annotations
 
 import logging
-import signal
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -22,7 +22,7 @@ from lora_worker.transcript.explain import quotable
 from lora_worker.transcript.logfile import LogReader, append_note
 from lora_worker.states import ACTIVE_STATES, FailureClass, JobState
 from lora_worker.host import processes
-from lora_worker.backends import Backend, backend_for
+from lora_worker.backends import Backend, backend_of
 
 log = logging.getLogger(__name__)
 
@@ -56,19 +56,15 @@ def current_job(db: Database, settings: Settings, job_id: int, *, actor: str, ba
 
 def reconcile_job(db: Database, settings: Settings, job: Job, *, actor: str = "reconcile",
                   backend: Backend | None = None) -> Action | None:
-    if (backend or backend_for(settings)).attended(job.id, settings):
+    """`backend` is the worker's own (or a test's); a row of another backend is asked of its own."""
+    runs = backend_of(job, backend)
+    if runs.attended(job.id, settings):
         return None  # its supervisor is alive
     if job.status == JobState.QUEUED.value and utcnow() - job.created_at < timedelta(seconds=settings.launch_grace_s):
         return None  # being launched right now
-    if job.boot_id and job.boot_id != processes.boot_id():
-        failure, killed = FailureClass.HOST_REBOOTED, ()
-        reason = "the host rebooted while the job was running"
-    else:
-        failure, killed = FailureClass.SUPERVISOR_LOST, tuple(kill_leftovers(job))
-        reason = "the supervisor died; " + (f"killed its leftover processes {list(killed)}" if killed
-                                             else "no process of the job was left")
-        if job.status == JobState.QUEUED.value:
-            reason = "the supervisor never started"
+    failure, killed, reason = _what_is_left(job, settings, runs)
+    if killed is None:
+        return None  # not known to be stopped: the row is not ended while the job may still run
     sentence = reason[0].upper() + reason[1:]
     if not repo.fail_job(db, job.id, actor=actor, failure_class=failure, sentence=sentence,
                          log_lines=log_tail(settings, job.id)):
@@ -76,6 +72,18 @@ def reconcile_job(db: Database, settings: Settings, job: Job, *, actor: str = "r
     close_log(settings, job.id, f"reconcile ({actor}): {sentence}; the job is failed ({failure.value})")
     log.warning("job %s: %s", job.id, reason, extra={"job": job.id})
     return Action(job.id, failure, killed)
+
+
+def _what_is_left(job: Job, settings: Settings, runs: Backend) -> tuple[FailureClass, tuple[int, ...] | None, str]:
+    """How the job ended for reconcile, and what of it was stopped first (None: nothing could be made sure)."""
+    if job.boot_id and job.boot_id != processes.boot_id():
+        return FailureClass.HOST_REBOOTED, (), "the host rebooted while the job was running"
+    killed = runs.abandon(job, settings)
+    if job.status == JobState.QUEUED.value:
+        return FailureClass.SUPERVISOR_LOST, killed, "the supervisor never started"
+    reason = "the supervisor died; " + (f"killed its leftover processes {list(killed)}" if killed
+                                         else "no process of the job was left")
+    return FailureClass.SUPERVISOR_LOST, killed, reason
 
 
 def close_log(settings: Settings, job_id: int, line: str) -> None:
@@ -96,43 +104,3 @@ def log_tail(settings: Settings, job_id: int) -> list[str]:
     except OSError as exc:  # the failure is recorded all the same, without its quote
         log.warning("job %s: cannot read its run log (%s)", job_id, exc)
         return []
-
-
-def kill_leftovers(job: Job) -> list[int]:
-    """SIGKILL what is left of the job's processes, if and only if they are provably ours; returns the pids
-    that were alive and got the signal (nothing else: a claim of "killed" must be true).
-
-    Under the sandbox the job is a PID namespace whose init dies with the supervisor, so normally nothing is
-    left. Its leader (bwrap) may still be alive if the supervisor died in the instant after starting it: then the
-    namespace's init is killed too, and the kernel takes every process in the namespace with it.
-    """
-    if not job.trainer_pid or job.boot_id != processes.boot_id():
-        return []
-    leader = processes.Identity(job.boot_id, job.trainer_pid, job.trainer_start_ticks or -1)
-    # Our output dir is in the trainer's and launcher's argv: a member that shows it is ours even when the
-    # group's leader (the launcher) is gone. A reused pid cannot lead a group while our group still exists.
-    token = next((a for a in job.argv if a.startswith("--output_dir=")), None)
-    members = processes.group_members(job.trainer_pid)
-    leader_alive = processes.matches(leader)
-    ours = leader_alive or any(token and processes.cmdline_contains(pid, token) for pid in members)
-    if not ours:
-        return []
-    namespace_init = processes.sandbox_init(job.trainer_pid) if leader_alive else None
-    namespace = processes.pid_namespace(namespace_init) if namespace_init else None
-    in_namespace = processes.namespace_members(namespace) if namespace else []
-    killed = [pid for pid in dict.fromkeys([*members, *in_namespace]) if _kill(pid)]
-    processes.signal_group(job.trainer_pid, signal.SIGKILL)  # anything forked while we looked
-    # Without the sandbox, a grandchild that started its own session escaped the group; its argv may still
-    # name our output dir (one that re-exec'd itself under another name is only caught by the sandbox).
-    escaped = [pid for pid in processes.processes_with_arg(token) if pid not in killed] if token else []
-    for pid in escaped:
-        ident = processes.identity_of(pid)
-        if ident is not None and ident.start_ticks >= (job.trainer_start_ticks or 0) \
-                and processes.signal_identity(ident, signal.SIGKILL):
-            killed.append(pid)
-    return killed
-
-
-def _kill(pid: int) -> bool:
-    ident = processes.identity_of(pid)
-    return ident is not None and processes.signal_identity(ident, signal.SIGKILL)

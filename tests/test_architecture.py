@@ -2,6 +2,7 @@
 next to the trainer (the supervisor) or in an operator's shell (`lora-worker jobs …`) load no web framework."""
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -60,3 +61,46 @@ def test_lora_worker_jobs_ls_loads_no_web_framework(migrated: Settings):
     assert report["rc"] == 0
     assert "sqlalchemy" in report["modules"]  # it did read the ledger
     assert not WEB_STACK & set(report["modules"])
+
+
+# Where the Slurm backend's name may be written: its own package, the settings that name it, and the ledger's
+# column definitions (migrations live outside the package). Anywhere else a `"slurm"` is a branch on the
+# backend's name that belongs behind backends.py's seam.
+SLURM_NAME_ALLOWED = ("slurm/", "config.py", "ledger/models.py")
+
+
+def _string_literals(tree: ast.AST) -> list[ast.Constant]:
+    """Every str constant but docstrings (a statement that is only a string says something; it decides nothing)."""
+    docstrings = {id(node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and id(node) not in docstrings]
+
+
+def test_no_slurm_literal_outside_the_slurm_package_the_config_and_the_ledgers_columns():
+    package = REPO_ROOT / "lora_worker"
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        where = path.relative_to(package).as_posix()
+        if where.startswith(SLURM_NAME_ALLOWED):
+            continue
+        found += [f"{where}:{node.lineno}" for node in _string_literals(ast.parse(path.read_text()))
+                  if node.value.strip().lower() == "slurm"]
+    assert found == []
+
+
+def test_the_slurm_literal_scan_sees_code_and_skips_comments_and_docstrings():
+    tree = ast.parse('"""A docstring naming "slurm"."""\n# "slurm" in a comment\nif backend == "slurm":\n    pass\n')
+    assert [node.value for node in _string_literals(tree)] == ["slurm"]
+
+
+def test_the_contracts_catch_sqlalchemy_in_the_transcript(tmp_path: Path):
+    result = _lint_a_copy_with(tmp_path, "transcript/outcome.py", "import sqlalchemy")
+    assert result.returncode != 0
+    assert "never load SQLAlchemy" in result.stdout and "BROKEN" in result.stdout
+
+
+def test_the_contracts_catch_the_local_run_reaching_into_slurm(tmp_path: Path):
+    result = _lint_a_copy_with(tmp_path, "run/runner.py", "from lora_worker.slurm import states")
+    assert result.returncode != 0
+    assert "neither imports the other BROKEN" in result.stdout.replace("\n", " ")

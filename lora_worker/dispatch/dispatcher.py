@@ -84,8 +84,7 @@ class Dispatcher:
         manifest = inspect_dataset(request.dataset_dir, request.kohya_folder)
         check_base_model(request.base_model_path)
         paths.require_no_output(str(request.lora_file))
-        slurm = self.settings.backend == "slurm"
-        if not slurm:
+        if len(self.backend.slots(self.settings)) == 1:
             active = repo.active_job(self.db)
             if active is not None:
                 # No Retry-After: the ETA is an estimate, and a client told to wait that long would be told a
@@ -93,13 +92,13 @@ class Dispatcher:
                 raise JobActive(f"Job {active.id} is already active; one training runs at a time.",
                                 active_job_id=active.id)
         require_trainer(self.settings)
-        if not slurm:  # Slurm allocates the GPU (no lock or NVML here) and its cgroup holds the job, not bwrap
+        if self.backend.places_here:  # else the scheduler allocates the GPU and its cgroup holds the job
             require_sandbox(self.settings)
             require_namespaces(self.settings)  # probed once (at start-up): bwrap can make them here
             admit(request.tier.name, request.device_index, self.settings, self.nvml)
         require_free_space(request.output_dir, self.settings.disk_mib[request.tier.name])
         columns = {**self._columns(request, manifest), "idempotency_key": idempotency_key,
-                   "request_sha256": body_sha256, "backend": self.settings.backend,
+                   "request_sha256": body_sha256, "backend": self.backend.name,
                    "webhook_events": webhook_subscription(self.settings, raw)}
         job = self._insert(columns)
         try:
@@ -117,19 +116,18 @@ class Dispatcher:
         return job
 
     def _insert(self, columns: dict[str, Any]) -> Job:
-        """The row, in the first free slot. Local has one slot ("train"); Slurm `slurm-0` … `slurm-<N-1>` for
-        N = max_active_jobs. Whether a slot is free is the one-active-job index's to say (an INSERT into a
-        taken slot is refused, and the next is tried), never a count here: two racing requests cannot both
-        take the last slot."""
-        if self.settings.backend != "slurm":
-            return repo.create_job(self.db, columns)
-        for k in range(self.settings.max_active_jobs):
+        """The row, in the first free slot of the backend's (local: "train"; Slurm: one per max_active_jobs).
+        Whether a slot is free is the one-active-job index's to say (an INSERT into a taken slot is refused,
+        and the next is tried), never a count here: two racing requests cannot both take the last slot."""
+        slots = self.backend.slots(self.settings)
+        for slot in slots:
             try:
-                return repo.create_job(self.db, {**columns, "slot": f"slurm-{k}"})
+                return repo.create_job(self.db, {**columns, "slot": slot})
             except JobActive:
-                continue
+                if len(slots) == 1:
+                    raise
         oldest = repo.active_job(self.db)
-        raise JobActive(f"{self.settings.max_active_jobs} jobs are already active on Slurm (max_active_jobs).",
+        raise JobActive(f"{len(slots)} jobs are already active on {self.backend.label} (max_active_jobs).",
                         active_job_id=oldest.id if oldest else None)
 
     def resolve(self, request: TrainRequest) -> ResolvedRequest:

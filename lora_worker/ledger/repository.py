@@ -172,13 +172,11 @@ def fail_job(db: Database, job_id: int, *, actor: str, failure_class: FailureCla
                            log_lines=log_lines, **values)
 
 
-def request_cancel(db: Database, job_id: int, *, actor: str, reason: str = "cancel requested") -> Job:
-    """Flag a job for cancellation. A queued job is cancelled at once; a finished one is JobFinished.
-    A queued Slurm job is only flagged, like a running one: it may start on a node any moment, and its row
-    becomes `cancelled` once the poller's scancel has ended it (slurm/poller.py).
-
-    Cancelling twice is harmless: the flag keeps its first timestamp and no second event is written.
-    """
+def request_cancel(db: Database, job_id: int, *, actor: str, reason: str = "cancel requested",
+                   queued_at_once: bool = True) -> Job:
+    """Flag a job for cancellation; a queued one is cancelled at once if its backend says so (`queued_at_once`:
+    a queued Slurm job may start any moment, so it is only flagged). Twice is harmless: the flag keeps its
+    first time, no second event. A finished one is JobFinished."""
     with db.write() as s:
         job = s.get(Job, job_id)
         if job is None:
@@ -188,9 +186,8 @@ def request_cancel(db: Database, job_id: int, *, actor: str, reason: str = "canc
             raise JobFinished(f"Job {job_id} already ended ({state.value}); there is nothing to cancel.",
                               job_id=job_id, status=state.value)
         now = utcnow()
-        if state is JobState.QUEUED and job.backend != "slurm":
-            transition_in(s, job_id, JobState.CANCELLED, actor=actor, reason=reason,
-                          cancel_requested_at=now)
+        if state is JobState.QUEUED and queued_at_once:
+            transition_in(s, job_id, JobState.CANCELLED, actor=actor, reason=reason, cancel_requested_at=now)
         elif job.cancel_requested_at is None:
             flagged = s.execute(
                 update(Job)

@@ -35,6 +35,7 @@ from lora_worker.ops.demo_host import (ON_CLUSTER, TRAINER_PACE, DemoError, Host
 from lora_worker.ops.doctor import run_checks
 from lora_worker.ops.watch import watch
 from lora_worker.transcript.outcome import recorded_lora
+from lora_worker.backends import backend_for
 from lora_worker.states import JobState
 
 DEFAULT_DIR = REPO_ROOT / "var" / "demo"
@@ -105,7 +106,7 @@ def _show(host: Host, url: str, started: float, out: TextIO) -> int:
         "output_dir": str(train_dir / "output"), "output_name": f"{TRIGGER}_lora", "trigger": TRIGGER,
         "subject_class": SUBJECT_CLASS, "repeats": REPEATS, "tier": TIER, "device_index": 0, "seed": SEED,
     }
-    if settings.backend == "slurm":  # Slurm allocates the GPUs: no admission by this host's NVML to show
+    if not backend_for(settings).places_here:  # Slurm allocates the GPUs: no admission by this host's NVML to show
         say(out, f"on Slurm (partition {settings.slurm_partition}): the scheduler gives the job its GPU")
     else:
         status, answer = request(url, "POST", "/train", {**body, "device_index": 0})
@@ -157,7 +158,7 @@ def _verify(job: Mapping[str, Any], expected: ExpectedLora, out: TextIO) -> None
 def curl_commands(url: str, job_id: int, version: int, host: Host) -> str:
     cli = f"LORA_WORKER_CONFIG={shlex.quote(short(host.config))} {SIMULATED_ENV}={SIMULATED} .venv/bin/lora-worker"
     cluster = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(host.env.items())
-                       if k.startswith(ON_CLUSTER) or k == "SLURM_CONF" and host.settings.backend == "slurm")
+                       if k.startswith(ON_CLUSTER) or k == "SLURM_CONF" and not backend_for(host.settings).places_here)
     body = shlex.quote("@" + short(host.root / "next-request.json"))
     lines = [
         "",

@@ -30,6 +30,7 @@ from typing import Any, TextIO
 
 import psutil
 
+from lora_worker.backends import backend_for
 from lora_worker.config import ENV_PREFIX, REPO_ROOT, SIMULATED, SIMULATED_ENV, Settings, load_settings
 from lora_worker.host.locks import lock_state
 from lora_worker.ledger import repository as repo
@@ -134,7 +135,7 @@ def server(host: Host, out: TextIO) -> Iterator[str]:
     finally:
         _cancel_active(host, url, out)
         simulated.stop_process(proc, grace_s=30.0)
-        if host.settings.backend == "slurm":
+        if not backend_for(host.settings).places_here:  # the Slurm poller outlives the web by design
             _stop_poller(host.settings)
         stop_sender(host.settings)  # the sender outlives the web by design; the demo's has nothing left to send
         say(out, f"server stopped; the ledger, run logs and LoRAs stay in {short(host.root)}")

@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 from collections.abc import Iterator
 
+from lora_worker.backends import backend_for
 from lora_worker.config import Settings
 from lora_worker.errors import LoraWorkerError, NvmlUnavailable
 from lora_worker.host.locks import gpu_lock_dir_mode
@@ -35,10 +36,10 @@ __all__ = ["Check", "run_checks", "identity_checks", "slurm_checks"]
 def run_checks(settings: Settings, nvml: Nvml, *, strict: bool = False) -> list[Check]:
     """Every check. `strict` adds the one that takes seconds: the trainer's own interpreter, started in the
     job's sandbox, imports torch, sees CUDA and loads bitsandbytes (dispatch/readiness.py)."""
-    placement = slurm_checks(settings) if settings.backend == "slurm" else list(_gpu_checks(settings, nvml))
-    deep = deep_checks(settings, nvml, trainer=strict)
-    if settings.backend == "slurm":
-        deep = [sandbox_check(settings, sandbox.probe)]
+    here = backend_for(settings).places_here  # this host's GPUs, or the scheduler's
+    placement = list(_gpu_checks(settings, nvml)) if here else slurm_checks(settings)
+    # On Slurm the jobs' sandbox is the nodes' (doctor_slurm.py asks a node); here, only bwrap's own probe.
+    deep = deep_checks(settings, nvml, trainer=strict) if here else [sandbox_check(settings, sandbox.probe)]
     return [*placement, *deep, *_trainer_checks(settings), *_disk_checks(settings), *identity_checks(settings),
             *token_file_check(settings), *(Check(name, ok, detail) for name, ok, detail in webhook_findings(settings))]
 

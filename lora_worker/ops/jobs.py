@@ -25,7 +25,7 @@ from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job
 from lora_worker.reconcile import current_job, reconcile
 from lora_worker.states import ACTIVE_STATES, JobState
-from lora_worker.run.local import wake_supervisor
+from lora_worker.backends import backend_of
 from lora_worker.transcript.logfile import LogReader
 from lora_worker.ops.retention import prune
 from lora_worker.ops.watch import describe_curve, watch
@@ -158,7 +158,9 @@ def cmd_cancel(db: Database, settings: Settings, args: argparse.Namespace, out: 
         out.write("no active job\n")
     for job_id in targets:
         try:
-            job = repo.request_cancel(db, job_id, actor="cli", reason="cancel requested by an operator")
+            runs = backend_of(repo.get_job(db, job_id))
+            job = repo.request_cancel(db, job_id, actor="cli", reason="cancel requested by an operator",
+                                      queued_at_once=runs.cancels_queued_at_once)
         except JobFinished:
             if args.all:
                 continue  # it ended between the listing and the request: nothing left to stop
@@ -166,7 +168,7 @@ def cmd_cancel(db: Database, settings: Settings, args: argparse.Namespace, out: 
         if job.status == JobState.RUNNING.value:
             # As the API does: wake the supervisor now rather than at its next ledger poll (0.5 s). A
             # supervisor of another user cannot be signalled; then the poll it is left to stops it.
-            wake_supervisor(job.boot_id, job.supervisor_pid, job.supervisor_start_ticks)
+            runs.wake(job)
         log.info("job %s: cancel requested", job_id, extra={"job": job_id})
         out.write(f"job {job_id}: {'cancelled' if job.status == JobState.CANCELLED.value else 'cancel requested'}\n")
     if args.wait and targets:

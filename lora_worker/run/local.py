@@ -1,37 +1,44 @@
 """The local backend (see backends.py): a job's supervisor started from the web process, detached, and
 reaped before we return; it attends the job while it holds the job's lock.
 
-Both ends of its two messages live here: the ready pipe the web's POST waits on (`start_detached`), and the
-wake-up the web's cancel sends the running supervisor (`wake_supervisor`, `listen_for_wakeups`). The supervisor
+The ready pipe the web's POST waits on is host/starter.py's (`start_detached`, shared with the Slurm poller);
+here is the wake-up the web's cancel sends the running supervisor (`wake_supervisor`, `listen_for_wakeups`). The supervisor
 imports this module before it takes the job lock, so it imports nothing heavy at the top.
 """
 from __future__ import annotations
 
 import os
-import select
 import signal
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from lora_worker.config import Settings, settings_to_json
-from lora_worker.errors import LaunchFailed
 from lora_worker.host.locks import is_locked, job_lock_path
-from lora_worker.host.detach import JOB_LOCK_ENV, READY, READY_FD_FLAG
+from lora_worker.host.detach import JOB_LOCK_ENV
+from lora_worker.host.starter import SETTINGS_ENV, start_detached
+
+__all__ = ["SETTINGS_ENV", "start_detached", "LocalBackend", "LaunchOnly", "launch_supervisor"]
 
 if TYPE_CHECKING:
-    import subprocess
+    from lora_worker.run.leftovers import JobProcesses
 
 Launch = Callable[[int, Settings], None]
 
-SETTINGS_ENV = "LORA_WORKER_SETTINGS"
-LAUNCH_TIMEOUT_S = 20.0
 # The cancel's wake-up. Its default action is to be ignored, so a wake-up that reaches a process not (or not
 # yet) listening for it does nothing at all; SIGUSR1 would kill it.
 WAKE_SIGNAL = signal.SIGURG
+
+
+class SupervisedJob(Protocol):
+    @property
+    def boot_id(self) -> str | None: ...
+    @property
+    def supervisor_pid(self) -> int | None: ...
+    @property
+    def supervisor_start_ticks(self) -> int | None: ...
 
 
 def launch_supervisor(job_id: int, settings: Settings) -> None:
@@ -51,70 +58,6 @@ def supervisor_path() -> str:
     install puts it on no path entry), then the web's own path, so what it finds is what the web found."""
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     return os.pathsep.join(dict.fromkeys([here, *(p for p in sys.path if p)]))
-
-
-def start_detached(argv: list[str], env: dict[str, str], *, what: str, job_id: int | None = None,
-                   timeout_s: float = LAUNCH_TIMEOUT_S) -> None:
-    """Run `argv --ready-fd=N` and return as soon as it writes READY on fd N, or raise LaunchFailed.
-
-    New session (our signals and terminal never reach it), stdin from /dev/null, no inherited descriptors
-    but stderr (journald) and the ready pipe. The wait is on the pipe (poll(2)), so it ends when the byte
-    lands, and at once with an EOF if every process that held the pipe died without writing it. The process
-    we started is only the first of a double fork: it is reaped here (a pidfd tells when it has exited), so
-    nothing is left for the web worker to reap later: no zombie, whatever gunicorn does with SIGCHLD.
-    """
-    import subprocess  # here, not above: the supervisor imports this module before it takes its lock
-
-    deadline = time.monotonic() + timeout_s
-    ready_r, ready_w = os.pipe()  # both close-on-exec: only the child gets ready_w, through pass_fds
-    try:
-        try:
-            proc = subprocess.Popen(  # noqa: S603 - fixed argv, no shell
-                [*argv, f"{READY_FD_FLAG}{ready_w}"], pass_fds=(ready_w,),
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True, close_fds=True,
-                env=env,
-            )
-        except OSError as exc:
-            raise LaunchFailed(f"Cannot start {what.lower()}: {exc}", job_id=job_id) from exc
-        finally:
-            os.close(ready_w)  # else our own copy would keep the pipe open: no EOF when the child dies
-        said = os.read(ready_r, 1) if _readable(ready_r, deadline) else None
-    finally:
-        os.close(ready_r)
-    rc = _reap(proc, deadline if said is not None else time.monotonic())
-    if said is None:
-        raise LaunchFailed(f"{what} did not start in {timeout_s:g}s.", job_id=job_id)
-    if said != READY:
-        why = f"exited with status {rc}" if rc else "ended"
-        raise LaunchFailed(f"{what} {why} before taking the job.", job_id=job_id)
-
-
-def _readable(fd: int, deadline: float) -> bool:
-    """Wait until `fd` is readable (data or EOF), up to `deadline`; poll(2) resumes after a signal (PEP 475)."""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(max(0.0, deadline - time.monotonic()) * 1000))
-
-
-def _reap(proc: subprocess.Popen[bytes], deadline: float) -> int:
-    """The first process's exit status, killing it if it has not exited by `deadline`. Once the pipe spoke
-    it has forked already, so this is at most its own exit; its pidfd says when, without a polling wait."""
-    import subprocess
-
-    try:
-        pidfd = os.pidfd_open(proc.pid)
-    except OSError:  # a kernel without pidfds (before 5.3): Popen's own wait, which polls
-        try:
-            return proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return proc.wait()
-    try:
-        if not _readable(pidfd, deadline):
-            proc.kill()  # the supervisor, in a session of its own, is not touched by this
-    finally:
-        os.close(pidfd)
-    return proc.wait()
 
 
 def wake_supervisor(boot_id: str | None, pid: int | None, start_ticks: int | None) -> bool:
@@ -152,9 +95,12 @@ def _woken(_signum: int, _frame: FrameType | None) -> None:
 
 
 class LocalBackend:
-    """The detached supervisor on this host, attending the job while it holds the job lock."""
+    """The detached supervisor on this host, attending the job while it holds the job lock (backends.py)."""
 
     name = "local"
+    label = "this host"
+    places_here = True  # this host's GPU, admitted by NVML and the GPU lock, in this host's sandbox
+    cancels_queued_at_once = True  # a queued row has no supervisor yet, or one that has not started the trainer
 
     def launch(self, job_id: int, settings: Settings) -> None:
         launch_supervisor(job_id, settings)
@@ -162,6 +108,17 @@ class LocalBackend:
     def attended(self, job_id: int, settings: Settings) -> bool:
         # The kernel drops the flock when the supervisor dies, zombie or not: no pid is trusted.
         return is_locked(job_lock_path(settings, job_id))
+
+    def wake(self, job: SupervisedJob) -> None:
+        wake_supervisor(job.boot_id, job.supervisor_pid, job.supervisor_start_ticks)
+
+    def abandon(self, job: JobProcesses, settings: Settings) -> tuple[int, ...]:
+        from lora_worker.run.leftovers import kill_leftovers  # not before the supervisor's lock
+
+        return tuple(kill_leftovers(job))
+
+    def slots(self, settings: Settings) -> list[str]:
+        return ["train"]  # one training at a time on this host
 
 
 @dataclass

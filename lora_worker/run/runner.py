@@ -24,11 +24,12 @@ from lora_worker.ledger.statements import utcnow
 from lora_worker.ledger.supervisor import JobRecord, SupervisorLedger
 from lora_worker.transcript.eta import EtaClock, estimate_tail
 from lora_worker.transcript.logfile import JobLog
+from lora_worker.transcript.ending import Reasons, ended, write_final
 from lora_worker.transcript.outcome import Outcome, artifact_values, decide, recorded_lora
 from lora_worker.transcript.output import TrainerOutput
 from lora_worker.transcript.persist import TRANSIENT, persist
+from lora_worker.transcript.progress import ProgressReporter
 from lora_worker.run.reader import OutputReader
-from lora_worker.run.reporter import ProgressReporter, finite
 from lora_worker.run.requests import StopRequests
 from lora_worker.run.seam import RunHost, Trainer
 from lora_worker.run.stopper import StopReason, Stopper, StopState
@@ -46,6 +47,8 @@ END_MODULES = ("lora_worker.transcript.explain", "lora_worker.host.safetensors",
 GPU_LOCK_WAIT_S = 2.0  # an admission probe holds it shared for microseconds; a trainer holds it for hours
 DRAIN_GRACE_S = 10.0  # after the launcher exits, how long stragglers may hold the pipe
 COALESCE_S = 0.25  # the loop's shortest period while the trainer writes little (reader.BUSY_BYTES)
+LOCAL_REASONS = Reasons(succeeded="trainer finished and the LoRA verified",
+                        cancelled="cancelled; every process of the job is gone")
 
 
 def attend(job_id: int, settings: Settings, host: RunHost, db: SupervisorLedger, job_lock: int) -> int:
@@ -256,29 +259,14 @@ class JobRun:
                       cancelled=cancelled, stalled_in=self.watchdog.stalled_in, artifact=artifact)
 
     def _finish(self, outcome: Outcome) -> None:
-        p = self.output.progress
-        values: dict[str, object] = {
-            "exit_code": outcome.exit_code, "signal": outcome.signal, "lora_path": outcome.lora_path,
-            "step": p.step, "loss": finite(p.loss),
-            "eta_s": None, "eta_basis": None,  # nothing is left to wait for, whatever the outcome
-        }
-
         def write() -> bool:
-            if outcome.state is JobState.SUCCEEDED:
-                return self.db.mark_succeeded(self.job_id, reason="trainer finished and the LoRA verified",
-                                              **values, **self.artifact_values)
-            if outcome.state is JobState.CANCELLED:
-                return self.db.mark_cancelled(self.job_id, reason="cancelled; every process of the job is gone",
-                                              **values)
-            return self.db.fail_job(self.job_id, failure_class=outcome.failure_class or FailureClass.SUPERVISOR_LOST,
-                                    sentence=outcome.sentence or "The run failed", log_lines=outcome.log_lines,
-                                    **values)
+            return write_final(self.db, self.job_id, outcome, self.output.progress, LOCAL_REASONS,
+                               artifact=self.artifact_values)
 
         # The outcome is known and must not be lost: keep trying, holding the job lock meanwhile.
         if not persist(write, f"job {self.job_id}: write the final state", self.host.sleep):
             log.warning("job %s: already ended elsewhere; %s not recorded", self.job_id, outcome.state.value)
-        log.info("job %s: %s%s", self.job_id, outcome.state.value,
-                 f" ({outcome.failure_class.value})" if outcome.failure_class else "")
+        log.info("job %s: %s", self.job_id, ended(outcome))
 
 
 def load_the_end() -> None:

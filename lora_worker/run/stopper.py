@@ -1,40 +1,23 @@
 """Stopping the trainer: SIGTERM to its group, a grace, then SIGKILL to whatever of the job is left.
 
-The stop is a small state machine, NONE → TERM_SENT → KILL_SENT, entered once, for one reason. A later
-reason (a cancel after a stall) changes nothing: the first one decides the outcome.
+When to send which signal is transcript/stop.py's schedule, the same one Slurm's jobs follow; this module
+says how, with the trainer's process group and the supervisor's descendants.
 """
 from __future__ import annotations
 
 import logging
 import signal
-from enum import Enum
 
 from lora_worker.transcript.output import TrainerOutput
+from lora_worker.transcript.stop import StopReason, StopSchedule, StopState
 from lora_worker.run.seam import RunHost, Trainer
+
+__all__ = ["StopReason", "StopState", "Stopper"]
 
 log = logging.getLogger(__name__)
 
 PATIENT_S = 30.0  # how long processes that outlive SIGKILL are polled quickly before the loop slows down
 WARN_EVERY_S = 300.0
-
-
-class StopReason(Enum):
-    CANCEL = "cancel"  # a client asked
-    SIGNAL = "signal"  # the supervisor itself got SIGTERM or SIGINT (systemd stopping the unit)
-    STALL = "stall"  # the watchdog saw no progress within the phase's limit
-    LOST = "lost"  # the row is no longer `running`: someone else ended the job
-    ORPHANED = "orphaned"  # the launcher was killed and left its trainer running
-
-    @property
-    def cancels(self) -> bool:
-        """Whether the job ends `cancelled` (asked to stop) rather than with what the trainer did."""
-        return self in (StopReason.CANCEL, StopReason.SIGNAL)
-
-
-class StopState(Enum):
-    NONE = "none"
-    TERM_SENT = "term_sent"  # SIGTERM to the group and the descendants; SIGKILL due at `deadline`
-    KILL_SENT = "kill_sent"
 
 
 class Stopper:
@@ -46,9 +29,19 @@ class Stopper:
         self.output = output
         self.grace_s = grace_s
         self.job_id = job_id
-        self.state = StopState.NONE
-        self.reason: StopReason | None = None
-        self.deadline: float | None = None
+        self.schedule = StopSchedule(grace_s)
+
+    @property
+    def state(self) -> StopState:
+        return self.schedule.state
+
+    @property
+    def reason(self) -> StopReason | None:
+        return self.schedule.reason
+
+    @property
+    def deadline(self) -> float | None:
+        return self.schedule.deadline
 
     def begin(self, trainer: Trainer, reason: StopReason, why: str) -> None:
         """SIGTERM, unless a stop began already or the trainer ended on its own (its outcome stands)."""
@@ -56,18 +49,16 @@ class Stopper:
             return
         if trainer.poll() is not None and not self.host.group_members(trainer.pid):
             return
-        self.state, self.reason = StopState.TERM_SENT, reason
+        self.schedule.begin(reason, self.host.monotonic())
         self.output.note(f"{why}; SIGTERM to process group {trainer.pid}")
         log.info("job %s: %s; stopping the trainer", self.job_id, why)
         self.kill_everything(trainer.pid, signal.SIGTERM)
-        self.deadline = self.host.monotonic() + self.grace_s
 
     def tick(self, trainer: Trainer, now: float) -> None:
         """SIGKILL once the grace after SIGTERM is over."""
-        if self.state is StopState.TERM_SENT and self.deadline is not None and now >= self.deadline:
+        if self.schedule.kill_due(now):
             self.output.note(f"grace of {self.grace_s:g}s over; SIGKILL to the job's processes")
             self.kill_everything(trainer.pid, signal.SIGKILL)
-            self.state = StopState.KILL_SENT
 
     def kill_everything(self, pgid: int, sig: int) -> None:
         self.host.signal_group(pgid, sig)

@@ -23,3 +23,5 @@ The interface others rely on (the real-cluster tests, doctor, the README):
 - a cancel: the API flags the row (a queued Slurm row too); the poller scancels; `cancelled` once Slurm
   says the job ended.
 """
+
+NAME = "slurm"  # the ledger's `backend` of a Slurm row, and the setting that asks for one

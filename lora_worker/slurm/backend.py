@@ -1,12 +1,16 @@
-"""`SlurmBackend`: the run seam (backends.py) when `backend = "slurm"`.
+"""`SlurmBackend`: the run seam (backends.py) for a Slurm row.
 
 - `launch(job_id)`: writes the job's batch script, submits it (sbatch.py), records the Slurm job id in the row,
   and makes sure the poller runs; returns once all of that holds, or raises LaunchFailed. A job sbatch
   accepted but that nothing could follow is scancelled before the failure is reported, so no Slurm job runs
   for a row that says `failed`.
-- `attended(job_id)`: a local supervisor's job lock, for a row from before the switch to Slurm; for a Slurm
-  row, the poller's lock (a dead poller is started again here, and resumes every Slurm row), and failing that
-  whether Slurm still knows the job. So reconcile never fails a job that is merely queued on the cluster.
+- `attended(job_id)`: the poller's lock and a fresh heartbeat (a stuck poller is killed here and a new one
+  started, which resumes every Slurm row), failing that whether Slurm still lists the job as pending or
+  running (or in a state this worker does not know). So reconcile never fails a job merely queued on the
+  cluster, nor one that Slurm did not answer for.
+- `wake`: nothing: the poller looks at every row each cycle.
+- `abandon`: a plain scancel of the job before reconcile fails its row (None if scancel did not answer).
+- a queued row's cancel only flags it: it may start on a node any moment; the poller scancels it.
 """
 from __future__ import annotations
 
@@ -15,10 +19,11 @@ from dataclasses import dataclass, field
 
 from lora_worker.config import Settings
 from lora_worker.errors import LaunchFailed
-from lora_worker.host.locks import is_locked, job_lock_path
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
-from lora_worker.slurm.process import ensure_poller, poller_running
+from lora_worker.ledger.models import Job
+from lora_worker.slurm import NAME
+from lora_worker.slurm.process import ensure_poller, poller_running, replace_stuck, stuck_poller
 from lora_worker.slurm.sbatch import sbatch_options, write_script
 from lora_worker.slurm.scheduler import Scheduler, SchedulerUnavailable
 from lora_worker.slurm.states import stage
@@ -31,7 +36,10 @@ class SlurmBackend:
     scheduler: Scheduler | None = None
     start_poller: Callable[[Settings], None] = ensure_poller
     db: Database | None = None
-    name: str = field(default="slurm", init=False)
+    name: str = field(default=NAME, init=False)
+    label: str = field(default="Slurm", init=False)
+    places_here: bool = field(default=False, init=False)  # Slurm allocates the GPU; its cgroup holds the job
+    cancels_queued_at_once: bool = field(default=False, init=False)
 
     def _scheduler(self, settings: Settings) -> Scheduler:
         if self.scheduler is None:
@@ -63,12 +71,10 @@ class SlurmBackend:
             raise
 
     def attended(self, job_id: int, settings: Settings) -> bool:
-        if is_locked(job_lock_path(settings, job_id)):
-            return True  # a local supervisor's job
         job = repo.find_job(self._db(settings), job_id)
-        if job is None or job.backend != "slurm":
+        if job is None or job.backend != self.name:
             return False
-        if poller_running(settings):
+        if self._poller_well(settings):
             return True
         try:
             self.start_poller(settings)
@@ -78,10 +84,31 @@ class SlurmBackend:
         if job.slurm_job_id is None:
             return False  # never submitted; reconcile's launch grace covers a submission under way
         try:
-            return stage(self._scheduler(settings).queue([job.slurm_job_id]).get(job.slurm_job_id)) in (
-                "pending", "running")
+            return stage(self._scheduler(settings).queue([job.slurm_job_id]).get(job.slurm_job_id)).listed_alive
         except SchedulerUnavailable:
             return True  # what cannot be seen is not failed: the poller, once back, settles it
+
+    def _poller_well(self, settings: Settings) -> bool:
+        """A poller holds the lock and beats; a stuck one is killed so that another can take over."""
+        if not poller_running(settings):
+            return False
+        stuck = stuck_poller(settings)
+        return stuck is None or not replace_stuck(settings, stuck)
+
+    def wake(self, job: Job) -> None:
+        """The poller sees the flag at its next cycle (every `slurm_poll_interval_s`)."""
+
+    def abandon(self, job: Job, settings: Settings) -> tuple[int, ...] | None:
+        if job.slurm_job_id is None:
+            return ()
+        try:
+            self._scheduler(settings).cancel(job.slurm_job_id)
+        except SchedulerUnavailable:
+            return None  # not known to be stopped: the row is not ended yet
+        return ()
+
+    def slots(self, settings: Settings) -> list[str]:
+        return [f"{self.name}-{k}" for k in range(settings.max_active_jobs)]
 
 
 def _cancel_quietly(scheduler: Scheduler, slurm_job_id: str) -> None:

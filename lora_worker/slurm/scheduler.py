@@ -14,6 +14,7 @@ then knows nothing this cycle, which is not the same as "Slurm does not know the
 """
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -46,10 +47,21 @@ class SlurmJob:
     detail: str = ""  # the state as printed ("CANCELLED by 0"), for a sentence
 
 
+# What a Slurm client takes from its environment to filter or reshape its answer (SQUEUE_USERS, SACCT_FORMAT,
+# SLURM_TIME_FORMAT…): the worker's commands must answer for the ids asked, in the format parsed here.
+FILTERS = ("SQUEUE_", "SACCT_", "SLURM_", "SCANCEL_", "SCONTROL_", "SBATCH_")
+KEPT = ("SLURM_CONF",)  # which cluster: the one thing the caller's environment says
+
+
+def command_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if environ is None else environ)
+    return {k: v for k, v in env.items() if k in KEPT or not k.startswith(FILTERS)}
+
+
 def run_command(argv: list[str]) -> Result:
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S, check=False,  # noqa: S603
-                              stdin=subprocess.DEVNULL, errors="replace")
+                              stdin=subprocess.DEVNULL, errors="replace", env=command_env())
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise SchedulerUnavailable(f"{argv[0]}: {exc}") from exc
     return Result(done.returncode, done.stdout, done.stderr)
@@ -84,12 +96,19 @@ class Scheduler:
         """`scancel <id>`, or with a signal `scancel --signal=<sig> --full <id>`: the batch shell and every
         process of the job get it (proctrack/cgroup finds those that left the process group)."""
         args = [f"--signal={signal}", "--full", job_id] if signal else [job_id]
-        self._ok("scancel", *args)
+        result = self._call("scancel", *args)
+        if result.returncode != 0 and "Invalid job id" not in result.stderr:  # a job gone is a job stopped
+            raise SchedulerUnavailable(f"scancel exited {result.returncode}: {result.stderr.strip()[:500]}")
 
     # -- asking after jobs ------------------------------------------------------------------------------
 
     def queue(self, job_ids: Iterable[str]) -> dict[str, SlurmJob]:
-        """What slurmctld knows of these jobs now (pending, running, and ended ones for MinJobAge)."""
+        """What slurmctld knows of these jobs now (pending, running, and ended ones for MinJobAge).
+
+        Only a real answer says a job is not listed: "Invalid job id" for one id, or a listing that names some
+        of the ids. A listing that names none of several ids is asked again id by id; an empty listing for one
+        id (exit 0, no line: a filter, a client that answered nothing) or a line that does not parse is no
+        answer at all (SchedulerUnavailable), never "gone"."""
         ids = sorted(set(job_ids))
         if not ids:
             return {}
@@ -98,7 +117,15 @@ class Scheduler:
             if "Invalid job id" in result.stderr:
                 return {}  # none of them is known any more
             raise SchedulerUnavailable(f"squeue exited {result.returncode}: {result.stderr.strip()[:500]}")
-        return {j.job_id: j for j in parse_squeue(result.stdout) if j.job_id in ids}
+        listed = {j.job_id: j for j in parse_squeue(result.stdout, strict=True) if j.job_id in ids}
+        if listed:
+            return listed
+        if len(ids) == 1:
+            raise SchedulerUnavailable(f"squeue answered nothing for job {ids[0]} (exit 0, no line)")
+        found: dict[str, SlurmJob] = {}
+        for job_id in ids:
+            found.update(self.queue([job_id]))
+        return found
 
     def accounting(self, job_ids: Iterable[str]) -> dict[str, SlurmJob]:
         """What slurmdbd recorded of these jobs (it outlives slurmctld's memory of them)."""
@@ -126,12 +153,15 @@ def parse_sbatch(out: str) -> str:
     return job_id
 
 
-def parse_squeue(out: str) -> list[SlurmJob]:
+def parse_squeue(out: str, *, strict: bool = False) -> list[SlurmJob]:
+    """`strict`: a line that is not `<id>|<STATE>|<reason>` makes the whole answer SchedulerUnavailable."""
     jobs = []
     for line in out.splitlines():
         parts = line.strip().split("|")
-        if len(parts) >= 3 and parts[0]:
+        if len(parts) >= 3 and parts[0].isdigit() and parts[1].strip():
             jobs.append(SlurmJob(parts[0], parts[1].strip(), _reason(parts[2]), detail=parts[1].strip()))
+        elif strict and line.strip():
+            raise SchedulerUnavailable(f"squeue printed a line this worker cannot read: {line.strip()[:200]!r}")
     return jobs
 
 

@@ -9,17 +9,20 @@
 | CANCELLED, the worker asked         | cancelled                                                             |
 | CANCELLED, nobody here asked        | failed, killed_by_signal, naming Slurm                                |
 | OUT_OF_MEMORY / TIMEOUT / NODE_FAIL | failed, out_of_memory / time_limit / node_fail                        |
-| not known any more, no .rc file     | failed, slurm_lost                                                    |
+| not listed, sacct knows nothing, no .rc file | failed, slurm_lost (scancelled first)                        |
+| a state word not in this table      | nothing: no answer (never an ending)                                  |
 | (stopped by the poller's watchdog)  | failed, stalled (as local)                                            |
 | PENDING again after RUNNING         | requeued (despite --no-requeue): scancelled, failed, node_fail        |
 
 The exit status is the trainer's own, as the batch script recorded it in `<id>.rc` (a Popen return code:
 negative for a signal), never sacct's, which truncates codes above 127 and reads `0:0` before `15:0`. A cancel
-the worker asked for wins over whatever else ended the job meanwhile, as the local supervisor's does.
+the worker asked for wins over whatever else ended the job meanwhile once it reached the job, as the local
+supervisor's does; a job that completed before its cancel was delivered keeps its own outcome.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from enum import Enum
 
 from lora_worker.host.safetensors import ArtifactCheck
 from lora_worker.transcript.explain import quotable
@@ -30,8 +33,8 @@ from lora_worker.states import FailureClass, JobState
 
 PENDING = frozenset({"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"})
 RUNNING = frozenset({"RUNNING", "COMPLETING", "SIGNALING", "STAGE_OUT", "SUSPENDED", "STOPPED", "RESIZING"})
-# Everything else Slurm prints is an ending: COMPLETED FAILED CANCELLED OUT_OF_MEMORY TIMEOUT NODE_FAIL
-# BOOT_FAIL DEADLINE PREEMPTED REVOKED SPECIAL_EXIT.
+ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "OUT_OF_MEMORY", "TIMEOUT", "NODE_FAIL", "BOOT_FAIL",
+                   "DEADLINE", "PREEMPTED", "REVOKED", "SPECIAL_EXIT"})
 ENDED_BY_SLURM: dict[str, tuple[FailureClass, str]] = {
     "OUT_OF_MEMORY": (FailureClass.OUT_OF_MEMORY, "Slurm killed job {id}: it used more host memory than its "
                       "--mem limit allows (OUT_OF_MEMORY)"),
@@ -41,15 +44,34 @@ ENDED_BY_SLURM: dict[str, tuple[FailureClass, str]] = {
 }
 
 
-def stage(job: SlurmJob | None) -> str:
-    """"pending", "running", "ended", or "unknown" (no command knows the job)."""
+class Stage(Enum):
+    """Where a job is, as the last answer about it says."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    ENDED = "ended"
+    UNLISTED = "unlisted"  # the commands asked list no such job
+    UNKNOWN = "unknown"  # listed with a state word not in this table: no answer about where it is
+
+    @property
+    def may_run(self) -> bool:
+        """Whether Slurm may still be running the job (nothing said it ended)."""
+        return self is not Stage.ENDED
+
+    @property
+    def listed_alive(self) -> bool:
+        """Whether the answer lists the job as not ended (pending, running, or a state word not known here)."""
+        return self in (Stage.PENDING, Stage.RUNNING, Stage.UNKNOWN)
+
+
+def stage(job: SlurmJob | None) -> Stage:
     if job is None:
-        return "unknown"
+        return Stage.UNLISTED
     if job.state in PENDING:
-        return "pending"
+        return Stage.PENDING
     if job.state in RUNNING:
-        return "running"
-    return "ended"
+        return Stage.RUNNING
+    return Stage.ENDED if job.state in ENDED else Stage.UNKNOWN
 
 
 def returncode_of(job: SlurmJob | None, recorded: int | None) -> int | None:
@@ -63,24 +85,47 @@ def returncode_of(job: SlurmJob | None, recorded: int | None) -> int | None:
     return job.exit_code
 
 
-def settle(job: SlurmJob | None, *, slurm_job_id: str, recorded: int | None, cancel_requested: bool,
+def settle(job: SlurmJob | None, *, slurm_job_id: str, recorded: int | None, cancelled: bool,
            progress: Progress, log_tail: list[str], verify: Callable[[], ArtifactCheck],
            stalled_in: str | None = None, requeued: bool = False) -> Outcome:
     """The outcome of a Slurm job that has ended (`job` as sacct/scontrol/squeue last said, None if none of them
-    knows it any more). `verify` checks the LoRA; it is called only when the run claims success."""
+    knows it any more). `cancelled`: the worker's cancel reached the job (its scancel was sent while Slurm ran
+    it, or Slurm says it was cancelled after the worker asked); a job that ended before keeps its own outcome.
+    `verify` checks the LoRA; it is called only when the run claims success."""
     returncode = returncode_of(job, recorded)
-    if cancel_requested:
+    stopped = _stopped_by_worker(slurm_job_id, returncode, cancelled=cancelled, requeued=requeued,
+                                 stalled_in=stalled_in, progress=progress, log_tail=log_tail)
+    if stopped is not None:
+        return stopped
+    if job is None and recorded is None:
+        return _failed(FailureClass.SLURM_LOST, f"Slurm no longer knows job {slurm_job_id} and it left no exit "
+                       "status: it ended without the worker seeing how", log_tail, returncode)
+    state = job.state if job is not None else "COMPLETED" if recorded == 0 else "FAILED"
+    if state not in ("COMPLETED", "FAILED"):
+        return _ended_by_slurm(state, job, slurm_job_id, log_tail, returncode)
+    if returncode is None:
+        returncode = 0 if state == "COMPLETED" else 1
+    artifact = verify() if returncode == 0 and "model_saved" in progress.flags else None
+    return decide(returncode=returncode, progress=progress, log_tail=log_tail, artifact=artifact)
+
+
+def _stopped_by_worker(slurm_job_id: str, returncode: int | None, *, cancelled: bool, requeued: bool,
+                       stalled_in: str | None, progress: Progress, log_tail: list[str]) -> Outcome | None:
+    """The outcome of a job the worker stopped (a cancel, a requeue, a stall), whatever Slurm calls its end."""
+    if cancelled:
         return decide(returncode=returncode, progress=progress, log_tail=log_tail, cancelled=True)
     if requeued:  # the poller stopped a second run under the same id; the first one's node was lost
         return _failed(FailureClass.NODE_FAIL, f"Slurm requeued job {slurm_job_id} after it had run (its node "
                        "was lost, or requeue is forced); a second run was refused and the job stopped", log_tail,
                        returncode)
-    if stalled_in is not None:  # the poller stopped it: whatever Slurm calls that, it is a stall
+    if stalled_in is not None:
         return decide(returncode=returncode, progress=progress, log_tail=log_tail, stalled_in=stalled_in)
-    if job is None and recorded is None:
-        return _failed(FailureClass.SLURM_LOST, f"Slurm no longer knows job {slurm_job_id} and it left no exit "
-                       "status: it ended without the worker seeing how", log_tail, returncode)
-    state = job.state if job is not None else "COMPLETED" if recorded == 0 else "FAILED"
+    return None
+
+
+def _ended_by_slurm(state: str, job: SlurmJob | None, slurm_job_id: str, log_tail: list[str],
+                    returncode: int | None) -> Outcome:
+    """An ending Slurm itself caused: its limits, its nodes, a cancel nobody here asked for, a preemption."""
     if state in ENDED_BY_SLURM:
         failure, sentence = ENDED_BY_SLURM[state]
         return _failed(failure, sentence.format(id=slurm_job_id), log_tail, returncode)
@@ -88,13 +133,8 @@ def settle(job: SlurmJob | None, *, slurm_job_id: str, recorded: int | None, can
         by = job.detail if job is not None and job.detail else "CANCELLED"
         return _failed(FailureClass.KILLED_BY_SIGNAL, f"Slurm cancelled job {slurm_job_id} ({by}); the worker had "
                        "not asked for it", log_tail, returncode, signal=15)
-    if state not in ("COMPLETED", "FAILED"):  # DEADLINE, PREEMPTED, REVOKED, SPECIAL_EXIT: Slurm stopped it
-        return _failed(FailureClass.KILLED_BY_SIGNAL, f"Slurm ended job {slurm_job_id} ({state})", log_tail,
-                       returncode)
-    if returncode is None:
-        returncode = 0 if state == "COMPLETED" else 1
-    artifact = verify() if returncode == 0 and "model_saved" in progress.flags else None
-    return decide(returncode=returncode, progress=progress, log_tail=log_tail, artifact=artifact)
+    # DEADLINE, PREEMPTED, REVOKED, SPECIAL_EXIT: Slurm stopped it
+    return _failed(FailureClass.KILLED_BY_SIGNAL, f"Slurm ended job {slurm_job_id} ({state})", log_tail, returncode)
 
 
 def _failed(failure: FailureClass, sentence: str, log_tail: list[str], returncode: int | None,

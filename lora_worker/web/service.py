@@ -26,8 +26,7 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, ProgressPoint
 from lora_worker.reconcile import current_job, reconcile
-from lora_worker.backends import Backend
-from lora_worker.run.local import wake_supervisor
+from lora_worker.backends import Backend, backend_of
 from lora_worker.transcript.logfile import LogChunk, LogReader, log_paths
 from lora_worker.webhooks.process import ensure_sender
 from lora_worker.states import TERMINAL_STATES, JobState
@@ -184,13 +183,12 @@ class Worker:
     def cancel(self, job_id: int, *, wait_s: float = 0.0) -> Job:
         """Ask the job to stop; with `wait_s`, answer once it has ended (cancelled, or whatever it ended as)
         or after `wait_s` seconds with its state then. The wait takes a long-poll slot like GET's."""
-        self._job_now(job_id)
-        job = repo.request_cancel(self.db, job_id, actor="api")
+        runs = backend_of(self._job_now(job_id), self.backend)
+        job = repo.request_cancel(self.db, job_id, actor="api", queued_at_once=runs.cancels_queued_at_once)
         if job.status == JobState.RUNNING.value:
-            # The flag is committed; the supervisor would see it at its next poll (0.5 s). This wakes it now.
-            # Any backend's: the row names its supervisor's process, and one on another host (another boot
-            # id) or none at all is simply left to that poll.
-            wake_supervisor(job.boot_id, job.supervisor_pid, job.supervisor_start_ticks)
+            # The flag is committed; whoever attends the job would see it at its next look (0.5 s locally).
+            # This tells it now.
+            runs.wake(job)
         return self._wait(job, wait_s, lambda j: JobState(j.status) in TERMINAL_STATES)
 
     def deliveries(self, job_id: int) -> list[dict[str, Any]]:

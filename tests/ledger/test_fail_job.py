@@ -225,4 +225,6 @@ def test_every_writer_of_a_failed_row_calls_fail_job():
     callers = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
                      if re.search(r"\bfail_job\(", path.read_text())
                      and not str(path.relative_to(PACKAGE)).startswith("ledger/"))
-    assert callers == ["dispatch/dispatcher.py", "reconcile.py", "run/runner.py", "slurm/poller.py"]
+    # the local supervisor and the Slurm poller both end a run through transcript/ending.py `write_final`
+    assert callers == ["dispatch/dispatcher.py", "reconcile.py", "slurm/job.py", "slurm/ledger.py",
+                       "transcript/ending.py"]

@@ -20,8 +20,12 @@ class ClusterStandIn:
     """What a scheduler-backed backend gives: it accepts jobs, and says which of them it still attends."""
 
     name: str = "cluster"
+    label: str = "the cluster"
+    places_here: bool = True  # admitted by this host's NVML all the same: the test host's fake cards
+    cancels_queued_at_once: bool = True
     submitted: list[int] = field(default_factory=list)
     attending: set[int] = field(default_factory=set)
+    abandoned: list[int] = field(default_factory=list)
 
     def launch(self, job_id: int, settings: Settings) -> None:
         self.submitted.append(job_id)
@@ -29,6 +33,16 @@ class ClusterStandIn:
 
     def attended(self, job_id: int, settings: Settings) -> bool:
         return job_id in self.attending
+
+    def wake(self, job) -> None:
+        pass
+
+    def abandon(self, job, settings: Settings) -> tuple[int, ...]:
+        self.abandoned.append(job.id)
+        return ()
+
+    def slots(self, settings: Settings) -> list[str]:
+        return ["train"]
 
 
 def test_the_local_backend_attends_a_job_exactly_while_its_job_lock_is_held(migrated):
@@ -67,5 +81,6 @@ def test_another_backend_plugs_into_the_app_for_dispatch_and_reconcile(migrated,
         cluster.attending.clear()  # the allocation ended without a final state
         done = client.get(f"/train/{job_id}").get_json()
         assert (done["status"], done["failure_class"]) == ("failed", "supervisor_lost")
+        assert cluster.abandoned == [job_id]  # asked to stop what is left before the row failed
     finally:
         app.extensions["lora_worker"].db.dispose()

@@ -48,7 +48,7 @@ def test_a_cancel_through_the_api_ends_the_trainers_group_in_tens_of_millisecond
 
 def test_with_the_wake_up_lost_the_supervisors_poll_still_cancels(client, host, monkeypatch):
     sent: list[int | None] = []
-    monkeypatch.setattr("lora_worker.web.service.wake_supervisor", lambda boot, pid, ticks: sent.append(pid))
+    monkeypatch.setattr("lora_worker.run.local.wake_supervisor", lambda boot, pid, ticks: sent.append(pid))
     job_id, pgid = started_job(client, host, 0)
     took = cancel_to_group_gone(client, job_id, pgid)
     assert sent and sent[0] is not None  # the web would have woken this supervisor; the signal was lost

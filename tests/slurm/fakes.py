@@ -20,6 +20,7 @@ class FakeScheduler(Scheduler):
     scripts: dict[str, Path] = field(default_factory=dict)
     options: dict[str, list[str]] = field(default_factory=dict)
     down: bool = False
+    sacct_down: bool = False  # slurmdbd does not answer; slurmctld (squeue, scontrol) does
     next_id: int = 1000
 
     def __post_init__(self) -> None:
@@ -49,6 +50,8 @@ class FakeScheduler(Scheduler):
     def accounting(self, job_ids: Iterable[str]) -> dict[str, SlurmJob]:
         ids = sorted(set(job_ids))
         self._check("sacct", *ids)
+        if self.sacct_down:
+            raise SchedulerUnavailable("sacct: Problem talking to the database: Connection refused")
         return {i: self.accounted[i] for i in ids if i in self.accounted}
 
     def show(self, job_id: str) -> SlurmJob | None:

@@ -1,32 +1,45 @@
-"""Keeping the ledger current while the trainer runs: phase, step, loss, rate, ETA and the loss points.
+"""Keeping a running job's row current, for every backend: phase, step, loss, rate, ETA and the loss points.
 
-Written about once `progress_interval_s`, and at once on a phase change. Progress can wait; the trainer must
-not: a write the ledger refuses (locked, full) keeps its points and values in memory for the next one.
+Written about once `interval_s`, and at once on a phase change. Progress can wait; the trainer must not: a
+write the ledger refuses (locked, full) keeps its points and values in memory for the next one. The ledger is
+whatever the process writes with (the supervisor's sqlite3 ledger, the Slurm poller's): anything with
+`update_running`. Elapsed time counts from `started` (the row's start, on the caller's monotonic clock), so
+a poller that attaches late to a job still bases its ETA on how long the job has really run.
 """
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import datetime
+from typing import Protocol
 
 from lora_worker.ledger.statements import utcnow
-from lora_worker.ledger.supervisor import SupervisorLedger
 from lora_worker.transcript.eta import EtaClock
 from lora_worker.transcript.output import TrainerOutput
 from lora_worker.transcript.persist import FIRST_DELAY_S, MAX_DELAY_S, TRANSIENT
-from lora_worker.run.seam import RunHost
 from lora_worker.states import Phase
 
 log = logging.getLogger(__name__)
 Point = tuple[int, float | None, datetime]
 
 
+class ProgressLedger(Protocol):
+    def update_running(self, job_id: int, *, points: Iterable[Point] = (), **values: object) -> bool:
+        """Write progress of a running job; False once it is no longer running."""
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+    def sleep(self, seconds: float) -> None: ...
+
+
 class ProgressReporter:
     """`on_lost` is called when the ledger says the job is no longer running (someone else ended it)."""
 
-    def __init__(self, db: SupervisorLedger, job_id: int, host: RunHost, output: TrainerOutput, clock: EtaClock,
-                 interval_s: float, on_lost: Callable[[], None]) -> None:
+    def __init__(self, db: ProgressLedger, job_id: int, host: Clock, output: TrainerOutput, clock: EtaClock,
+                 interval_s: float, on_lost: Callable[[], None], started: float | None = None) -> None:
         self.db = db
         self.job_id = job_id
         self.host = host
@@ -34,7 +47,7 @@ class ProgressReporter:
         self.clock = clock
         self.interval_s = interval_s
         self.on_lost = on_lost
-        self.started = host.monotonic()  # the run's start, for an ETA from history
+        self.started = host.monotonic() if started is None else started  # the run's start, for the ETA
         self.last_write = 0.0
         self.pending_points: dict[int, float | None] = {}
         self.pending_values: dict[str, object] = {}  # written with the next progress write that lands

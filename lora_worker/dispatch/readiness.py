@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lora_worker.backends import backend_for
 from lora_worker.config import Settings
 from lora_worker.errors import NvmlUnavailable
 from lora_worker.host import sandbox
@@ -68,7 +69,7 @@ def deep_checks(settings: Settings, nvml: Nvml, *, trainer: bool = True,
     sandbox (seconds: it imports torch). `namespaces`: how the bwrap probe is asked (default: afresh)."""
     from lora_worker.dispatch.trainer_probe import trainer_check  # it builds the job's environment
 
-    if settings.backend == "slurm":  # the node's sandbox and GPUs are Slurm's; doctor asks the cluster instead
+    if not backend_for(settings).places_here:  # the node's sandbox and GPUs are Slurm's; doctor asks the cluster
         return []
     checks = [sandbox_check(settings, namespaces or sandbox.probe)]
     readings, nvml_problem = _read(nvml)

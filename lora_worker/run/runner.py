@@ -235,6 +235,8 @@ class JobRun:
         self.requests.check(trainer, now)
         if self.stopper.state is StopState.NONE and (why := self.watchdog.check(self.output.progress.phase, now)):
             self.stopper.begin(trainer, StopReason.STALL, why)
+        if self.stopper.state is StopState.NONE and (nan_at := self.output.progress.nan_at) is not None:
+            self.stopper.begin(trainer, StopReason.NAN_LOSS, f"the loss became NaN at step {nan_at}")
         self.stopper.tick(trainer, now)
 
     def _lost(self) -> None:
@@ -246,14 +248,18 @@ class JobRun:
     def _outcome(self, job: JobRecord, rc: int | None) -> Outcome:
         from lora_worker.host.safetensors import verify_lora
 
-        cancelled = self.stopper.reason is not None and self.stopper.reason.cancels
+        reason = self.stopper.reason
+        cancelled = reason is not None and reason.cancels
+        signalled = self.requests.signal_name if reason is StopReason.SIGNAL else None
+        nan_at = self.output.progress.nan_at if reason is StopReason.NAN_LOSS else None
         artifact: ArtifactCheck | None = None
         if rc == 0 and self.stopper.reason is None and "model_saved" in self.output.progress.flags:
             artifact = verify_lora(Path(job.lora_file), recorded_lora(job))  # held to the row, not the tier
             if artifact.problem is None:
                 self.artifact_values = artifact_values(artifact, recorded_commit=self.job.sd_scripts_commit)
         return decide(returncode=rc, progress=self.output.progress, log_tail=self.output.tail,
-                      cancelled=cancelled, stalled_in=self.watchdog.stalled_in, artifact=artifact)
+                      cancelled=cancelled, stalled_in=self.watchdog.stalled_in, signalled=signalled, nan_at=nan_at,
+                      artifact=artifact)
 
     def _finish(self, outcome: Outcome) -> None:
         p = self.output.progress

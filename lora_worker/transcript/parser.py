@@ -141,6 +141,7 @@ class Progress:
     eta_s: float | None = None  # tqdm's remaining time (average since start, warm-up included)
     flags: set[str] = field(default_factory=set)  # marker names seen: model_saved, cuda_oom, …
     signal: int | None = None  # from the launcher's "died with <Signals.SIGKILL: 9>"
+    nan_at: int | None = None  # the first step whose avr_loss was NaN: the run learns nothing from there on
     inner_exit: int | None = None  # the trainer's own exit status, from the launcher's message
     checkpoints: list[str] = field(default_factory=list)
 
@@ -323,6 +324,8 @@ class Parser:
         loss = LOSS.search(m[7] or "")
         if loss:
             p.loss = float(loss[1])
+            if p.nan_at is None and math.isnan(p.loss):
+                p.nan_at = p.step
         if "model_saved" not in p.flags:
             # After a mid-run save the next redraw means training resumed.
             p.phase = Phase.TRAINING

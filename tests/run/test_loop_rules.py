@@ -214,12 +214,41 @@ def test_a_grandchild_that_closed_the_pipe_is_killed_before_the_job_ends(host, s
     assert repo.get_job(client_db, job_id).failure_class == "trainer_crashed"
 
 
-def test_sigterm_to_the_supervisor_stops_the_job_as_cancelled(host, settings, db, client_db):
-    host.at(T0 + 2.0, lambda: host.deliver(TERM))
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_signal_to_the_supervisor_stops_the_job_as_failed_never_cancelled(host, settings, db, client_db, sig):
+    """systemd's final sweep at a reboot, `systemctl kill`: nobody asked for a cancel, and a new try may pass."""
+    host.at(T0 + 2.0, lambda: host.deliver(sig))
     job_id = supervise(host, settings, db, hanging_in_training())
     assert 2.0 <= host.signals(TERM)[0].at - T0 <= 2.0 + runner.COALESCE_S  # acted on by the next pass
-    assert repo.get_job(client_db, job_id).status == "cancelled"
+    done = repo.get_job(client_db, job_id)
+    assert (done.status, done.failure_class) == ("failed", "supervisor_signalled")
+    assert done.error.startswith(f"The supervisor received {signal.Signals(sig).name}, which was no client's cancel")
     assert host.signal_handler is None  # the previous handlers are back
+
+
+def test_a_cancel_then_a_signal_ends_cancelled_a_signal_then_a_cancel_failed(host, settings, db, client_db):
+    job = hanging_in_training()
+    job.launcher.ignores_term = job.trainer.ignores_term = True
+    host.at(T0 + 2.0, lambda: host.deliver(TERM))
+    cancel_at(host, client_db, 3.0)
+    job_id = supervise(host, settings, db, job)
+    assert repo.get_job(client_db, job_id).failure_class == "supervisor_signalled"  # the first reason decides
+
+
+def test_a_nan_loss_stops_the_run_as_a_cancel_would_and_fails_it_nan_loss(host, settings, db, client_db):
+    job = FakeJob()
+    job.launcher.ignores_term = job.trainer.ignores_term = True  # the grace, then SIGKILL
+    job.say(0.5, PHASE_LINES[Phase.PREPARING_TRAINING])
+    for step, loss in ((1, 0.5), (2, 0.4), (3, float("nan")), (4, float("nan"))):
+        job.say(0.5 + step * 0.5, bar(step, loss=loss))
+    job_id = supervise(host, settings, db, job)
+    (term,), (kill,) = host.signals(TERM), host.signals(KILL)
+    assert 2.0 <= term.at - T0 <= 2.0 + runner.COALESCE_S + settings.progress_interval_s
+    assert kill.at - term.at == pytest.approx(settings.cancel_grace_s, abs=runner.COALESCE_S)
+    done = repo.get_job(client_db, job_id)
+    assert (done.status, done.failure_class, done.lora_path) == ("failed", "nan_loss", None)
+    assert done.error.startswith("The loss became NaN at step 3")
+    assert not any(p.alive for p in job.processes)
 
 
 def test_a_second_reason_to_stop_changes_neither_the_signals_nor_the_outcome(host, settings, db, client_db):

@@ -308,7 +308,33 @@ def test_cancel_racing_the_natural_end_gives_exactly_one_terminal_state(client, 
         assert job(client, job_id)["status"] == done["status"]  # never reverted
 
 
+def test_a_nan_loss_stops_a_real_run_and_fails_it_nan_loss(client, host):
+    modes(host, nan_from_step=50, step_s=0.01)
+    job_id = submit(client, host)
+    rec = recorded(host)
+    done = wait_state(client, job_id, *TERMINAL, timeout=30)
+    assert (done["status"], done["failure_class"], done["lora_path"]) == ("failed", "nan_loss", None)
+    assert done["error"].startswith("The loss became NaN at step 50") and done["step"] < 400
+    assert job_processes(rec) == []
+
+
 # -- supervisor death ------------------------------------------------------------------------------------------
+
+def test_sigterm_to_a_real_supervisor_fails_the_job_supervisor_signalled_never_cancelled(client, host, db):
+    """What systemd's final sweep at an orderly reboot does (or `systemctl kill`): nobody cancelled."""
+    modes(host, hang_in="training")
+    job_id = submit(client, host)
+    rec = recorded(host)
+    wait_phase(client, job_id, "training")
+    supervisor = repo.get_job(db, job_id).supervisor_pid
+    os.kill(supervisor, signal.SIGTERM)
+    done = wait_state(client, job_id, *TERMINAL, timeout=15)
+    assert (done["status"], done["failure_class"]) == ("failed", "supervisor_signalled")
+    assert done["error"].startswith("The supervisor received SIGTERM, which was no client's cancel")
+    assert done["cancel_requested_at"] is None
+    wait_for(lambda: job_processes(rec) == [] and not pid_alive(supervisor), timeout=5, what="job gone")
+
+
 
 def test_kill_9_of_the_supervisor_fails_the_job_and_leaves_no_trainer(client, host, db):
     modes(host, hang_in="training", grandchild="group")

@@ -4,8 +4,9 @@ or when it stalls, and record one honest terminal state.
 The parts: `OutputReader` (the pipe), `ProgressReporter` (the ledger while it runs), `Watchdog` (stalls),
 `Stopper` (TERM, grace, KILL), and the outcome step here. Every OS call goes through a `RunHost`.
 
-Order at the end matters: every process of the job is gone, then the GPU lock is released, then the terminal
-state is written (retried until the ledger accepts it), and only then does the supervisor's own lock go.
+Order at the end matters: every process of the job is gone, then the GPU lock is released at once (before a
+full or locked ledger is waited on and the LoRA hashed), then the terminal state is written (retried until the
+ledger accepts it), and only then does the supervisor's own lock go.
 """
 from __future__ import annotations
 
@@ -111,18 +112,18 @@ class JobRun:
         self.trainer: Trainer | None = None
         self.artifact_values: dict[str, object] = {}
         self._exited_at: float | None = None
+        self._gpu_fd: int | None = None
 
     def run(self) -> None:
-        gpu_fd = self.host.take_lock(gpu_lock_path(self.settings, self.job.device_index), GPU_LOCK_WAIT_S)
+        self._gpu_fd = self.host.take_lock(gpu_lock_path(self.settings, self.job.device_index), GPU_LOCK_WAIT_S)
         try:
-            if gpu_fd is None:
+            if self._gpu_fd is None:
                 outcome = Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR,
                                   f"GPU {self.job.device_index} is locked by another trainer.")
             else:
                 outcome = self._run_guarded(self.job)
         finally:
-            if gpu_fd is not None:
-                self.host.release_lock(gpu_fd)  # every process of the job is gone by now
+            self._free_gpu()  # every process of the job is gone by now (freed already after a trainer ran)
         self._finish(outcome)
         self.joblog.close()
 
@@ -134,6 +135,7 @@ class JobRun:
             log.exception("job %s: supervisor error", self.job_id)
             if self.trainer is not None:
                 self.stopper.ensure_gone(self.trainer.pid)
+                self._free_gpu()
             return Outcome(JobState.FAILED, FailureClass.SUPERVISOR_LOST,
                            f"The supervisor hit an internal error ({type(exc).__name__}: {exc}); "
                            "every process of the job was stopped.", log_lines=tuple(self.output.tail))
@@ -167,6 +169,7 @@ class JobRun:
         load_the_end()
         self._supervise(trainer)
         self.stopper.ensure_gone(trainer.pid)
+        self._free_gpu()
         trainer.close()
         self.reporter.flush_until_taken()
         rc = sandbox.wait_status(trainer.returncode, self.settings)  # the launcher's own, through bwrap
@@ -191,6 +194,12 @@ class JobRun:
         finally:
             restore()
         self.output.end()
+
+    def _free_gpu(self) -> None:
+        """Release the GPU lock, once, when no process of the job is alive (after `Stopper.ensure_gone`)."""
+        if self._gpu_fd is not None:
+            self.host.release_lock(self._gpu_fd)
+            self._gpu_fd = None
 
     def _check_exit(self, trainer: Trainer, now: float) -> None:
         if trainer.poll() is not None and self._exited_at is None:
@@ -248,18 +257,16 @@ class JobRun:
     def _outcome(self, job: JobRecord, rc: int | None) -> Outcome:
         from lora_worker.host.safetensors import verify_lora
 
-        reason = self.stopper.reason
-        cancelled = reason is not None and reason.cancels
-        signalled = self.requests.signal_name if reason is StopReason.SIGNAL else None
-        nan_at = self.output.progress.nan_at if reason is StopReason.NAN_LOSS else None
+        reason, p = self.stopper.reason, self.output.progress
         artifact: ArtifactCheck | None = None
-        if rc == 0 and self.stopper.reason is None and "model_saved" in self.output.progress.flags:
+        if rc == 0 and reason is None and "model_saved" in p.flags:
             artifact = verify_lora(Path(job.lora_file), recorded_lora(job))  # held to the row, not the tier
             if artifact.problem is None:
                 self.artifact_values = artifact_values(artifact, recorded_commit=self.job.sd_scripts_commit)
-        return decide(returncode=rc, progress=self.output.progress, log_tail=self.output.tail,
-                      cancelled=cancelled, stalled_in=self.watchdog.stalled_in, signalled=signalled, nan_at=nan_at,
-                      artifact=artifact)
+        return decide(returncode=rc, progress=p, log_tail=self.output.tail, cancelled=reason is StopReason.CANCEL,
+                      stalled_in=self.watchdog.stalled_in, artifact=artifact,
+                      signalled=self.requests.signal_name if reason is StopReason.SIGNAL else None,
+                      nan_at=p.nan_at if reason is StopReason.NAN_LOSS else None)
 
     def _finish(self, outcome: Outcome) -> None:
         p = self.output.progress

@@ -19,7 +19,7 @@ WARN_EVERY_S = 300.0
 
 
 class StopReason(Enum):
-    CANCEL = "cancel"  # a client asked
+    CANCEL = "cancel"  # a client asked: the only reason a job ends `cancelled`
     # The supervisor itself got SIGTERM, SIGINT or SIGHUP: systemd stopping the unit (its final sweep at a reboot,
     # `systemctl kill`), an operator. Nobody asked for a cancel: the job fails, `supervisor_signalled`.
     SIGNAL = "signal"
@@ -27,11 +27,6 @@ class StopReason(Enum):
     STALL = "stall"  # the watchdog saw no progress within the phase's limit
     LOST = "lost"  # the row is no longer `running`: someone else ended the job
     ORPHANED = "orphaned"  # the launcher was killed and left its trainer running
-
-    @property
-    def cancels(self) -> bool:
-        """Whether the job ends `cancelled` (a client asked) rather than failed or with what the trainer did."""
-        return self is StopReason.CANCEL
 
 
 class StopState(Enum):

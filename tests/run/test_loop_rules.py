@@ -461,6 +461,18 @@ def test_the_final_state_is_retried_until_it_lands_while_the_job_lock_stays_held
     assert repo.get_job(client_db, job_id).failure_class == "trainer_crashed"
 
 
+def test_the_gpu_lock_is_released_once_the_processes_are_gone_not_after_a_locked_ledger(host, settings, db,
+                                                                                          client_db, ledger):
+    """A full or locked ledger at the end holds the job (its last points and state wait), never the GPU: another
+    trainer of the interlock may take the card as soon as every process of the job is gone."""
+    ledger.busy = [(T0 + 1.6, T0 + 40.0)]  # the last progress write and the final state wait 38 s
+    job_id = supervise(host, settings, db, training(FakeJob(), steps=2, every_s=0.5).exit(2.0, 1))
+    gone, freed = host.first("all_gone"), host.first("release_lock", "gpu-1.lock")
+    assert gone.at <= freed.at <= T0 + 2.0 + runner.COALESCE_S + 0.1  # at once, not at T0 + 40
+    assert host.first("state_written", "failed").at >= T0 + 40.0
+    assert repo.get_job(client_db, job_id).failure_class == "trainer_crashed"
+
+
 def test_a_busy_ledger_at_the_start_is_waited_out(host, settings, db, client_db, ledger):
     ledger.busy = [(T0, T0 + 20.0)]
     job_id = supervise(host, settings, db, training(FakeJob(), steps=2, every_s=0.5).exit(2.0, 1))

@@ -160,6 +160,28 @@ def test_no_zombies_the_web_reaps_its_launch_and_the_supervisor_reaps_the_job(cl
     assert wait_state(client, job_id, *TERMINAL)["status"] == "succeeded"
 
 
+def test_another_trainer_may_take_the_gpu_lock_while_the_supervisor_waits_on_a_locked_ledger(client, host, db):
+    from lora_worker.host.locks import gpu_lock_path, take_lock
+
+    release = host.root / "release"
+    modes(host, hold_at_step=399, release_file=str(release))
+    job_id = submit(client, host)
+    rec = recorded(host)
+    lock = gpu_lock_path(host.settings, repo.get_job(db, job_id).device_index)
+    assert take_lock(lock, 0.0) is None  # the job's, while it trains
+    holder = hold_exclusive(db.path, 6.0)  # the last progress write, the LoRA check and the state wait on it
+    release.touch()
+    wait_for(lambda: not psutil.pid_exists(rec["pgid"]) and not psutil.pid_exists(rec["pid"]), timeout=4,
+             what="the launcher and the trainer gone")
+    fd = wait_for(lambda: take_lock(lock, 0.0), timeout=1.0, what="the GPU lock free while the ledger is locked")
+    try:
+        assert holder.is_alive() and repo.get_job(db, job_id).status == "running"  # the job has not ended yet
+    finally:
+        os.close(fd)
+    holder.join()
+    assert wait_state(client, job_id, *TERMINAL)["status"] == "succeeded"
+
+
 # -- failures -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mode, failure, text", [

@@ -4,9 +4,8 @@ or when it stalls, and record one honest terminal state.
 The parts: `OutputReader` (the pipe), `ProgressReporter` (the ledger while it runs), `Watchdog` (stalls),
 `Stopper` (TERM, grace, KILL), and the outcome step here. Every OS call goes through a `RunHost`.
 
-Order at the end matters: every process of the job is gone, then the GPU lock is released at once (before a
-full or locked ledger is waited on and the LoRA hashed), then the terminal state is written (retried until the
-ledger accepts it), and only then does the supervisor's own lock go.
+Order at the end matters: every process of the job is gone, then the GPU lock goes (before a full or locked ledger
+is waited on, or the LoRA hashed), then the terminal state (retried until the ledger takes it), then the job lock.
 """
 from __future__ import annotations
 
@@ -32,6 +31,7 @@ from lora_worker.run.reader import OutputReader
 from lora_worker.run.reporter import ProgressReporter, finite
 from lora_worker.run.requests import StopRequests
 from lora_worker.run.seam import RunHost, Trainer
+from lora_worker.run.start import open_run_log
 from lora_worker.run.stopper import StopReason, Stopper, StopState
 from lora_worker.transcript.watchdog import Watchdog
 from lora_worker.states import FailureClass, JobState, Phase
@@ -79,26 +79,28 @@ class Runner:
             return
         me = self.host.identity()
         assert me is not None
+        if (joblog := open_run_log(self.job_id, self.settings, self.db, self.host.sleep)) is None:
+            return
         if not persist(lambda: self.db.mark_running(
                 self.job_id, started_at=utcnow(), phase=Phase.LAUNCHING.value, boot_id=me.boot_id,
                 supervisor_pid=me.pid, supervisor_start_ticks=me.start_ticks),
                 f"job {self.job_id}: record the start", self.host.sleep):
             log.info("job %s left the queue before it started", self.job_id)
+            joblog.close()
             return
-        JobRun(job, self.settings, self.db, self.host).run()
+        JobRun(job, self.settings, self.db, self.host, joblog).run()
 
 
 class JobRun:
     """One started job: its trainer, from the GPU lock to the terminal state."""
 
-    def __init__(self, job: JobRecord, settings: Settings, db: SupervisorLedger, host: RunHost) -> None:
+    def __init__(self, job: JobRecord, settings: Settings, db: SupervisorLedger, host: RunHost, joblog: JobLog) -> None:
         self.job = job
         self.job_id = job.id
         self.settings = settings
         self.db = db
         self.host = host
-        self.joblog = JobLog(settings.log_dir, job.id, head_bytes=settings.log_head_bytes,
-                             tail_bytes=settings.log_tail_bytes)
+        self.joblog = joblog  # opened before the job was `running` (run/start.py)
         self.output = TrainerOutput(self.joblog, self._on_output)
         # The tail (save and teardown after the last step) is learned from the history once the trainer runs.
         self.clock = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s)
@@ -135,7 +137,6 @@ class JobRun:
             log.exception("job %s: supervisor error", self.job_id)
             if self.trainer is not None:
                 self.stopper.ensure_gone(self.trainer.pid)
-                self._free_gpu()
             return Outcome(JobState.FAILED, FailureClass.SUPERVISOR_LOST,
                            f"The supervisor hit an internal error ({type(exc).__name__}: {exc}); "
                            "every process of the job was stopped.", log_lines=tuple(self.output.tail))
@@ -195,8 +196,7 @@ class JobRun:
             restore()
         self.output.end()
 
-    def _free_gpu(self) -> None:
-        """Release the GPU lock, once, when no process of the job is alive (after `Stopper.ensure_gone`)."""
+    def _free_gpu(self) -> None:  # once, when no process of the job is alive (after `Stopper.ensure_gone`)
         if self._gpu_fd is not None:
             self.host.release_lock(self._gpu_fd)
             self._gpu_fd = None

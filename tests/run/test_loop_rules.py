@@ -436,6 +436,38 @@ def test_stragglers_holding_the_pipe_after_a_clean_exit_are_killed_after_the_dra
     assert repo.get_job(client_db, job_id).failure_class == "trainer_crashed"
 
 
+# -- the run log comes before `running` ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("cause", ["no_space", "not_a_directory"])
+def test_a_run_log_that_cannot_be_created_fails_the_job_from_queued(host, settings, db, client_db, monkeypatch,
+                                                                     cause):
+    """No space or no inodes left for the log (or its directory taken by a file): the job ends `failed` with the
+    reason, never a `running` row that nothing supervises, and no trainer starts."""
+    if cause == "no_space":
+        import errno
+        import os
+
+        real_open = os.open
+
+        def full(path, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if str(path).startswith(str(settings.log_dir)):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return real_open(path, flags, *args, **kwargs)
+        monkeypatch.setattr(os, "open", full)
+        why = "No space left on device"
+    else:
+        settings.log_dir.parent.mkdir(parents=True, exist_ok=True)
+        settings.log_dir.write_text("")  # a file where the logs directory should be
+        why = "File exists"
+    job_id = supervise(host, settings, db, hanging_in_training())
+    done = repo.get_job(client_db, job_id)
+    assert (done.status, done.failure_class) == ("failed", "launch_error")
+    assert done.error.startswith(f"Cannot create the run log of job {job_id} in {settings.log_dir} ({why})")
+    assert [(e.from_status, e.to_status) for e in repo.job_events(client_db, job_id)] == [
+        (None, "queued"), ("queued", "failed")]  # never `running`
+    assert "spawn" not in host.kinds() and done.started_at is None
+
+
 # -- a busy ledger ------------------------------------------------------------------------------------------
 
 def test_progress_refused_by_a_busy_ledger_is_kept_and_lands_later(host, settings, db, client_db, ledger):

@@ -170,9 +170,17 @@ PROGRESS_POINT_SQL = ("INSERT INTO job_progress (job_id, step, loss, at) VALUES 
 _RUNNING_UPDATE_SQL: dict[tuple[str, ...], str] = {}
 
 
+PHASES_RECORDED_SQL = ("SELECT count(*) FROM job_events WHERE job_id = ? AND from_status = 'running' "
+                       "AND to_status = 'running' AND reason LIKE 'phase %'")
+
+
 def update_running_in(db: Statements, job_id: int, points: Iterable[tuple[int, float | None, datetime]] = (),
-                      **values: Any) -> bool:
-    """Write progress (or identity) of a running job and its new loss points; False once it is not running."""
+                      phases: Sequence[Any] = (), actor: str = "supervisor", **values: Any) -> bool:
+    """Write progress (or identity) of a running job and its new loss points; False once it is not running.
+
+    `phases` are all the phases the run has entered, in order (the parser's `Progress.phases`): those past
+    the ones already recorded become events (running → running, "phase <name>"). A write that failed, or a
+    Slurm poller that re-read the log from its start, records none twice and misses none."""
     columns = _checked(values)
     sql = _RUNNING_UPDATE_SQL.get(columns)
     if sql is None:
@@ -184,6 +192,10 @@ def update_running_in(db: Statements, job_id: int, points: Iterable[tuple[int, f
     rows = [(job_id, step, loss, iso_utc(at)) for step, loss, at in points]
     if rows:
         db.executemany(PROGRESS_POINT_SQL, rows)
+    if phases and (recorded := db.execute(PHASES_RECORDED_SQL, (job_id,)).fetchone()[0]) < len(phases):
+        for phase in phases[recorded:]:  # a few per run: one event each, as every other event is written
+            name = getattr(phase, "value", phase)
+            record_event(db, job_id, JobState.RUNNING, JobState.RUNNING, actor, f"phase {name}")
     return True
 
 

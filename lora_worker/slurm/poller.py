@@ -260,7 +260,7 @@ class Poller:
         if f.training_at is not None:
             values["training_started_at"] = f.training_at
         points = [(step, finite(loss), at) for step, loss in sorted(f.points.items())]
-        repo.update_running(self.db, f.job.id, points=points, **values)
+        repo.update_running(self.db, f.job.id, points=points, phases=p.phases, actor="slurm", **values)
         f.points.clear()
         f.output.changed = False
 
@@ -315,9 +315,10 @@ class Poller:
         p = f.output.progress
         for step, loss in f.output.parser.take_points():
             f.points[step] = loss
-        if f.points and running:  # the last loss points land before the terminal state does
+        if (f.points or p.phases) and running:  # the last loss points and phases land before the terminal state
             at = utcnow()
-            repo.update_running(self.db, job.id, points=[(s, finite(v), at) for s, v in sorted(f.points.items())])
+            repo.update_running(self.db, job.id, points=[(s, finite(v), at) for s, v in sorted(f.points.items())],
+                                phases=p.phases, actor="slurm")
         values: dict[str, object] = {"exit_code": outcome.exit_code, "signal": outcome.signal,
                                      "lora_path": outcome.lora_path, "step": p.step, "loss": finite(p.loss),
                                      "queue_reason": None}

@@ -436,6 +436,15 @@ def test_stragglers_holding_the_pipe_after_a_clean_exit_are_killed_after_the_dra
     assert repo.get_job(client_db, job_id).failure_class == "trainer_crashed"
 
 
+def test_two_phase_markers_in_one_read_are_both_recorded(host, settings, db, client_db):
+    job = FakeJob()
+    job.say(0.5, PHASE_LINES[Phase.LOADING_MODEL] + PHASE_LINES[Phase.CACHING_LATENTS])  # one read
+    training(job, steps=2, every_s=0.5, start_s=1.0).exit(3.0, 1)
+    job_id = supervise(host, settings, db, job)
+    passed = [e.reason for e in repo.job_events(client_db, job_id) if e.from_status == e.to_status == "running"]
+    assert passed == ["phase loading_model", "phase caching_latents", "phase preparing_training", "phase training"]
+
+
 # -- the run log comes before `running` ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("cause", ["no_space", "not_a_directory"])

@@ -67,9 +67,13 @@ def test_a_full_run_succeeds_with_a_verified_lora(client, host, db):
     lora = Path(done["lora_path"])
     assert lora == host.dataset.parent / "output" / "ohwx_lora.safetensors"
     assert inspect_lora(lora).ranks == {16}
-    events = [(e.from_status, e.to_status, e.actor) for e in repo.job_events(db, job_id)]
-    assert events == [(None, "queued", "api"), ("queued", "running", "supervisor"),
-                      ("running", "succeeded", "supervisor")]
+    events = [(e.from_status, e.to_status, e.actor, e.reason if e.from_status == e.to_status else None)
+              for e in repo.job_events(db, job_id)]
+    phases = ["loading_model", "caching_latents", "caching_text_encoder_outputs", "preparing_training", "training",
+              "saving"]
+    assert events == [(None, "queued", "api", None), ("queued", "running", "supervisor", None),
+                      *(("running", "running", "supervisor", f"phase {p}") for p in phases),
+                      ("running", "succeeded", "supervisor", None)]  # every phase passed, in order
     points = repo.progress_points(db, job_id)
     assert points and points[-1].step == 400 and all(p.loss is not None for p in points)
     log = client.get(f"/train/{job_id}/log?lines=5").get_json()["text"]

@@ -123,6 +123,11 @@ class SupervisorLedger:
             return sql.fail_in(conn, job_id, actor="supervisor", failure_class=failure_class, sentence=sentence,
                                log_lines=tuple(log_lines), **values)
 
+    def note(self, job_id: int, reason: str) -> None:
+        """An event of a running job that changes no state (running → running), e.g. a file moved aside."""
+        with self._write() as conn:
+            sql.record_event(conn, job_id, JobState.RUNNING, JobState.RUNNING, "supervisor", reason)
+
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()

@@ -31,7 +31,7 @@ from lora_worker.run.reader import OutputReader
 from lora_worker.run.reporter import ProgressReporter, finite
 from lora_worker.run.requests import StopRequests
 from lora_worker.run.seam import RunHost, Trainer
-from lora_worker.run.start import open_run_log
+from lora_worker.run.jobfiles import open_run_log, set_aside
 from lora_worker.run.stopper import StopReason, Stopper, StopState
 from lora_worker.transcript.watchdog import Watchdog
 from lora_worker.states import FailureClass, JobState, Phase
@@ -100,7 +100,7 @@ class JobRun:
         self.settings = settings
         self.db = db
         self.host = host
-        self.joblog = joblog  # opened before the job was `running` (run/start.py)
+        self.joblog = joblog  # opened before the job was `running` (run/jobfiles.py)
         self.output = TrainerOutput(self.joblog, self._on_output)
         # The tail (save and teardown after the last step) is learned from the history once the trainer runs.
         self.clock = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s)
@@ -126,6 +126,7 @@ class JobRun:
                 outcome = self._run_guarded(self.job)
         finally:
             self._free_gpu()  # every process of the job is gone by now (freed already after a trainer ran)
+        set_aside(self.job, outcome, self.trainer is not None, self.db, self.output, self.host.sleep)  # no partial LoRA
         self._finish(outcome)
         self.joblog.close()
 
@@ -152,8 +153,7 @@ class JobRun:
         if (moved := self.host.what_moved(job)) is not None:  # the last look, right before exec
             self.output.note(f"refusing to start the trainer: {moved}")
             return Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR, f"Refusing to start the trainer: {moved}.")
-        try:
-            # The stored argv, in the job's sandbox (host/sandbox.py): only the job's paths exist there.
+        try:  # the stored argv, in the job's sandbox (host/sandbox.py): only the job's paths exist there
             trainer = self.host.spawn(self.host.command_for(job, self.settings), cwd=self.settings.sd_scripts_dir,
                                       env=job.env)
         except OSError as exc:

@@ -225,4 +225,4 @@ def test_every_writer_of_a_failed_row_calls_fail_job():
     callers = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
                      if re.search(r"\bfail_job\(", path.read_text())
                      and not str(path.relative_to(PACKAGE)).startswith("ledger/"))
-    assert callers == ["dispatch/dispatcher.py", "reconcile.py", "run/runner.py", "run/start.py", "slurm/poller.py"]
+    assert callers == ["dispatch/dispatcher.py", "reconcile.py", "run/jobfiles.py", "run/runner.py", "slurm/poller.py"]

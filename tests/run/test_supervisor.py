@@ -344,6 +344,33 @@ def test_a_nan_loss_stops_a_real_run_and_fails_it_nan_loss(client, host):
     assert job_processes(rec) == []
 
 
+@pytest.mark.parametrize("end", ["cancel", "kill"])
+def test_a_partial_lora_of_a_failed_save_is_moved_aside_and_blocks_no_retry(client, host, db, end):
+    """A cancel or a kill (the OOM killer) during `saving` leaves half a file: no finished LoRA. It is moved
+    aside (kept, said in the job's events), and the same request sent again is accepted, not output_exists."""
+    modes(host, partial_save_then_hang=True, step_s=0.001)
+    job_id = submit(client, host)
+    rec = recorded(host)
+    lora = host.dataset.parent / "output" / "ohwx_lora.safetensors"
+    wait_for(lambda: lora.exists() and job(client, job_id)["phase"] == "saving", what="half a LoRA, saving")
+    if end == "cancel":
+        assert client.post(f"/train/{job_id}/cancel").status_code == 202
+    else:
+        os.kill(rec["pid"], signal.SIGKILL)
+    done = wait_state(client, job_id, *TERMINAL, timeout=15)
+    assert done["status"] == ("cancelled" if end == "cancel" else "failed") and done["lora_path"] is None
+    aside = lora.with_name(f"ohwx_lora.safetensors.partial-{job_id}")
+    assert not lora.exists() and aside.stat().st_size > 0  # moved, never deleted
+    notes = [e.reason for e in repo.job_events(db, job_id) if e.from_status == e.to_status == "running"]
+    assert any(f"moved aside to {aside.name}" in (n or "") for n in notes)
+    assert f"moved aside to {aside.name}" in client.get(f"/train/{job_id}/log?lines=20").get_json()["text"]
+    modes(host)
+    retry = submit(client, host)  # 202: the partial file blocks nothing
+    assert wait_state(client, retry, *TERMINAL)["status"] == "succeeded" and aside.exists()
+    again = client.post("/train", json=host.payload())  # a finished, verified LoRA is never overwritten
+    assert again.status_code == 422 and again.get_json()["error"] == "output_exists"
+
+
 # -- supervisor death ------------------------------------------------------------------------------------------
 
 def test_sigterm_to_a_real_supervisor_fails_the_job_supervisor_signalled_never_cancelled(client, host, db):

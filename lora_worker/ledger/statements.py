@@ -82,7 +82,10 @@ def _checked(columns: Iterable[str]) -> tuple[str, ...]:
 
 # -- state changes ---------------------------------------------------------------------------------------------
 
-STATUS_SQL = "SELECT status FROM jobs WHERE id = ?"
+STATUS_SQL = "SELECT status, cancel_requested_at IS NOT NULL FROM jobs WHERE id = ?"
+# What a success writes that a cancelled row must not carry: the LoRA is no answer to a job that was cancelled.
+LORA_COLUMNS = ("lora_path", "lora_sha256", "lora_size")
+CANCEL_WINS = "cancelled; the cancel was requested before the end was recorded (the trainer's LoRA is not reported)"
 EVENT_SQL = ("INSERT INTO job_events (job_id, at, from_status, to_status, actor, reason) "
              "VALUES (?, ?, ?, ?, ?, ?)")
 _TRANSITION_SQL: dict[tuple[str, ...], str] = {}
@@ -96,11 +99,18 @@ def record_event(db: Statements, job_id: int, frm: JobState | None, to: JobState
 def transition_in(db: Statements, job_id: int, to: JobState, *, actor: str, reason: str | None = None,
                   **values: Any) -> bool:
     """Move a job to `to` if its current state allows it, with `values` in the same UPDATE; False (and no
-    write) if it does not. A compare-and-set on the state read, so a late writer loses instead of overwriting."""
+    write) if it does not. A compare-and-set on the state read, so a late writer loses instead of overwriting.
+
+    A job whose cancel was requested never becomes `succeeded`: a cancel answered 202 ends the job `cancelled`
+    in every phase, `saving` included, on every backend, though the trainer finished first. The check is in the
+    same transaction as the write, so no cancel can land between them."""
     row = db.execute(STATUS_SQL, (job_id,)).fetchone()
     if row is None or to not in TRANSITIONS[JobState(row[0])]:
         return False
     current = JobState(row[0])
+    if to is JobState.SUCCEEDED and row[1]:
+        to, reason = JobState.CANCELLED, CANCEL_WINS
+        values = {k: v for k, v in values.items() if k not in LORA_COLUMNS}
     if to in TERMINAL_STATES:
         values.setdefault("finished_at", utcnow())
         # Nothing is left to wait for: no writer of a terminal state (reconcile's included) leaves an ETA behind.

@@ -4,7 +4,8 @@
   directory taken by a file) fails the job from `queued` with the reason, instead of leaving a `running` row
   that nothing supervises until someone reads it;
 - what a failed or cancelled run of ours leaves at the LoRA's path: a partial file (a save cut by ENOSPC, a kill
-  or a cancel during `saving`), or a whole one that did not verify. It is no finished LoRA, and left there it
+  or a cancel during `saving`), a whole one that did not verify, or one the trainer finished as the cancel came
+  (a cancel answered 202 ends the job `cancelled`, ledger/statements.py `transition_in`). It is no finished LoRA, and left there it
   would make every retry of the same request a 422 `output_exists`. So it is moved aside, in the same
   directory, to `<name>.partial-<job_id>` (never deleted: the operator may want it; `jobs prune` removes it
   with the job), and the move is said in the run log and in the job's events. Only after a trainer of this job
@@ -52,8 +53,10 @@ def partial_name(lora_name: str, job_id: int) -> str:
 
 def set_aside(job: JobRecord, outcome: Outcome, trainer_ran: bool, db: SupervisorLedger, output: TrainerOutput,
               sleep: Callable[[float], None]) -> None:
-    """Move what lies at the LoRA's path aside, when the job did not succeed and its trainer ran."""
-    if outcome.state is JobState.SUCCEEDED or not trainer_ran:
+    """Move what lies at the LoRA's path aside, when its trainer ran and the job does not end `succeeded`: it
+    failed, was stopped, or was cancelled while the trainer finished (the ledger then writes `cancelled`)."""
+    if not trainer_ran or (outcome.state is JobState.SUCCEEDED and not persist(
+            lambda: db.cancel_state(job.id)[1], f"job {job.id}: read the cancel flag", sleep)):
         return
     name = os.path.basename(job.lora_file)
     try:

@@ -10,7 +10,7 @@ from marshmallow import RAISE, Schema, ValidationError, fields, missing, post_lo
 
 from lora_worker.config import BACKENDS, DEFAULT_LORA_TARGETS, LORA_TARGET_PRESETS, SDXL_HPARAMS, TIERS
 from lora_worker.dispatch.request import TrainRequest
-from lora_worker.states import ACTIVE_STATES, TERMINAL_STATES, JobState, Phase
+from lora_worker.states import ACTIVE_STATES, CANCEL_RULE, TERMINAL_STATES, JobState, Phase
 
 MAX_PATH = 4096
 # Names that become a file name, a folder name or a caption token: ASCII, no separators, no leading '-'
@@ -230,6 +230,12 @@ class JobSchema(Schema):
     queue_reason = fields.String(allow_none=True, metadata={
         "description": "why Slurm keeps the queued job waiting (Resources, Priority, …); null otherwise"})
 
+
+
+class CancelAnswerSchema(JobSchema):
+    """POST /train/<id>/cancel's answer: the job, and the rule of how it will end."""
+
+    cancel_rule = fields.Constant(CANCEL_RULE, metadata={"description": "how a cancelled job ends"})
 
 class AcceptedSchema(Schema):
     worker_job_id = fields.Integer(attribute="id")

@@ -226,7 +226,7 @@ def test_a_signal_to_the_supervisor_stops_the_job_as_failed_never_cancelled(host
     assert host.signal_handler is None  # the previous handlers are back
 
 
-def test_a_cancel_then_a_signal_ends_cancelled_a_signal_then_a_cancel_failed(host, settings, db, client_db):
+def test_a_signal_then_a_cancel_ends_failed_the_first_reason_decides(host, settings, db, client_db):
     job = hanging_in_training()
     job.launcher.ignores_term = job.trainer.ignores_term = True
     host.at(T0 + 2.0, lambda: host.deliver(TERM))

@@ -108,9 +108,8 @@ def transition_in(db: Statements, job_id: int, to: JobState, *, actor: str, reas
     if row is None or to not in TRANSITIONS[JobState(row[0])]:
         return False
     current = JobState(row[0])
-    if to is JobState.SUCCEEDED and row[1]:
-        to, reason = JobState.CANCELLED, CANCEL_WINS
-        values = {k: v for k, v in values.items() if k not in LORA_COLUMNS}
+    if row[1]:
+        to, reason, values = _cancel_wins(to, reason, values)
     if to in TERMINAL_STATES:
         values.setdefault("finished_at", utcnow())
         # Nothing is left to wait for: no writer of a terminal state (reconcile's included) leaves an ETA behind.
@@ -127,6 +126,13 @@ def transition_in(db: Statements, job_id: int, to: JobState, *, actor: str, reas
         return False
     record_event(db, job_id, current, to, actor, reason)
     return True
+
+
+def _cancel_wins(to: JobState, reason: str | None, values: dict[str, Any]) -> tuple[JobState, str | None, dict]:
+    """The ending of a job whose cancel was requested: never `succeeded` (states.CANCEL_RULE)."""
+    if to is not JobState.SUCCEEDED:
+        return to, reason, values
+    return JobState.CANCELLED, CANCEL_WINS, {k: v for k, v in values.items() if k not in LORA_COLUMNS}
 
 
 FAILURE_TAIL_LINES = 25  # the log lines a failure quotes: enough for a Python traceback's end

@@ -49,11 +49,7 @@ def prune(db: Database, settings: Settings, *, older_than_days: float, now: date
     removed: list[Path] = []
     others: list[str] = []
     for job_id in job_ids:
-        for path in log_paths(settings.log_dir, job_id):
-            for found in ([path] if path.exists() else []) + replaced.get(path.name, []):
-                if not dry_run:
-                    found.unlink(missing_ok=True)
-                removed.append(found)
+        removed += _logs(settings.log_dir, job_id, replaced, dry_run)
         others += _lock_file(job_lock_path(settings, job_id), dry_run)
         job = repo.get_job(db, job_id)
         if job is not None and job.output_dir and job.lora_file:
@@ -65,6 +61,16 @@ def prune(db: Database, settings: Settings, *, older_than_days: float, now: date
         for job_id in job_ids:
             log.info("job %s pruned (finished before %s)", job_id, cutoff.isoformat(), extra={"job": job_id})
     return Pruned(cutoff, job_ids, removed, others)
+
+
+def _logs(log_dir: Path, job_id: int, replaced: dict[str, list[Path]], dry_run: bool) -> list[Path]:
+    removed = []
+    for path in log_paths(log_dir, job_id):
+        for found in ([path] if path.exists() else []) + replaced.get(path.name, []):
+            if not dry_run:
+                found.unlink(missing_ok=True)
+            removed.append(found)
+    return removed
 
 
 def _replaced_logs(log_dir: Path) -> dict[str, list[Path]]:

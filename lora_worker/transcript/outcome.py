@@ -90,7 +90,7 @@ def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], c
     stopped = _stopped_by_us(stalled_in, signalled, nan_at)
     if stopped is None and returncode == 0 and saved and artifact is not None and artifact.problem is None:
         return Outcome(JobState.SUCCEEDED, lora_path=artifact.path, **base)
-    failure, summary, cause = stopped or _classify(returncode, signal, saved, artifact, log_tail)
+    failure, summary, cause = _classify(returncode, signal, saved, artifact, log_tail, stopped)
     if cause and len(cause) > CAUSE_MAX_CHARS:  # a 90 KB missing-key list: keep its head and the summary
         cause = cause[:CAUSE_MAX_CHARS] + "…"
     sentence = f"{cause} — {summary[0].lower()}{summary[1:]}." if cause else f"{summary}."
@@ -98,8 +98,10 @@ def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], c
                    **base)
 
 
-def _stopped_by_us(stalled_in: str | None, signalled: str | None,
-                   nan_at: int | None) -> tuple[FailureClass, str, None] | None:
+Ending = tuple[FailureClass, str, "str | None"]  # (class, the worker's summary, the explaining line or None)
+
+
+def _stopped_by_us(stalled_in: str | None, signalled: str | None, nan_at: int | None) -> Ending | None:
     """Why the supervisor stopped the run itself, when it did: that, not the trainer's end, is the cause."""
     from lora_worker.transcript.explain import nan_loss_summary, signalled_summary
 
@@ -113,10 +115,13 @@ def _stopped_by_us(stalled_in: str | None, signalled: str | None,
 
 
 def _classify(returncode: int | None, signal: int | None, saved: bool, artifact: ArtifactCheck | None,
-              log_tail: list[str]) -> tuple[FailureClass, str, str | None]:
-    """(class, the worker's summary, the explaining line or None), strongest evidence first."""
+              log_tail: list[str], stopped: Ending | None) -> Ending:
+    """(class, the worker's summary, the explaining line or None), strongest evidence first: the supervisor's
+    own reason to stop the run (`stopped`), then the trainer's."""
     from lora_worker.transcript.explain import explain
 
+    if stopped is not None:
+        return stopped
     why = explain(log_tail) if not (returncode == 0 and saved) else None
     if why is not None and why.failure is not None and why.summary is not None:
         return why.failure, f"{why.summary} ({decode_wait_status(returncode)})", why.line

@@ -44,7 +44,11 @@ class FailureClass(str, Enum):
     ARTIFACT_INVALID = "artifact_invalid"  # the file is there but is not a LoRA we can read
     ARTIFACT_MISMATCH = "artifact_mismatch"  # a LoRA, but not the one that was asked for
     STALLED = "stalled"
+    NAN_LOSS = "nan_loss"  # the loss became NaN: the supervisor stopped the run (migration 0011)
     SUPERVISOR_LOST = "supervisor_lost"
+    # The supervisor got SIGTERM, SIGINT or SIGHUP that was no client's cancel (systemd stopping the unit at a
+    # reboot, `systemctl kill`): it stopped the run; nobody asked for the cancel, a new try may pass (0011).
+    SUPERVISOR_SIGNALLED = "supervisor_signalled"
     HOST_REBOOTED = "host_rebooted"
     LAUNCH_ERROR = "launch_error"
     # What Slurm (slurm/) reports of a job it ended itself (the state table of shared/reference/slurm.md).
@@ -53,6 +57,14 @@ class FailureClass(str, Enum):
     NODE_FAIL = "node_fail"  # NODE_FAIL: the node was lost under the job (never requeued: --no-requeue)
     SLURM_LOST = "slurm_lost"  # Slurm no longer knows the job and it left no exit status of its own
 
+
+# The one rule of a cancel, as the 202 body, the README and the OpenAPI document state it (a test holds them to it).
+# Why `cancelled` even in `saving`: arbo reads `cancelled` as "ended as asked, nothing to do", and a client
+# that cancelled does not want the LoRA; a rule without a timing window ("unless the save had begun") is what it
+# can act on. The ledger enforces it (ledger/statements.py `transition_in`), on both backends.
+CANCEL_RULE = ("A cancel answered 202 never lets the job end `succeeded`: it ends `cancelled`, in every phase, "
+               "`saving` included (the save is stopped; a LoRA written meanwhile is never reported), or `failed` if "
+               "the run had failed on its own first.")
 
 ACTIVE_STATES = frozenset({JobState.QUEUED, JobState.RUNNING})
 TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})

@@ -109,8 +109,11 @@ class Dispatcher:
             repo.record_output_identity(self.db, job.id, str(output_id))
             self.backend.launch(job.id, self.settings)
         except LaunchFailed as exc:
-            # No supervisor ran, so there is no run log to quote: the sentence is the whole story.
-            repo.fail_job(self.db, job.id, actor="api", failure_class=FailureClass.LAUNCH_ERROR, sentence=exc.message)
+            # No supervisor ran, so there is no run log to quote: the sentence is the whole story. Nothing ran
+            # either, so the key is freed in the same write: a retry with it launches again (a 503 is retryable),
+            # instead of replaying this failed row.
+            repo.fail_job(self.db, job.id, actor="api", failure_class=FailureClass.LAUNCH_ERROR, sentence=exc.message,
+                          idempotency_key=None)
             raise
         log.info("job %s accepted: tier %s on device %s", job.id, request.tier.name, request.device_index)
         return job

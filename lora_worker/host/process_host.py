@@ -19,7 +19,7 @@ from lora_worker.host import locks, processes
 READ_BYTES = 1 << 16  # per read() call: larger reads were measured slower than 64 KiB ones
 PIPE_BYTES = 1 << 20  # the trainer's pipe, enlarged: a flood waits there while a chunk is parsed
 DRAIN_BYTES = 1 << 18  # the most one `read` returns: a quarter of the enlarged pipe (peak RSS: see below)
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # run/stopper.py StopReason.SIGNAL
 
 
 class TrainerProcess:
@@ -180,7 +180,7 @@ class ProcessHost:
         os.close(fd)  # the kernel drops the flock with its last descriptor
 
     def on_stop_signals(self, handler: Callable[[int], None]) -> Callable[[], None]:
-        """Route SIGTERM and SIGINT to `handler(signum)`; returns what puts the previous handlers back."""
+        """Route SIGTERM, SIGINT and SIGHUP to `handler(signum)`; returns what puts the previous handlers back."""
         def received(signum: int, _frame: FrameType | None) -> None:
             handler(signum)
 

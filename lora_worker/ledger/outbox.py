@@ -80,15 +80,16 @@ def subscription_of(db: Statements, job_id: int) -> Subscription | None:
 
 # -- written with the change ---------------------------------------------------------------------------------
 
-def emit(db: Statements, job_id: int, event_type: str, subscription: Subscription | None = None) -> str | None:
+def emit(db: Statements, job_id: int, event_type: str, subscription: Subscription | None = None,
+         **data: Any) -> str | None:
     """Write `event_type` for the job (after the change it tells of, in the same transaction) if the job
-    subscribed to it; its event id, or None."""
+    subscribed to it; its event id, or None. `data` overrides what the row says (a phase passed on the way)."""
     subscription = subscription or subscription_of(db, job_id)
     if subscription is None or event_type not in subscription.types:
         return None
     now = utcnow()
     event_id = f"msg_{uuid.uuid4().hex}"
-    db.execute(_INSERT_SQL, (event_id, job_id, event_type, _body(db, job_id, event_type, now), iso_utc(now),
+    db.execute(_INSERT_SQL, (event_id, job_id, event_type, _body(db, job_id, event_type, now, data), iso_utc(now),
                              iso_utc(now), iso_utc(now + timedelta(seconds=subscription.give_up_s))))
     return event_id
 
@@ -108,11 +109,15 @@ _COALESCE_SQL = "UPDATE webhook_events SET body = ? WHERE id = ? AND attempts = 
 
 
 def emit_running(db: Statements, job_id: int, *, old_phase: str | None, values: dict[str, Any],
-                 subscription: Subscription) -> None:
-    """The events of a running job's progress write: `job.phase` when the phase changed, `job.progress`
-    (coalesced, at most one per interval) when the step did."""
+                 subscription: Subscription, entered: Sequence[str] = ()) -> None:
+    """The events of a running job's progress write: `job.phase` for each phase it entered (several when
+    their markers came in one read), else when the phase changed; `job.progress` (coalesced, at most one per
+    interval) when the step did."""
     phase = values.get("phase")
-    if phase is not None and phase != old_phase:
+    if entered:
+        for name in entered:
+            emit(db, job_id, PHASE, subscription, phase=name)
+    elif phase is not None and phase != old_phase:
         emit(db, job_id, PHASE, subscription)
     if "step" in values and PROGRESS in subscription.types:
         _progress(db, job_id, subscription)
@@ -131,9 +136,9 @@ def _progress(db: Statements, job_id: int, subscription: Subscription) -> None:
     emit(db, job_id, PROGRESS, subscription)
 
 
-def _body(db: Statements, job_id: int, event_type: str, now: datetime) -> str:
+def _body(db: Statements, job_id: int, event_type: str, now: datetime, overrides: dict[str, Any] | None = None) -> str:
     row = db.execute(_DATA_SQL, (job_id,)).fetchone()
-    data = job_data(dict(zip(DATA_COLUMNS, row, strict=True)))
+    data = job_data({**dict(zip(DATA_COLUMNS, row, strict=True)), **(overrides or {})})
     return json.dumps({"type": event_type, "timestamp": iso_utc(now), "data": data}, separators=(",", ":"),
                       ensure_ascii=False, allow_nan=False)
 

@@ -202,10 +202,10 @@ def request_cancel(db: Database, job_id: int, *, actor: str, reason: str = "canc
 
 
 def update_running(db: Database, job_id: int, *, points: Iterable[tuple[int, float | None, datetime]] = (),
-                   **values: Any) -> bool:
-    """Write progress (or identity) of a running job; False once the job is no longer running."""
+                   phases: Sequence[Any] = (), actor: str = "supervisor", **values: Any) -> bool:
+    """Write progress (or identity) of a running job and its phases; False once it is no longer running."""
     with db.write_connection() as conn:
-        return sql.update_running_in(_Driver(conn), job_id, points, **values)
+        return sql.update_running_in(_Driver(conn), job_id, points, phases, actor, **values)
 
 
 def cancel_state(db: Database, job_id: int) -> tuple[str | None, bool]:

@@ -72,7 +72,10 @@ def _checked(columns: Iterable[str]) -> tuple[str, ...]:
 
 # -- state changes ---------------------------------------------------------------------------------------------
 
-STATUS_SQL = "SELECT status FROM jobs WHERE id = ?"
+STATUS_SQL = "SELECT status, cancel_requested_at IS NOT NULL FROM jobs WHERE id = ?"
+# What a success writes that a cancelled row must not carry: the LoRA is no answer to a job that was cancelled.
+LORA_COLUMNS = ("lora_path", "lora_sha256", "lora_size")
+CANCEL_WINS = "cancelled; the cancel was requested before the end was recorded (the trainer's LoRA is not reported)"
 EVENT_SQL = ("INSERT INTO job_events (job_id, at, from_status, to_status, actor, reason) "
              "VALUES (?, ?, ?, ?, ?, ?)")
 _TRANSITION_SQL: dict[tuple[str, ...], str] = {}
@@ -86,11 +89,17 @@ def record_event(db: Statements, job_id: int, frm: JobState | None, to: JobState
 def transition_in(db: Statements, job_id: int, to: JobState, *, actor: str, reason: str | None = None,
                   **values: Any) -> bool:
     """Move a job to `to` if its current state allows it, with `values` in the same UPDATE; False (and no
-    write) if it does not. A compare-and-set on the state read, so a late writer loses instead of overwriting."""
+    write) if it does not. A compare-and-set on the state read, so a late writer loses instead of overwriting.
+
+    A job whose cancel was requested never becomes `succeeded`: a cancel answered 202 ends the job `cancelled`
+    in every phase, `saving` included, on every backend, though the trainer finished first. The check is in the
+    same transaction as the write, so no cancel can land between them."""
     row = db.execute(STATUS_SQL, (job_id,)).fetchone()
     if row is None or to not in TRANSITIONS[JobState(row[0])]:
         return False
     current = JobState(row[0])
+    if row[1]:
+        to, reason, values = _cancel_wins(to, reason, values)
     if to in TERMINAL_STATES:
         values.setdefault("finished_at", utcnow())
         # Nothing is left to wait for: no writer of a terminal state (reconcile's included) leaves an ETA behind.
@@ -108,6 +117,13 @@ def transition_in(db: Statements, job_id: int, to: JobState, *, actor: str, reas
     record_event(db, job_id, current, to, actor, reason)
     outbox.emit_transition(db, job_id, to)  # the webhook event commits with the change, or neither does
     return True
+
+
+def _cancel_wins(to: JobState, reason: str | None, values: dict[str, Any]) -> tuple[JobState, str | None, dict]:
+    """The ending of a job whose cancel was requested: never `succeeded` (states.CANCEL_RULE)."""
+    if to is not JobState.SUCCEEDED:
+        return to, reason, values
+    return JobState.CANCELLED, CANCEL_WINS, {k: v for k, v in values.items() if k not in LORA_COLUMNS}
 
 
 FAILURE_TAIL_LINES = 25  # the log lines a failure quotes: enough for a Python traceback's end
@@ -162,9 +178,17 @@ _RUNNING_UPDATE_SQL: dict[tuple[str, ...], str] = {}
 _EVENTS_BEFORE_SQL = "SELECT webhook_events, phase FROM jobs WHERE id = ?"
 
 
+PHASES_RECORDED_SQL = ("SELECT count(*) FROM job_events WHERE job_id = ? AND from_status = 'running' "
+                       "AND to_status = 'running' AND reason LIKE 'phase %'")
+
+
 def update_running_in(db: Statements, job_id: int, points: Iterable[tuple[int, float | None, datetime]] = (),
-                      **values: Any) -> bool:
-    """Write progress (or identity) of a running job and its new loss points; False once it is not running."""
+                      phases: Sequence[Any] = (), actor: str = "supervisor", **values: Any) -> bool:
+    """Write progress (or identity) of a running job and its new loss points; False once it is not running.
+
+    `phases` are all the phases the run has entered, in order (the parser's `Progress.phases`): those past
+    the ones already recorded become events (running → running, "phase <name>"). A write that failed, or a
+    Slurm poller that re-read the log from its start, records none twice and misses none."""
     columns = _checked(values)
     sql = _RUNNING_UPDATE_SQL.get(columns)
     if sql is None:
@@ -172,14 +196,21 @@ def update_running_in(db: Statements, job_id: int, points: Iterable[tuple[int, f
         sql = _RUNNING_UPDATE_SQL[columns] = (f"UPDATE jobs SET {assignments}updated_at = ?, version = version + 1 "
                                               f"WHERE id = ? AND status = '{JobState.RUNNING.value}'")
     # Only a step or a phase makes a webhook event; the job's subscription and old phase are read first.
-    before = db.execute(_EVENTS_BEFORE_SQL, (job_id,)).fetchone() if {"step", "phase"} & values.keys() else None
+    wanted = phases or {"step", "phase"} & values.keys()
+    before = db.execute(_EVENTS_BEFORE_SQL, (job_id,)).fetchone() if wanted else None
     if db.execute(sql, (*(bind(values[c]) for c in columns), iso_utc(utcnow()), job_id)).rowcount != 1:
         return False
     rows = [(job_id, step, loss, iso_utc(at)) for step, loss, at in points]
     if rows:
         db.executemany(PROGRESS_POINT_SQL, rows)
+    entered: list[str] = []
+    if phases and (recorded := db.execute(PHASES_RECORDED_SQL, (job_id,)).fetchone()[0]) < len(phases):
+        for phase in phases[recorded:]:  # a few per run: one event each, as every other event is written
+            entered.append(name := str(getattr(phase, "value", phase)))
+            record_event(db, job_id, JobState.RUNNING, JobState.RUNNING, actor, f"phase {name}")
     if before is not None and (subscription := outbox.Subscription.from_json(before[0])) is not None:
-        outbox.emit_running(db, job_id, old_phase=before[1], values=values, subscription=subscription)
+        outbox.emit_running(db, job_id, old_phase=before[1], values=values, subscription=subscription,
+                            entered=entered)
     return True
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, fields
 from datetime import datetime
@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from lora_worker.errors import LedgerBusy, LedgerReplaced, LedgerUnwritable
 from lora_worker.ledger import statements as sql
-from lora_worker.states import FailureClass, JobState
+from lora_worker.states import FailureClass, JobState, Phase
 
 Synchronous = Literal["FULL", "NORMAL"]
 
@@ -96,9 +96,9 @@ class SupervisorLedger:
                                      **values)
 
     def update_running(self, job_id: int, *, points: Iterable[tuple[int, float | None, datetime]] = (),
-                       **values: Any) -> bool:
+                       phases: Sequence[Phase] = (), **values: Any) -> bool:
         with self._write() as conn:
-            return sql.update_running_in(conn, job_id, points, **values)
+            return sql.update_running_in(conn, job_id, points, phases, **values)
 
     def cancel_state(self, job_id: int) -> tuple[str | None, bool]:
         with self._read() as conn:
@@ -122,6 +122,11 @@ class SupervisorLedger:
         with self._write() as conn:
             return sql.fail_in(conn, job_id, actor="supervisor", failure_class=failure_class, sentence=sentence,
                                log_lines=tuple(log_lines), **values)
+
+    def note(self, job_id: int, reason: str) -> None:
+        """An event of a running job that changes no state (running → running), e.g. a file moved aside."""
+        with self._write() as conn:
+            sql.record_event(conn, job_id, JobState.RUNNING, JobState.RUNNING, "supervisor", reason)
 
     def close(self) -> None:
         if self._conn is not None:

@@ -1,5 +1,6 @@
-"""Reasons to stop that come from outside the trainer: a cancel or a lost row in the ledger, and SIGTERM or
-SIGINT to the supervisor itself, noted by the handler and acted on by the loop.
+"""Reasons to stop that come from outside the trainer: a cancel or a lost row in the ledger, and SIGTERM, SIGINT
+or SIGHUP to the supervisor itself, noted by the handler and acted on by the loop. A signal is no client's cancel:
+the job ends `failed`, `supervisor_signalled`, naming it (transcript/outcome.py).
 
 The ledger is looked at twice a second, and at once after a wake-up: the web's cancel signals the supervisor
 (run/local.py `wake_supervisor`) right after it flagged the row. The poll stays: a wake-up can be lost (a
@@ -32,6 +33,10 @@ class StopRequests:
 
     def on_signal(self, signum: int) -> None:
         self.signalled = signum  # acted on by the loop, never in the handler
+
+    @property
+    def signal_name(self) -> str | None:
+        return signal.Signals(self.signalled).name if self.signalled is not None else None
 
     def wake(self) -> None:
         self.woken = True

@@ -4,8 +4,8 @@ or when it stalls, and record one honest terminal state.
 The parts: `OutputReader` (the pipe), `ProgressReporter` (the ledger while it runs), `Watchdog` (stalls),
 `Stopper` (TERM, grace, KILL), and the outcome step here. Every OS call goes through a `RunHost`.
 
-Order at the end matters: every process of the job is gone, then the GPU lock is released, then the terminal
-state is written (retried until the ledger accepts it), and only then does the supervisor's own lock go.
+Order at the end matters: every process of the job is gone, then the GPU lock goes (before a full or locked ledger
+is waited on, or the LoRA hashed), then the terminal state (retried until the ledger takes it), then the job lock.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from lora_worker.transcript.progress import ProgressReporter
 from lora_worker.run.reader import OutputReader
 from lora_worker.run.requests import StopRequests
 from lora_worker.run.seam import RunHost, Trainer
+from lora_worker.run.jobfiles import open_run_log, set_aside
 from lora_worker.run.stopper import StopReason, Stopper, StopState
 from lora_worker.transcript.watchdog import Watchdog
 from lora_worker.states import FailureClass, JobState, Phase
@@ -81,26 +82,28 @@ class Runner:
             return
         me = self.host.identity()
         assert me is not None
+        if (joblog := open_run_log(self.job_id, self.settings, self.db, self.host.sleep)) is None:
+            return
         if not persist(lambda: self.db.mark_running(
                 self.job_id, started_at=utcnow(), phase=Phase.LAUNCHING.value, boot_id=me.boot_id,
                 supervisor_pid=me.pid, supervisor_start_ticks=me.start_ticks),
                 f"job {self.job_id}: record the start", self.host.sleep):
             log.info("job %s left the queue before it started", self.job_id)
+            joblog.close()
             return
-        JobRun(job, self.settings, self.db, self.host).run()
+        JobRun(job, self.settings, self.db, self.host, joblog).run()
 
 
 class JobRun:
     """One started job: its trainer, from the GPU lock to the terminal state."""
 
-    def __init__(self, job: JobRecord, settings: Settings, db: SupervisorLedger, host: RunHost) -> None:
+    def __init__(self, job: JobRecord, settings: Settings, db: SupervisorLedger, host: RunHost, joblog: JobLog) -> None:
         self.job = job
         self.job_id = job.id
         self.settings = settings
         self.db = db
         self.host = host
-        self.joblog = JobLog(settings.log_dir, job.id, head_bytes=settings.log_head_bytes,
-                             tail_bytes=settings.log_tail_bytes)
+        self.joblog = joblog  # opened before the job was `running` (run/jobfiles.py)
         self.output = TrainerOutput(self.joblog, self._on_output)
         # The tail (save and teardown after the last step) is learned from the history once the trainer runs.
         self.clock = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s)
@@ -114,18 +117,19 @@ class JobRun:
         self.trainer: Trainer | None = None
         self.artifact_values: dict[str, object] = {}
         self._exited_at: float | None = None
+        self._gpu_fd: int | None = None
 
     def run(self) -> None:
-        gpu_fd = self.host.take_lock(gpu_lock_path(self.settings, self.job.device_index), GPU_LOCK_WAIT_S)
+        self._gpu_fd = self.host.take_lock(gpu_lock_path(self.settings, self.job.device_index), GPU_LOCK_WAIT_S)
         try:
-            if gpu_fd is None:
+            if self._gpu_fd is None:
                 outcome = Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR,
                                   f"GPU {self.job.device_index} is locked by another trainer.")
             else:
                 outcome = self._run_guarded(self.job)
         finally:
-            if gpu_fd is not None:
-                self.host.release_lock(gpu_fd)  # every process of the job is gone by now
+            self._free_gpu()  # every process of the job is gone by now (freed already after a trainer ran)
+        set_aside(self.job, outcome, self.trainer is not None, self.db, self.output, self.host.sleep)  # no partial LoRA
         self._finish(outcome)
         self.joblog.close()
 
@@ -152,8 +156,7 @@ class JobRun:
         if (moved := self.host.what_moved(job)) is not None:  # the last look, right before exec
             self.output.note(f"refusing to start the trainer: {moved}")
             return Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR, f"Refusing to start the trainer: {moved}.")
-        try:
-            # The stored argv, in the job's sandbox (host/sandbox.py): only the job's paths exist there.
+        try:  # the stored argv, in the job's sandbox (host/sandbox.py): only the job's paths exist there
             trainer = self.host.spawn(self.host.command_for(job, self.settings), cwd=self.settings.sd_scripts_dir,
                                       env=job.env)
         except OSError as exc:
@@ -170,6 +173,7 @@ class JobRun:
         load_the_end()
         self._supervise(trainer)
         self.stopper.ensure_gone(trainer.pid)
+        self._free_gpu()
         trainer.close()
         self.reporter.flush_until_taken()
         rc = sandbox.wait_status(trainer.returncode, self.settings)  # the launcher's own, through bwrap
@@ -194,6 +198,11 @@ class JobRun:
         finally:
             restore()
         self.output.end()
+
+    def _free_gpu(self) -> None:  # once, when no process of the job is alive (after `Stopper.ensure_gone`)
+        if self._gpu_fd is not None:
+            self.host.release_lock(self._gpu_fd)
+            self._gpu_fd = None
 
     def _check_exit(self, trainer: Trainer, now: float) -> None:
         if trainer.poll() is not None and self._exited_at is None:
@@ -238,6 +247,8 @@ class JobRun:
         self.requests.check(trainer, now)
         if self.stopper.state is StopState.NONE and (why := self.watchdog.check(self.output.progress.phase, now)):
             self.stopper.begin(trainer, StopReason.STALL, why)
+        if self.stopper.state is StopState.NONE and (nan_at := self.output.progress.nan_at) is not None:
+            self.stopper.begin(trainer, StopReason.NAN_LOSS, f"the loss became NaN at step {nan_at}")
         self.stopper.tick(trainer, now)
 
     def _lost(self) -> None:
@@ -249,14 +260,16 @@ class JobRun:
     def _outcome(self, job: JobRecord, rc: int | None) -> Outcome:
         from lora_worker.host.safetensors import verify_lora
 
-        cancelled = self.stopper.reason is not None and self.stopper.reason.cancels
+        reason, p = self.stopper.reason, self.output.progress
         artifact: ArtifactCheck | None = None
-        if rc == 0 and self.stopper.reason is None and "model_saved" in self.output.progress.flags:
+        if rc == 0 and reason is None and "model_saved" in p.flags:
             artifact = verify_lora(Path(job.lora_file), recorded_lora(job))  # held to the row, not the tier
             if artifact.problem is None:
                 self.artifact_values = artifact_values(artifact, recorded_commit=self.job.sd_scripts_commit)
-        return decide(returncode=rc, progress=self.output.progress, log_tail=self.output.tail,
-                      cancelled=cancelled, stalled_in=self.watchdog.stalled_in, artifact=artifact)
+        return decide(returncode=rc, progress=p, log_tail=self.output.tail, cancelled=reason is StopReason.CANCEL,
+                      stalled_in=self.watchdog.stalled_in, artifact=artifact,
+                      signalled=self.requests.signal_name if reason is StopReason.SIGNAL else None,
+                      nan_at=p.nan_at if reason is StopReason.NAN_LOSS else None)
 
     def _finish(self, outcome: Outcome) -> None:
         def write() -> bool:

@@ -80,7 +80,7 @@ class RunHost(Protocol):
     def release_lock(self, fd: int) -> None: ...
 
     def on_stop_signals(self, handler: Callable[[int], None]) -> Callable[[], None]:
-        """Route SIGTERM and SIGINT to `handler`; returns what restores the previous handlers."""
+        """Route SIGTERM, SIGINT and SIGHUP to `handler`; returns what restores the previous handlers."""
 
 
 class SupervisorHost(ProcessHost):

@@ -112,6 +112,17 @@ LINE_RULES = (
 )
 
 
+# The supervisor's own reasons to stop a run, said the same way on every backend.
+def signalled_summary(signal_name: str) -> str:
+    return (f"The supervisor received {signal_name}, which was no client's cancel (a shutdown or reboot, "
+            "`systemctl kill`, an operator); it stopped every process of the job. A new try may pass")
+
+
+def nan_loss_summary(step: int) -> str:
+    return (f"The loss became NaN at step {step}: the run could learn nothing more, so the supervisor stopped it "
+            "(SIGTERM, a grace, then SIGKILL, as a cancel). Retry with another seed or dataset")
+
+
 @dataclass(frozen=True)
 class Explanation:
     """The line that explains a failure, in full, and what the worker makes of it."""

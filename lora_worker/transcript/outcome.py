@@ -73,7 +73,11 @@ def recorded_lora(job: RecordedLora) -> ExpectedLora:
 
 
 def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], cancelled: bool = False,
-           stalled_in: str | None = None, artifact: ArtifactCheck | None = None) -> Outcome:
+           stalled_in: str | None = None, signalled: str | None = None, nan_at: int | None = None,
+           artifact: ArtifactCheck | None = None) -> Outcome:
+    """`stalled_in`, `signalled` (the name of a signal the supervisor got that was no client's cancel) and
+    `nan_at` (the step whose loss was NaN) say why the supervisor stopped the run itself; `cancelled`: a client
+    asked."""
     from lora_worker.transcript.explain import quotable
 
     exit_code, signal = split_wait_status(returncode)
@@ -83,9 +87,10 @@ def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], c
     if cancelled:
         return Outcome(JobState.CANCELLED, **base)
     saved = "model_saved" in progress.flags
-    if stalled_in is None and returncode == 0 and saved and artifact is not None and artifact.problem is None:
+    stopped = _stopped_by_us(stalled_in, signalled, nan_at)
+    if stopped is None and returncode == 0 and saved and artifact is not None and artifact.problem is None:
         return Outcome(JobState.SUCCEEDED, lora_path=artifact.path, **base)
-    failure, summary, cause = _classify(returncode, signal, saved, artifact, stalled_in, log_tail)
+    failure, summary, cause = _classify(returncode, signal, saved, artifact, log_tail, stopped)
     if cause and len(cause) > CAUSE_MAX_CHARS:  # a 90 KB missing-key list: keep its head and the summary
         cause = cause[:CAUSE_MAX_CHARS] + "…"
     sentence = f"{cause} — {summary[0].lower()}{summary[1:]}." if cause else f"{summary}."
@@ -93,13 +98,30 @@ def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], c
                    **base)
 
 
-def _classify(returncode: int | None, signal: int | None, saved: bool, artifact: ArtifactCheck | None,
-              stalled_in: str | None, log_tail: list[str]) -> tuple[FailureClass, str, str | None]:
-    """(class, the worker's summary, the explaining line or None), strongest evidence first."""
-    from lora_worker.transcript.explain import explain
+Ending = tuple[FailureClass, str, "str | None"]  # (class, the worker's summary, the explaining line or None)
+
+
+def _stopped_by_us(stalled_in: str | None, signalled: str | None, nan_at: int | None) -> Ending | None:
+    """Why the supervisor stopped the run itself, when it did: that, not the trainer's end, is the cause."""
+    from lora_worker.transcript.explain import nan_loss_summary, signalled_summary
 
     if stalled_in is not None:
         return FailureClass.STALLED, f"No progress in phase {stalled_in} within its limit; the job was killed", None
+    if signalled is not None:
+        return FailureClass.SUPERVISOR_SIGNALLED, signalled_summary(signalled), None
+    if nan_at is not None:
+        return FailureClass.NAN_LOSS, nan_loss_summary(nan_at), None
+    return None
+
+
+def _classify(returncode: int | None, signal: int | None, saved: bool, artifact: ArtifactCheck | None,
+              log_tail: list[str], stopped: Ending | None) -> Ending:
+    """(class, the worker's summary, the explaining line or None), strongest evidence first: the supervisor's
+    own reason to stop the run (`stopped`), then the trainer's."""
+    from lora_worker.transcript.explain import explain
+
+    if stopped is not None:
+        return stopped
     why = explain(log_tail) if not (returncode == 0 and saved) else None
     if why is not None and why.failure is not None and why.summary is not None:
         return why.failure, f"{why.summary} ({decode_wait_status(returncode)})", why.line

@@ -134,6 +134,9 @@ class Progress:
     """What the trainer has told us so far."""
 
     phase: Phase = Phase.LAUNCHING
+    # Every phase entered, in order, launching left out: two markers in one read (output not unbuffered, or
+    # the Slurm poller's read of a whole cycle) still pass two phases. The ledger records each once.
+    phases: list[Phase] = field(default_factory=list)
     step: int = 0
     total_steps: int | None = None
     loss: float | None = None
@@ -141,8 +144,14 @@ class Progress:
     eta_s: float | None = None  # tqdm's remaining time (average since start, warm-up included)
     flags: set[str] = field(default_factory=set)  # marker names seen: model_saved, cuda_oom, …
     signal: int | None = None  # from the launcher's "died with <Signals.SIGKILL: 9>"
+    nan_at: int | None = None  # the first step whose avr_loss was NaN: the run learns nothing from there on
     inner_exit: int | None = None  # the trainer's own exit status, from the launcher's message
     checkpoints: list[str] = field(default_factory=list)
+
+    def enter(self, phase: Phase) -> None:
+        if phase is not self.phase:
+            self.phase = phase
+            self.phases.append(phase)
 
 
 class AnsiFilter:
@@ -323,9 +332,11 @@ class Parser:
         loss = LOSS.search(m[7] or "")
         if loss:
             p.loss = float(loss[1])
+            if p.nan_at is None and math.isnan(p.loss):
+                p.nan_at = p.step
         if "model_saved" not in p.flags:
             # After a mid-run save the next redraw means training resumed.
-            p.phase = Phase.TRAINING
+            p.enter(Phase.TRAINING)
         if p.step > 0:
             self._points[p.step] = p.loss
 
@@ -346,7 +357,7 @@ class Parser:
             kind = m.lastgroup
             if kind in PHASE_GROUPS:
                 if "model_saved" not in p.flags:
-                    p.phase = PHASE_GROUPS[kind]
+                    p.enter(PHASE_GROUPS[kind])
                 if kind == "saving":
                     p.checkpoints.append(m["checkpoint"].strip())
             elif kind == "total":
@@ -356,7 +367,7 @@ class Parser:
                 if kind == "model_saved":
                     # The final save is done. Under rich logging without PYTHONUNBUFFERED its `saving
                     # checkpoint:` print can reach the pipe after this line: the phase is `saving` either way.
-                    p.phase = Phase.SAVING
+                    p.enter(Phase.SAVING)
                 elif kind == "died":
                     p.signal = int(m["signum"])
                 elif kind == "inner_exit":

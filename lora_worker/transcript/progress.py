@@ -86,8 +86,10 @@ class ProgressReporter:
 
     def write(self, points: list[Point] | None = None, **values: object) -> bool:
         self.last_write = self.host.monotonic()
+        phases = self.output.progress.phases  # every phase entered: the ledger records those it has not yet
         try:
-            if not self.db.update_running(self.job_id, points=points or (), **self.pending_values, **values):
+            if not self.db.update_running(self.job_id, points=points or (), phases=phases, **self.pending_values,
+                                          **values):
                 self.on_lost()
             self.pending_values = {}
             return True

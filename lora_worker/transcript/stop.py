@@ -11,8 +11,11 @@ from enum import Enum
 
 
 class StopReason(Enum):
-    CANCEL = "cancel"  # a client asked
-    SIGNAL = "signal"  # the supervisor itself got SIGTERM or SIGINT (systemd stopping the unit)
+    CANCEL = "cancel"  # a client asked: the only reason a job ends `cancelled`
+    # The supervisor itself got SIGTERM, SIGINT or SIGHUP: systemd stopping the unit (its final sweep at a reboot,
+    # `systemctl kill`), an operator. Nobody asked for a cancel: the job fails, `supervisor_signalled`.
+    SIGNAL = "signal"
+    NAN_LOSS = "nan_loss"  # the loss became NaN: nothing more can be learned
     STALL = "stall"  # the watchdog saw no progress within the phase's limit
     LOST = "lost"  # the row is no longer `running`: someone else ended the job
     ORPHANED = "orphaned"  # the launcher was killed and left its trainer running
@@ -21,7 +24,7 @@ class StopReason(Enum):
     @property
     def cancels(self) -> bool:
         """Whether the job ends `cancelled` (asked to stop) rather than with what the trainer did."""
-        return self in (StopReason.CANCEL, StopReason.SIGNAL)
+        return self is StopReason.CANCEL
 
 
 class StopState(Enum):

@@ -18,13 +18,14 @@ from marshmallow import Schema
 from werkzeug.routing import Rule
 
 from lora_worker.config import WEBHOOK_EVENT_TYPES
+from lora_worker.states import CANCEL_RULE
 from lora_worker.web.auth import OPEN_ENDPOINTS
 from lora_worker.web.deliveries import DeliveriesSchema, DeliverySchema
 from lora_worker.web.errors import BY_CODE, CATALOGUE, ErrorEntry
-from lora_worker.web.schemas import (AcceptedSchema, CancelQuerySchema, ErrorSchema, GpuStatusSchema, HealthSchema,
-                                     JobListQuerySchema, JobListSchema, JobSchema, LogQuerySchema, LogSchema,
-                                     ProgressQuerySchema, ProgressSeriesSchema, StatusQuerySchema,
-                                     TrainRequestSchema)
+from lora_worker.web.schemas import (AcceptedSchema, CancelAnswerSchema, CancelQuerySchema, ErrorSchema,
+                                     GpuStatusSchema, HealthSchema, JobListQuerySchema, JobListSchema, JobSchema,
+                                     LogQuerySchema, LogSchema, ProgressQuerySchema, ProgressSeriesSchema,
+                                     StatusQuerySchema, TrainRequestSchema)
 
 bp = Blueprint("openapi", __name__)
 
@@ -83,11 +84,12 @@ DOCS: dict[str, Doc] = {
     "train.job_log": Doc("A job's run log: its last lines, or from a logical byte offset.", 200, LogSchema,
                          errors=(*JOB_READ_ERRORS, "log_unreadable"), query=LogQuerySchema),
     "train.cancel": Doc("Ask a job to stop; harmless twice, 409 `job_finished` once it ended. With `wait`, answer "
-                        "once it has ended (200), or after that many seconds with its state then (202).", 202,
-                        JobSchema, errors=("job_not_found", "job_gone", "job_finished", "validation_failed", *LEDGER),
+                        "once it has ended (200), or after that many seconds with its state then (202). "
+                        + CANCEL_RULE, 202, CancelAnswerSchema,
+                        errors=("job_not_found", "job_gone", "job_finished", "validation_failed", *LEDGER),
                         query=CancelQuerySchema,
-                        also={200: "With `wait`: the job ended within it (normally `cancelled`; a job that "
-                                   "finished first says how it did)."}),
+                        also={200: "With `wait`: the job ended within it (`cancelled`, or `failed` if it failed "
+                                   "on its own first; never `succeeded`)."}),
     "deliveries.deliveries": Doc("The job's webhook events, oldest first, each with every attempt to deliver it "
                                  "(time, status code, latency, error).", 200, DeliveriesSchema,
                                  errors=JOB_READ_ERRORS),

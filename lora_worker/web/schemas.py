@@ -12,7 +12,7 @@ from lora_worker.config import (BACKENDS, DEFAULT_LORA_TARGETS, LORA_TARGET_PRES
                                 WEBHOOK_EVENT_TYPES)
 from lora_worker.dispatch import paths
 from lora_worker.dispatch.request import TrainRequest
-from lora_worker.states import ACTIVE_STATES, TERMINAL_STATES, JobState, Phase
+from lora_worker.states import ACTIVE_STATES, CANCEL_RULE, TERMINAL_STATES, JobState, Phase
 
 MAX_PATH = 4096
 # Names that become a file name, a folder name or a caption token: ASCII, no separators, no leading '-'
@@ -248,6 +248,12 @@ class JobSchema(Schema):
     queue_reason = fields.String(allow_none=True, metadata={
         "description": "why Slurm keeps the queued job waiting (Resources, Priority, …); null otherwise"})
 
+
+
+class CancelAnswerSchema(JobSchema):
+    """POST /train/<id>/cancel's answer: the job, and the rule of how it will end."""
+
+    cancel_rule = fields.Constant(CANCEL_RULE, metadata={"description": "how a cancelled job ends"})
 
 class AcceptedSchema(Schema):
     worker_job_id = fields.Integer(attribute="id")

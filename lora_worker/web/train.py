@@ -8,9 +8,9 @@ from flask import Blueprint, Response, jsonify, request
 from werkzeug.exceptions import BadRequest
 
 from lora_worker.web import worker
-from lora_worker.web.schemas import (IDEMPOTENCY_KEY, AcceptedSchema, CancelQuerySchema, JobListQuerySchema,
-                                     JobListSchema, JobSchema, LogQuerySchema, LogSchema, ProgressQuerySchema,
-                                     ProgressSeriesSchema, StatusQuerySchema, TrainRequestSchema)
+from lora_worker.web.schemas import (IDEMPOTENCY_KEY, AcceptedSchema, CancelAnswerSchema, CancelQuerySchema,
+                                     JobListQuerySchema, JobListSchema, JobSchema, LogQuerySchema, LogSchema,
+                                     ProgressQuerySchema, ProgressSeriesSchema, StatusQuerySchema, TrainRequestSchema)
 from lora_worker.errors import InvalidRequest
 from lora_worker.states import TERMINAL_STATES, JobState
 
@@ -71,7 +71,7 @@ def cancel(job_id: int) -> tuple[Response, int]:
     query = CancelQuerySchema().load(request.args)
     job = worker().cancel(job_id, wait_s=query["wait"] or 0.0)
     ended = query["wait"] is not None and JobState(job.status) in TERMINAL_STATES
-    return jsonify(JobSchema().dump(job)), 200 if ended else 202
+    return jsonify(CancelAnswerSchema().dump(job)), 200 if ended else 202
 
 
 def _json_body() -> object:

@@ -64,8 +64,9 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     # A row that failed with a new class could not be kept under the old CHECK: Slurm's endings read as what
-    # the old classes would have made of them (a kill, or a supervisor nobody can find).
+    # the old classes would have made of them: a kill, which a new try may pass. A job Slurm lost is one too,
+    # not `supervisor_lost`: 0008's triggers count a supervisor_lost row failed by anyone but the supervisor (here
+    # the actor "slurm") as a reconcile action, and /metrics would show reconciles that never happened.
     op.execute("UPDATE jobs SET failure_class = 'killed_by_signal' "
-               "WHERE failure_class IN ('out_of_memory', 'time_limit', 'node_fail')")
-    op.execute("UPDATE jobs SET failure_class = 'supervisor_lost' WHERE failure_class = 'slurm_lost'")
+               "WHERE failure_class IN ('out_of_memory', 'time_limit', 'node_fail', 'slurm_lost')")
     _rebuild(BEFORE, add=False)

@@ -102,3 +102,33 @@ def test_a_retry_storm_of_one_key_creates_exactly_one_job(host, migrated):
         wait_for(lambda: svc.request("GET", f"/train/{job_id}")[1]["status"] == "cancelled", what="cancelled")
     finally:
         svc.stop()
+
+
+class FailsOnce(list):
+    """A supervisor launcher that cannot start the first supervisor (a full /tmp, a fork refused), then can."""
+
+    def __call__(self, job_id: int, settings: object) -> None:
+        from lora_worker.errors import LaunchFailed
+
+        self.append(job_id)
+        if len(self) == 1:
+            raise LaunchFailed("The supervisor did not start in 15s.", job_id=job_id)
+
+
+def test_a_retry_of_a_failed_launch_with_the_same_key_launches_again(migrated, host, db):
+    launches = FailsOnce()
+    app = create_app(migrated, launch=launches)
+    client = app.test_client()
+    try:
+        code, failed = post(client, host.payload())
+        assert code == 503 and failed["error"] == "launch_failed" and failed["retryable"] is True
+        code, retried = post(client, host.payload())
+        assert code == 202, retried  # launched again, not the failed job replayed with 200
+        first = launches[0]  # the row of the launch that failed: on record, without the key
+        assert retried["worker_job_id"] != first and len(launches) == 2 and rows(host.settings) == 2
+        assert repo.get_job(db, first).status == "failed" and repo.get_job(db, first).failure_class == "launch_error"
+        assert repo.get_job(db, first).idempotency_key is None
+        code, again = post(client, host.payload())  # the key now belongs to the job that launched
+        assert code == 200 and again["worker_job_id"] == retried["worker_job_id"]
+    finally:
+        app.extensions["lora_worker"].db.dispose()

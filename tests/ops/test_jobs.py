@@ -234,6 +234,48 @@ def test_prune_forgets_old_finished_jobs_with_events_progress_and_logs_but_never
     assert lora.read_bytes() == b"a trained LoRA"
 
 
+def test_prune_removes_the_lock_files_moved_aside_logs_and_partial_loras_of_the_jobs_it_forgets(db, migrated):
+    from lora_worker.host.fs import identity_of_dir
+
+    out_dir = migrated.train_root / "t1" / "output"
+    out_dir.mkdir(parents=True)
+    identity = str(identity_of_dir(str(out_dir)))
+    old = finished(db, JobState.FAILED, 100, output_dir=str(out_dir), output_dev_ino=identity)
+    kept = finished(db, JobState.FAILED, 1, output_dir=str(out_dir), output_dev_ino=identity)
+    lora_name = os.path.basename(repo.get_job(db, old).lora_file)
+    migrated.lock_dir.mkdir(parents=True, exist_ok=True)
+    migrated.log_dir.mkdir(parents=True, exist_ok=True)
+    made = {}
+    for job_id in (old, kept):
+        head, tail = log_paths(migrated.log_dir, job_id)
+        made[job_id] = [job_lock_path(migrated, job_id), head.with_name(head.name + ".replaced-17"),
+                        tail.with_name(tail.name + ".replaced-17"), out_dir / f"{lora_name}.partial-{job_id}",
+                        out_dir / f"{lora_name}.partial-{job_id}-18"]
+        for path in made[job_id]:
+            path.write_bytes(b"x")
+    lora = out_dir / lora_name
+    lora.write_bytes(b"a LoRA of another job, finished")  # the LoRA's own name: never pruned
+    code, out = jobs(migrated, "prune", "--older-than", "90")
+    assert code == 0 and out.endswith(" and 2 log file(s), and 3 lock file(s) and partial LoRA(s)\n"), out
+    assert not any(p.exists() for p in made[old])
+    assert all(p.exists() for p in made[kept]) and lora.exists()
+
+
+def test_prune_leaves_a_held_lock_file_and_a_partial_lora_in_a_swapped_output_dir(db, migrated):
+    out_dir = migrated.train_root / "t1" / "output"
+    out_dir.mkdir(parents=True)
+    old = finished(db, JobState.FAILED, 100, output_dir=str(out_dir), output_dev_ino="1:2")  # not this directory
+    partial = out_dir / f"{os.path.basename(repo.get_job(db, old).lora_file)}.partial-{old}"
+    partial.write_bytes(b"x")
+    migrated.lock_dir.mkdir(parents=True, exist_ok=True)
+    fd = hold_lock(job_lock_path(migrated, old))
+    try:
+        assert jobs(migrated, "prune", "--older-than", "90")[0] == 0
+        assert job_lock_path(migrated, old).exists() and partial.exists()
+    finally:
+        os.close(fd)
+
+
 def test_prune_dry_run_removes_nothing_and_retention_is_the_default(db, migrated):
     old = finished(db, JobState.CANCELLED, migrated.retention_days + 1)
     write_log(migrated, old, ["x"]).close()

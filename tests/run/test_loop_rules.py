@@ -214,12 +214,41 @@ def test_a_grandchild_that_closed_the_pipe_is_killed_before_the_job_ends(host, s
     assert repo.get_job(client_db, job_id).failure_class == "trainer_crashed"
 
 
-def test_sigterm_to_the_supervisor_stops_the_job_as_cancelled(host, settings, db, client_db):
-    host.at(T0 + 2.0, lambda: host.deliver(TERM))
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_signal_to_the_supervisor_stops_the_job_as_failed_never_cancelled(host, settings, db, client_db, sig):
+    """systemd's final sweep at a reboot, `systemctl kill`: nobody asked for a cancel, and a new try may pass."""
+    host.at(T0 + 2.0, lambda: host.deliver(sig))
     job_id = supervise(host, settings, db, hanging_in_training())
     assert 2.0 <= host.signals(TERM)[0].at - T0 <= 2.0 + runner.COALESCE_S  # acted on by the next pass
-    assert repo.get_job(client_db, job_id).status == "cancelled"
+    done = repo.get_job(client_db, job_id)
+    assert (done.status, done.failure_class) == ("failed", "supervisor_signalled")
+    assert done.error.startswith(f"The supervisor received {signal.Signals(sig).name}, which was no client's cancel")
     assert host.signal_handler is None  # the previous handlers are back
+
+
+def test_a_signal_then_a_cancel_ends_failed_the_first_reason_decides(host, settings, db, client_db):
+    job = hanging_in_training()
+    job.launcher.ignores_term = job.trainer.ignores_term = True
+    host.at(T0 + 2.0, lambda: host.deliver(TERM))
+    cancel_at(host, client_db, 3.0)
+    job_id = supervise(host, settings, db, job)
+    assert repo.get_job(client_db, job_id).failure_class == "supervisor_signalled"  # the first reason decides
+
+
+def test_a_nan_loss_stops_the_run_as_a_cancel_would_and_fails_it_nan_loss(host, settings, db, client_db):
+    job = FakeJob()
+    job.launcher.ignores_term = job.trainer.ignores_term = True  # the grace, then SIGKILL
+    job.say(0.5, PHASE_LINES[Phase.PREPARING_TRAINING])
+    for step, loss in ((1, 0.5), (2, 0.4), (3, float("nan")), (4, float("nan"))):
+        job.say(0.5 + step * 0.5, bar(step, loss=loss))
+    job_id = supervise(host, settings, db, job)
+    (term,), (kill,) = host.signals(TERM), host.signals(KILL)
+    assert 2.0 <= term.at - T0 <= 2.0 + runner.COALESCE_S + settings.progress_interval_s
+    assert kill.at - term.at == pytest.approx(settings.cancel_grace_s, abs=runner.COALESCE_S)
+    done = repo.get_job(client_db, job_id)
+    assert (done.status, done.failure_class, done.lora_path) == ("failed", "nan_loss", None)
+    assert done.error.startswith("The loss became NaN at step 3")
+    assert not any(p.alive for p in job.processes)
 
 
 def test_a_second_reason_to_stop_changes_neither_the_signals_nor_the_outcome(host, settings, db, client_db):
@@ -407,6 +436,47 @@ def test_stragglers_holding_the_pipe_after_a_clean_exit_are_killed_after_the_dra
     assert repo.get_job(client_db, job_id).failure_class == "trainer_crashed"
 
 
+def test_two_phase_markers_in_one_read_are_both_recorded(host, settings, db, client_db):
+    job = FakeJob()
+    job.say(0.5, PHASE_LINES[Phase.LOADING_MODEL] + PHASE_LINES[Phase.CACHING_LATENTS])  # one read
+    training(job, steps=2, every_s=0.5, start_s=1.0).exit(3.0, 1)
+    job_id = supervise(host, settings, db, job)
+    passed = [e.reason for e in repo.job_events(client_db, job_id) if e.from_status == e.to_status == "running"]
+    assert passed == ["phase loading_model", "phase caching_latents", "phase preparing_training", "phase training"]
+
+
+# -- the run log comes before `running` ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("cause", ["no_space", "not_a_directory"])
+def test_a_run_log_that_cannot_be_created_fails_the_job_from_queued(host, settings, db, client_db, monkeypatch,
+                                                                     cause):
+    """No space or no inodes left for the log (or its directory taken by a file): the job ends `failed` with the
+    reason, never a `running` row that nothing supervises, and no trainer starts."""
+    if cause == "no_space":
+        import errno
+        import os
+
+        real_open = os.open
+
+        def full(path, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if str(path).startswith(str(settings.log_dir)):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            return real_open(path, flags, *args, **kwargs)
+        monkeypatch.setattr(os, "open", full)
+        why = "No space left on device"
+    else:
+        settings.log_dir.parent.mkdir(parents=True, exist_ok=True)
+        settings.log_dir.write_text("")  # a file where the logs directory should be
+        why = "File exists"
+    job_id = supervise(host, settings, db, hanging_in_training())
+    done = repo.get_job(client_db, job_id)
+    assert (done.status, done.failure_class) == ("failed", "launch_error")
+    assert done.error.startswith(f"Cannot create the run log of job {job_id} in {settings.log_dir} ({why})")
+    assert [(e.from_status, e.to_status) for e in repo.job_events(client_db, job_id)] == [
+        (None, "queued"), ("queued", "failed")]  # never `running`
+    assert "spawn" not in host.kinds() and done.started_at is None
+
+
 # -- a busy ledger ------------------------------------------------------------------------------------------
 
 def test_progress_refused_by_a_busy_ledger_is_kept_and_lands_later(host, settings, db, client_db, ledger):
@@ -429,6 +499,18 @@ def test_the_final_state_is_retried_until_it_lands_while_the_job_lock_stays_held
     assert len(refused) == 10 and written.at - refused[0].at > 20.0
     assert host.first("release_lock", "gpu-1.lock").at <= refused[0].at  # every process was gone already
     assert host.first("release_lock", f"job-{job_id}.lock").at >= written.at  # held all the while
+    assert repo.get_job(client_db, job_id).failure_class == "trainer_crashed"
+
+
+def test_the_gpu_lock_is_released_once_the_processes_are_gone_not_after_a_locked_ledger(host, settings, db,
+                                                                                          client_db, ledger):
+    """A full or locked ledger at the end holds the job (its last points and state wait), never the GPU: another
+    trainer of the interlock may take the card as soon as every process of the job is gone."""
+    ledger.busy = [(T0 + 1.6, T0 + 40.0)]  # the last progress write and the final state wait 38 s
+    job_id = supervise(host, settings, db, training(FakeJob(), steps=2, every_s=0.5).exit(2.0, 1))
+    gone, freed = host.first("all_gone"), host.first("release_lock", "gpu-1.lock")
+    assert gone.at <= freed.at <= T0 + 2.0 + runner.COALESCE_S + 0.1  # at once, not at T0 + 40
+    assert host.first("state_written", "failed").at >= T0 + 40.0
     assert repo.get_job(client_db, job_id).failure_class == "trainer_crashed"
 
 

@@ -67,9 +67,13 @@ def test_a_full_run_succeeds_with_a_verified_lora(client, host, db):
     lora = Path(done["lora_path"])
     assert lora == host.dataset.parent / "output" / "ohwx_lora.safetensors"
     assert inspect_lora(lora).ranks == {16}
-    events = [(e.from_status, e.to_status, e.actor) for e in repo.job_events(db, job_id)]
-    assert events == [(None, "queued", "api"), ("queued", "running", "supervisor"),
-                      ("running", "succeeded", "supervisor")]
+    events = [(e.from_status, e.to_status, e.actor, e.reason if e.from_status == e.to_status else None)
+              for e in repo.job_events(db, job_id)]
+    phases = ["loading_model", "caching_latents", "caching_text_encoder_outputs", "preparing_training", "training",
+              "saving"]
+    assert events == [(None, "queued", "api", None), ("queued", "running", "supervisor", None),
+                      *(("running", "running", "supervisor", f"phase {p}") for p in phases),
+                      ("running", "succeeded", "supervisor", None)]  # every phase passed, in order
     points = repo.progress_points(db, job_id)
     assert points and points[-1].step == 400 and all(p.loss is not None for p in points)
     log = client.get(f"/train/{job_id}/log?lines=5").get_json()["text"]
@@ -156,6 +160,28 @@ def test_no_zombies_the_web_reaps_its_launch_and_the_supervisor_reaps_the_job(cl
     wait_for(lambda: not psutil.pid_exists(rec["pgid"]) and not psutil.pid_exists(rec["pid"]), timeout=3.5,
              what="the launcher and the trainer reaped (gone from the process table)")
     assert pid_alive(supervisor) and psutil.Process(supervisor).children(recursive=True) == []
+    holder.join()
+    assert wait_state(client, job_id, *TERMINAL)["status"] == "succeeded"
+
+
+def test_another_trainer_may_take_the_gpu_lock_while_the_supervisor_waits_on_a_locked_ledger(client, host, db):
+    from lora_worker.host.locks import gpu_lock_path, take_lock
+
+    release = host.root / "release"
+    modes(host, hold_at_step=399, release_file=str(release))
+    job_id = submit(client, host)
+    rec = recorded(host)
+    lock = gpu_lock_path(host.settings, repo.get_job(db, job_id).device_index)
+    assert take_lock(lock, 0.0) is None  # the job's, while it trains
+    holder = hold_exclusive(db.path, 6.0)  # the last progress write, the LoRA check and the state wait on it
+    release.touch()
+    wait_for(lambda: not psutil.pid_exists(rec["pgid"]) and not psutil.pid_exists(rec["pid"]), timeout=4,
+             what="the launcher and the trainer gone")
+    fd = wait_for(lambda: take_lock(lock, 0.0), timeout=1.0, what="the GPU lock free while the ledger is locked")
+    try:
+        assert holder.is_alive() and repo.get_job(db, job_id).status == "running"  # the job has not ended yet
+    finally:
+        os.close(fd)
     holder.join()
     assert wait_state(client, job_id, *TERMINAL)["status"] == "succeeded"
 
@@ -308,7 +334,60 @@ def test_cancel_racing_the_natural_end_gives_exactly_one_terminal_state(client, 
         assert job(client, job_id)["status"] == done["status"]  # never reverted
 
 
+def test_a_nan_loss_stops_a_real_run_and_fails_it_nan_loss(client, host):
+    modes(host, nan_from_step=50, step_s=0.01)
+    job_id = submit(client, host)
+    rec = recorded(host)
+    done = wait_state(client, job_id, *TERMINAL, timeout=30)
+    assert (done["status"], done["failure_class"], done["lora_path"]) == ("failed", "nan_loss", None)
+    assert done["error"].startswith("The loss became NaN at step 50") and done["step"] < 400
+    assert job_processes(rec) == []
+
+
+@pytest.mark.parametrize("end", ["cancel", "kill"])
+def test_a_partial_lora_of_a_failed_save_is_moved_aside_and_blocks_no_retry(client, host, db, end):
+    """A cancel or a kill (the OOM killer) during `saving` leaves half a file: no finished LoRA. It is moved
+    aside (kept, said in the job's events), and the same request sent again is accepted, not output_exists."""
+    modes(host, partial_save_then_hang=True, step_s=0.001)
+    job_id = submit(client, host)
+    rec = recorded(host)
+    lora = host.dataset.parent / "output" / "ohwx_lora.safetensors"
+    wait_for(lambda: lora.exists() and job(client, job_id)["phase"] == "saving", what="half a LoRA, saving")
+    if end == "cancel":
+        assert client.post(f"/train/{job_id}/cancel").status_code == 202
+    else:
+        os.kill(rec["pid"], signal.SIGKILL)
+    done = wait_state(client, job_id, *TERMINAL, timeout=15)
+    assert done["status"] == ("cancelled" if end == "cancel" else "failed") and done["lora_path"] is None
+    aside = lora.with_name(f"ohwx_lora.safetensors.partial-{job_id}")
+    assert not lora.exists() and aside.stat().st_size > 0  # moved, never deleted
+    notes = [e.reason for e in repo.job_events(db, job_id) if e.from_status == e.to_status == "running"]
+    assert any(f"moved aside to {aside.name}" in (n or "") for n in notes)
+    assert f"moved aside to {aside.name}" in client.get(f"/train/{job_id}/log?lines=20").get_json()["text"]
+    modes(host)
+    retry = submit(client, host)  # 202: the partial file blocks nothing
+    assert wait_state(client, retry, *TERMINAL)["status"] == "succeeded" and aside.exists()
+    again = client.post("/train", json=host.payload())  # a finished, verified LoRA is never overwritten
+    assert again.status_code == 422 and again.get_json()["error"] == "output_exists"
+
+
 # -- supervisor death ------------------------------------------------------------------------------------------
+
+def test_sigterm_to_a_real_supervisor_fails_the_job_supervisor_signalled_never_cancelled(client, host, db):
+    """What systemd's final sweep at an orderly reboot does (or `systemctl kill`): nobody cancelled."""
+    modes(host, hang_in="training")
+    job_id = submit(client, host)
+    rec = recorded(host)
+    wait_phase(client, job_id, "training")
+    supervisor = repo.get_job(db, job_id).supervisor_pid
+    os.kill(supervisor, signal.SIGTERM)
+    done = wait_state(client, job_id, *TERMINAL, timeout=15)
+    assert (done["status"], done["failure_class"]) == ("failed", "supervisor_signalled")
+    assert done["error"].startswith("The supervisor received SIGTERM, which was no client's cancel")
+    assert done["cancel_requested_at"] is None
+    wait_for(lambda: job_processes(rec) == [] and not pid_alive(supervisor), timeout=5, what="job gone")
+
+
 
 def test_kill_9_of_the_supervisor_fails_the_job_and_leaves_no_trainer(client, host, db):
     modes(host, hang_in="training", grandchild="group")

@@ -88,7 +88,7 @@ def test_each_slurm_failure_class_is_accepted_after_and_refused_before(tmp_path,
     db.dispose()
     command.downgrade(alembic_config(path), "0008")
     kept = sql(path, "SELECT failure_class FROM jobs WHERE id = ?", job_id)[0][0]
-    assert kept == ("supervisor_lost" if failure == "slurm_lost" else "killed_by_signal")
+    assert kept == "killed_by_signal"  # a kill, which a new try may pass; never a reconcile class
     conn = sqlite3.connect(path)
     try:
         with pytest.raises(sqlite3.IntegrityError, match="CHECK"), conn:
@@ -100,3 +100,25 @@ def test_each_slurm_failure_class_is_accepted_after_and_refused_before(tmp_path,
         ["job_counts_insert", "job_counts_update", "job_counts_delete", "job_counts_reconcile"])
     upgrade(path)  # and up again
     assert sql(path, "SELECT backend FROM jobs WHERE id = ?", job_id) == [("local",)]
+
+
+def test_the_downgrade_of_a_job_slurm_lost_counts_no_reconcile_in_metrics(tmp_path):
+    """/metrics' lora_worker_reconcile_actions counts jobs reconcile failed because their supervisor was gone. A job
+    the poller (actor "slurm") failed as slurm_lost was no such thing, before or after the downgrade."""
+    path = tmp_path / "ledger.sqlite3"
+    upgrade(path)
+    db = Database.open(path)
+    try:
+        job = repo.create_job(db, columns())
+        assert repo.transition(db, job.id, JobState.RUNNING, actor="slurm")
+        assert repo.fail_job(db, job.id, actor="slurm", failure_class=FailureClass.SLURM_LOST,
+                             sentence="Slurm no longer knows job 7")
+        assert repo.counts(db).reconcile_actions == {}
+    finally:
+        db.dispose()
+    command.downgrade(alembic_config(path), "0008")
+    assert sql(path, "SELECT label, n FROM job_counts WHERE metric = 'reconcile' AND n != 0") == []
+    assert dict(sql(path, "SELECT label, n FROM job_counts WHERE metric = 'failure' AND n != 0")) == {
+        "killed_by_signal": 1}
+    sql(path, "DELETE FROM jobs WHERE id = ?", job.id)  # a prune after the downgrade leaves no count below zero
+    assert sql(path, "SELECT metric, label, n FROM job_counts WHERE n < 0") == []

@@ -272,3 +272,15 @@ def test_a_link_or_fifo_planted_at_the_log_or_the_status_file_is_never_followed_
     slurm.cycles(2)
     row = slurm.job(job.id)
     assert row.status == "failed" and row.step in (None, 0)  # no status recorded, no LoRA: never a success
+
+
+def test_every_phase_in_one_cycles_read_is_recorded_once_by_the_poller(slurm: SlurmWorker):
+    """A cycle reads all the log the node wrote since the last one: four phase markers in one read, each an event."""
+    job = slurm.submit()
+    slurm.scheduler.set(job.slurm_job_id, "RUNNING")
+    slurm.log(job, TRAINING_LOG)
+    slurm.cycles(3)
+    phases = [(e.reason, e.actor) for e in repo.job_events(slurm.db, job.id)
+              if e.from_status == e.to_status == "running"]
+    assert phases == [(f"phase {p}", "slurm") for p in ("loading_model", "caching_latents", "preparing_training",
+                                                          "training")]

@@ -44,10 +44,10 @@ class FailureClass(str, Enum):
     ARTIFACT_INVALID = "artifact_invalid"  # the file is there but is not a LoRA we can read
     ARTIFACT_MISMATCH = "artifact_mismatch"  # a LoRA, but not the one that was asked for
     STALLED = "stalled"
-    NAN_LOSS = "nan_loss"  # the loss became NaN: the supervisor stopped the run (migration 0011)
+    NAN_LOSS = "nan_loss"  # the loss became NaN: the supervisor stopped the run (migration 0010)
     SUPERVISOR_LOST = "supervisor_lost"
     # The supervisor got SIGTERM, SIGINT or SIGHUP that was no client's cancel (systemd stopping the unit at a
-    # reboot, `systemctl kill`): it stopped the run; nobody asked for the cancel, a new try may pass (0011).
+    # reboot, `systemctl kill`): it stopped the run; nobody asked for the cancel, a new try may pass (0010).
     SUPERVISOR_SIGNALLED = "supervisor_signalled"
     HOST_REBOOTED = "host_rebooted"
     LAUNCH_ERROR = "launch_error"

@@ -1,4 +1,4 @@
-"""Migration 0011: the failure classes nan_loss and supervisor_signalled, on a rebuilt `jobs` that keeps 0007's
+"""Migration 0010: the failure classes nan_loss and supervisor_signalled, on a rebuilt `jobs` that keeps 0007's
 AUTOINCREMENT and 0008's count triggers; up, down (each row kept under an old class), and up again."""
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ triggers read from sqlite_master before and created again word for word after, A
 highest id ever given put back into sqlite_sequence. The lists are written out here, so this revision stays
 what it was.
 
-Revision ID: 0011
+Revision ID: 0010
 Revises: 0009
 Create Date: 2026-12-01
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from alembic import op
 
-revision = "0011"
-down_revision = "0009"  # the lead re-chains the revisions when merging
+revision = "0010"
+down_revision = "0009"
 branch_labels = None
 depends_on = None
 

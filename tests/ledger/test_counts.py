@@ -33,6 +33,9 @@ def scanned(path: Path) -> repo.Counts:
             "SELECT e.actor, j.failure_class, count(*) FROM job_events e JOIN jobs j ON j.id = e.job_id "
             "WHERE e.to_status = 'failed' AND e.actor != 'supervisor' AND j.failure_class IN (?, ?) GROUP BY 1, 2",
             RECONCILED).fetchall()
+        webhooks = conn.execute(
+            "SELECT CASE WHEN state = 'pending' AND attempts > 0 THEN 'retrying' ELSE state END, count(*) "
+            "FROM webhook_events GROUP BY 1").fetchall()
     finally:
         conn.close()
     durations: dict[str, tuple[list[tuple[float, int]], int, float]] = {}
@@ -44,7 +47,8 @@ def scanned(path: Path) -> repo.Counts:
             buckets[bound] = buckets.get(bound, 0) + 1
         durations[status] = (sorted(buckets.items()), len(seconds), sum(seconds))
     return repo.Counts(by_status=by_status, failures_by_class=failures, durations=durations,
-                       reconcile_actions={(a, f): n for a, f, n in actions})
+                       reconcile_actions={(a, f): n for a, f, n in actions},
+                       webhook_events=dict(webhooks))
 
 
 def assert_counts_match(db: Database) -> None:

@@ -226,5 +226,5 @@ def test_every_writer_of_a_failed_row_calls_fail_job():
                      if re.search(r"\bfail_job\(", path.read_text())
                      and not str(path.relative_to(PACKAGE)).startswith("ledger/"))
     # the local supervisor and the Slurm poller both end a run through transcript/ending.py `write_final`
-    assert callers == ["dispatch/dispatcher.py", "reconcile.py", "slurm/job.py", "slurm/ledger.py",
+    assert callers == ["dispatch/dispatcher.py", "reconcile.py", "run/jobfiles.py", "slurm/job.py", "slurm/ledger.py",
                        "transcript/ending.py"]

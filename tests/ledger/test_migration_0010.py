@@ -23,7 +23,8 @@ def test_up_down_up_keeps_rows_triggers_ids_and_counts(tmp_path, failure):
     upgrade(path, "0009")
     before_triggers = triggers(path)
     upgrade(path)
-    assert triggers(path) == before_triggers
+    # 0008's triggers come through the rebuild word for word (0012's are on its own table, webhook_events)
+    assert [t for t in triggers(path) if not t[0].startswith("webhook_")] == before_triggers
     assert "AUTOINCREMENT" in sql(path, "SELECT sql FROM sqlite_master WHERE name = 'jobs'")[0][0]
     db = Database.open(path)
     try:
@@ -46,7 +47,8 @@ def test_up_down_up_keeps_rows_triggers_ids_and_counts(tmp_path, failure):
     assert triggers(path) == before_triggers
     sql(path, "DELETE FROM jobs WHERE id = ?", job.id)  # the newest id, gone: only sqlite_sequence knows it
     upgrade(path)
-    assert triggers(path) == before_triggers
+    # 0008's triggers come through the rebuild word for word (0012's are on its own table, webhook_events)
+    assert [t for t in triggers(path) if not t[0].startswith("webhook_")] == before_triggers
     db = Database.open(path)
     try:
         again = repo.create_job(db, columns())

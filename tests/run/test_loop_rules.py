@@ -459,7 +459,9 @@ def test_a_run_log_that_cannot_be_created_fails_the_job_from_queued(host, settin
         real_open = os.open
 
         def full(path, flags, *args, **kwargs):  # type: ignore[no-untyped-def]
-            if str(path).startswith(str(settings.log_dir)):
+            # the log is opened by name inside logs/ (host/fs.py open_in: dir_fd), or by its whole path
+            if str(path).startswith(str(settings.log_dir)) or kwargs.get("dir_fd") is not None \
+                    and str(path).startswith("job-") and flags & os.O_CREAT:
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
             return real_open(path, flags, *args, **kwargs)
         monkeypatch.setattr(os, "open", full)

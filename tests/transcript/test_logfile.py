@@ -99,7 +99,7 @@ def test_a_full_disk_never_stops_the_writer(tmp_path, monkeypatch):
 
 
 def test_a_compaction_that_fails_on_a_full_disk_leaves_the_log_writable(tmp_path, monkeypatch):
-    from lora_worker.run import logfile
+    from lora_worker.transcript import logfile
 
     log = JobLog(tmp_path, 4, head_bytes=100, tail_bytes=200)
     real_open = logfile._open  # every file of the log dir is opened there (no link followed, never blocking)

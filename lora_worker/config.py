@@ -133,6 +133,23 @@ DEFAULT_SLURM_TIME_LIMIT_MIN: Mapping[str, int] = MappingProxyType({n: _slurm_mi
 # Host memory (not VRAM) a job's cgroup may use: SDXL's checkpoint and text encoders load in RAM first, and the
 # 1024 px tier caches larger latents.
 DEFAULT_SLURM_MEM_MB: Mapping[str, int] = MappingProxyType({"fast": 24_000, "balanced": 24_000, "quality": 32_000})
+MIXED_PRECISIONS = ("bf16", "fp16")  # bf16 needs an Ampere or later GPU; fp16 runs on older ones
+
+
+@dataclass(frozen=True)
+class SlurmResources:
+    """What a tier's job asks Slurm for, and what the trainer is told about that GPU. Under Slurm these take the
+    place of the local device profile: the GPU is Slurm's choice among those `gres`/`constraint` allow, so the
+    batch size and precision must fit every GPU they allow, not the card `device_index` names on this host."""
+
+    gres: str = "gpu:1"  # `--gres`: `gpu:1`, or `gpu:<type>:1` for a GPU type the cluster's gres.conf names
+    constraint: str = ""  # `--constraint` (node features), none when empty
+    train_batch_size: int = 1
+    mixed_precision: str = "bf16"
+
+
+DEFAULT_SLURM_RESOURCES: Mapping[str, SlurmResources] = MappingProxyType({n: SlurmResources() for n in TIERS})
+SLURM_RESOURCE_KEYS = frozenset(f.name for f in fields(SlurmResources))
 
 
 @dataclass(frozen=True)
@@ -201,6 +218,8 @@ class Settings:
     slurm_time_limit_min: Mapping[str, int] = field(default_factory=lambda: DEFAULT_SLURM_TIME_LIMIT_MIN)
     slurm_mem_mb: Mapping[str, int] = field(default_factory=lambda: DEFAULT_SLURM_MEM_MB)
     slurm_poll_interval_s: float = 2.0
+    # tier -> SlurmResources (gres, constraint, train_batch_size, mixed_precision); tiers not named keep the default.
+    slurm_resources: Mapping[str, SlurmResources] = field(default_factory=lambda: DEFAULT_SLURM_RESOURCES)
 
     def __post_init__(self) -> None:
         if self.sandbox not in SANDBOXES:
@@ -227,6 +246,12 @@ class Settings:
             if missing or bad:
                 raise ConfigError(f"setting {name!r}: every tier needs a whole number above 0 "
                                   f"(missing {sorted(missing)}, invalid {bad})")
+        if set(TIERS) - set(self.slurm_resources):
+            raise ConfigError(f"setting 'slurm_resources': no resources for tier(s) "
+                              f"{sorted(set(TIERS) - set(self.slurm_resources))}")
+        for tier, res in self.slurm_resources.items():
+            if problem := _resources_problem(res):
+                raise ConfigError(f"setting 'slurm_resources', tier {tier!r}: {problem}")
 
     @property
     def simulated(self) -> bool:
@@ -263,6 +288,20 @@ class Settings:
 
     def device(self, index: int) -> DeviceProfile | None:
         return self.devices.get(index)
+
+    @property
+    def device_profiles_apply(self) -> bool:
+        """Whether `device_index` picks the card, and with it the batch size, precision and allowed tiers: on
+        this host, yes. Under Slurm, no: Slurm picks the GPU among those the tier's `slurm_resources` allow, and
+        those resources say the batch size and precision; `device_index` is then accepted and has no effect."""
+        return self.backend != "slurm"
+
+    def trainer_profile(self, tier: str, device_index: int) -> tuple[int, str]:
+        """(train_batch_size, mixed_precision) of a job: the local card's, or the tier's Slurm resources'."""
+        if self.device_profiles_apply:
+            return self.devices[device_index].train_batch_size, "bf16"
+        res = self.slurm_resources[tier]
+        return res.train_batch_size, res.mixed_precision
 
     def with_overrides(self, **changes: Any) -> Settings:
         return replace(self, **changes)
@@ -313,6 +352,8 @@ def settings_to_json(settings: Settings) -> str:
         if f.name == "devices":
             value = {str(i): {"label": d.label, "tiers": sorted(d.tiers), "train_batch_size": d.train_batch_size,
                               "vram_mib": dict(d.vram_mib)} for i, d in value.items()}
+        elif f.name == "slurm_resources":
+            value = {tier: {k: getattr(r, k) for k in sorted(SLURM_RESOURCE_KEYS)} for tier, r in value.items()}
         elif isinstance(value, Mapping):
             value = dict(value)
         elif isinstance(value, tuple):
@@ -328,7 +369,7 @@ def settings_from_json(text: str) -> Settings:
     return Settings(**{name: _coerce(name, value) for name, value in doc.items() if value is not None})
 
 
-_ENV_JSON_TABLES = {"slurm_time_limit_min", "slurm_mem_mb"}
+_ENV_JSON_TABLES = {"slurm_time_limit_min", "slurm_mem_mb", "slurm_resources"}
 _TABLE_FIELDS = {"devices", "disk_mib", "stall_limits_s"} | _ENV_JSON_TABLES
 _TIER_TABLE_DEFAULTS: Mapping[str, Mapping[str, int]] = MappingProxyType({
     "disk_mib": DEFAULT_DISK_MIB, "slurm_time_limit_min": DEFAULT_SLURM_TIME_LIMIT_MIN,
@@ -364,6 +405,8 @@ def _coerce(name: str, value: Any) -> Any:
     try:
         if name == "devices":
             return _devices(value)
+        if name == "slurm_resources":
+            return _slurm_resources(value)
         if name in ("stall_limits_s", *_TIER_TABLE_DEFAULTS):
             default = _TIER_TABLE_DEFAULTS.get(name, DEFAULT_STALL_LIMITS_S)
             unknown = set(map(str, dict(value))) - set(default)
@@ -398,6 +441,39 @@ def _bool(value: Any) -> bool:
     raise ValueError(f"not a boolean: {value!r}")
 
 
+def _slurm_resources(table: Mapping[str, Any]) -> Mapping[str, SlurmResources]:
+    chosen = dict(DEFAULT_SLURM_RESOURCES)
+    for tier, spec in dict(table).items():
+        if tier not in TIERS:
+            raise KeyError(f"unknown tier {tier!r}; known: {sorted(TIERS)}")
+        if isinstance(spec, SlurmResources):
+            chosen[tier] = spec
+            continue
+        unknown = set(dict(spec)) - SLURM_RESOURCE_KEYS
+        if unknown:
+            raise KeyError(f"tier {tier!r}: unknown key(s) {sorted(unknown)}; known: {sorted(SLURM_RESOURCE_KEYS)}")
+        spec = dict(spec)
+        if "train_batch_size" in spec:
+            spec["train_batch_size"] = int(spec["train_batch_size"])
+        chosen[tier] = SlurmResources(**spec)
+    return MappingProxyType(chosen)
+
+
+def _resources_problem(res: SlurmResources) -> str | None:
+    """Why Slurm or the trainer could not take these (a sentence), or None."""
+    gres = res.gres.split(":")
+    if not (gres[0] == "gpu" and len(gres) in (2, 3) and gres[-1] == "1" and all(p and p.replace("_", "").replace(
+            "-", "").replace(".", "").isalnum() for p in gres)):
+        return f"gres {res.gres!r} is not `gpu:1` or `gpu:<type>:1` (one GPU: the trainer runs one process)"
+    if any(c.isspace() or not c.isprintable() for c in res.constraint):
+        return f"constraint {res.constraint!r} holds a space or a control character"
+    if not isinstance(res.train_batch_size, int) or not 1 <= res.train_batch_size <= 64:
+        return f"train_batch_size {res.train_batch_size!r} is not a whole number from 1 to 64"
+    if res.mixed_precision not in MIXED_PRECISIONS:
+        return f"mixed_precision {res.mixed_precision!r} is not one of {', '.join(MIXED_PRECISIONS)}"
+    return None
+
+
 DEVICE_KEYS = frozenset({"label", "tiers", "train_batch_size", "vram_mib"})
 
 
@@ -425,6 +501,6 @@ def _devices(table: Mapping[str, Any]) -> Mapping[int, DeviceProfile]:
 
 
 __all__ = ["Settings", "Tier", "DeviceProfile", "TIERS", "SDXL_HPARAMS", "LORA_TARGET_PRESETS",
-           "DEFAULT_LORA_TARGETS", "SAVE_PRECISION_DTYPES", "LORA_DTYPE", "DEFAULT_DEVICES", "TRAINER_KINDS",
+           "DEFAULT_LORA_TARGETS", "SAVE_PRECISION_DTYPES", "LORA_DTYPE", "DEFAULT_DEVICES", "TRAINER_KINDS", "SlurmResources",
            "SIMULATED", "BACKENDS", "load_settings", "refuse_simulated_when_deployed",
            "settings_to_json", "settings_from_json"]

@@ -41,7 +41,7 @@ from lora_worker.transcript.outcome import Outcome, artifact_values, recorded_lo
 from lora_worker.transcript.output import TrainerOutput
 from lora_worker.transcript.persist import TRANSIENT
 from lora_worker.run.reporter import finite
-from lora_worker.slurm.sbatch import log_path, rc_path
+from lora_worker.slurm.sbatch import log_path, rc_path, refused_outcome
 from lora_worker.slurm.scheduler import Scheduler, SchedulerUnavailable, SlurmJob
 from lora_worker.slurm.states import settle, stage
 from lora_worker.transcript.watchdog import Watchdog
@@ -291,7 +291,7 @@ class Poller:
                 artifact.append(verify_lora(Path(job.lora_file), recorded_lora(job)))  # held to the row
                 return artifact[-1]
 
-            outcome = settle(known, slurm_job_id=job.slurm_job_id or "?", recorded=recorded,
+            outcome = refused_outcome(self.settings, job.id, f.output.tail) or settle(known, slurm_job_id=job.slurm_job_id or "?", recorded=recorded,
                              cancel_requested=job.cancel_requested_at is not None,
                              stalled_in=f.watchdog.stalled_in if f.watchdog else None, requeued=f.requeued,
                              progress=f.output.progress,

@@ -121,7 +121,9 @@ class Dispatcher:
         for k in range(self.settings.max_active_jobs):
             try:
                 return repo.create_job(self.db, {**columns, "slot": f"slurm-{k}"})
-            except JobActive:
+            except JobActive as exc:
+                if "lora_file" in exc.details:
+                    raise  # another active job writes this LoRA file: no other slot changes that
                 continue
         oldest = repo.active_job(self.db)
         raise JobActive(f"{self.settings.max_active_jobs} jobs are already active on Slurm (max_active_jobs).",
@@ -130,7 +132,8 @@ class Dispatcher:
     def resolve(self, request: TrainRequest) -> ResolvedRequest:
         """Resolve and contain every path: `<train root>/<train_id>/` for data and output, a models dir for
         the base model. The resolved paths are what the trainer receives."""
-        check_device(request.tier, request.device_index, self.settings)
+        if self.settings.device_profiles_apply:  # under Slurm, device_index is accepted and has no effect
+            check_device(request.tier, request.device_index, self.settings)
         root = paths.real_train_root(self.settings.train_root)
         dataset = paths.resolve_dir(request.dataset_dir, root, "dataset_dir")
         output = paths.resolve_new_dir(request.output_dir, root, "output_dir")

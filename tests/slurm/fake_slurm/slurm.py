@@ -44,8 +44,8 @@ def sbatch(args):
     subprocess.Popen([sys.executable, str(HERE / "slurm.py"), "node", str(job_id), output, script, *script_args],  # noqa: S603
                      env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL, close_fds=True)  # sbatch returns at once; the job lives on
-    trouble = (HERE / "trouble").read_text().strip() if (HERE / "trouble").exists() else ""
-    if trouble == "fail":
+    trouble = troubled()
+    if trouble in ("fail", "fail-blind"):
         print("sbatch: error: Batch job submission failed: Socket timed out on send/recv operation", file=sys.stderr)
         return 1
     if trouble == "hang":
@@ -75,6 +75,12 @@ def ids_of(args):
     return [i for i in (option(args, "jobs") or "").split(",") if i]
 
 
+def troubled():
+    """What the `trouble` file beside the tools says: `fail`, `hang`, or `fail-blind` (sbatch fails after
+    queueing, and squeue and sacct cannot answer either: only scancel works)."""
+    return (HERE / "trouble").read_text().strip() if (HERE / "trouble").exists() else ""
+
+
 def named(args):
     name = option(args, "name")
     if name is None:
@@ -83,6 +89,9 @@ def named(args):
 
 
 def squeue(args):
+    if troubled() == "fail-blind":
+        print("squeue: error: Unable to contact slurm controller (connect failure)", file=sys.stderr)
+        return 1
     for job_id in named(args):
         rec = record(job_id)
         if rec is not None:
@@ -91,6 +100,9 @@ def squeue(args):
 
 
 def sacct(args):
+    if troubled() == "fail-blind":
+        print("sacct: error: Problem talking to the database: Connection refused", file=sys.stderr)
+        return 1
     for job_id in ids_of(args):
         rec = record(job_id)
         if rec is not None:

@@ -1,4 +1,5 @@
-"""GET /healthz: liveness and the active job id. Open without a token; it carries no job data.
+"""GET /healthz: liveness and the active jobs' ids (`active_job_ids`, oldest first: several under Slurm; and
+`active_job_id`, the oldest, as before). Open without a token; it carries no job data.
 
 200 with `status: ok`, or 503 with `status: failing` when the service cannot work as it claims (the ledger
 file deleted or replaced under it): the install script's health gate and any monitor see the difference."""

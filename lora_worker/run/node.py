@@ -34,7 +34,7 @@ from lora_worker.ledger.supervisor import JobRecord
 from lora_worker.run.prelaunch import what_moved
 
 SPEC_MAX_BYTES = 4 << 20
-USAGE = "usage: python -m lora_worker.run.node <spec.json>"
+USAGE = "usage: python -m lora_worker.run.node <spec.json> | --probe <sandbox>"
 
 
 @dataclass(frozen=True)
@@ -118,9 +118,22 @@ def start(spec: Spec) -> int:
     return 0 if rc == 0 else 1
 
 
+def probe(kind: str) -> int:
+    """For `doctor`, run on a node: whether this node could start a trainer in the `kind` sandbox (bwrap
+    installed and able to make its namespaces). Prints `ok` or the problem."""
+    try:
+        problem = sandbox.probe(Settings(sandbox=kind))
+    except Exception as exc:  # noqa: BLE001 - a sentence for the operator, whatever went wrong here
+        problem = f"{type(exc).__name__}: {exc}"
+    print(problem or "ok", flush=True)
+    return 1 if problem else 0
+
+
 def main(argv: list[str]) -> int:
     # Outlive the trainer: a TERM to the whole job reaches us too, and we must record how it ended.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    if len(argv) == 2 and argv[0] == "--probe":
+        return probe(argv[1])
     if len(argv) != 1:
         print(USAGE, file=sys.stderr)
         return 2

@@ -14,6 +14,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from lora_worker.config_slurm import (DEFAULT_SLURM_RESOURCES, SLURM_RESOURCE_KEYS, SlurmResources,
+                                       parse_slurm_resources, resources_problem)
 from lora_worker.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -133,23 +135,6 @@ DEFAULT_SLURM_TIME_LIMIT_MIN: Mapping[str, int] = MappingProxyType({n: _slurm_mi
 # Host memory (not VRAM) a job's cgroup may use: SDXL's checkpoint and text encoders load in RAM first, and the
 # 1024 px tier caches larger latents.
 DEFAULT_SLURM_MEM_MB: Mapping[str, int] = MappingProxyType({"fast": 24_000, "balanced": 24_000, "quality": 32_000})
-MIXED_PRECISIONS = ("bf16", "fp16")  # bf16 needs an Ampere or later GPU; fp16 runs on older ones
-
-
-@dataclass(frozen=True)
-class SlurmResources:
-    """What a tier's job asks Slurm for, and what the trainer is told about that GPU. Under Slurm these take the
-    place of the local device profile: the GPU is Slurm's choice among those `gres`/`constraint` allow, so the
-    batch size and precision must fit every GPU they allow, not the card `device_index` names on this host."""
-
-    gres: str = "gpu:1"  # `--gres`: `gpu:1`, or `gpu:<type>:1` for a GPU type the cluster's gres.conf names
-    constraint: str = ""  # `--constraint` (node features), none when empty
-    train_batch_size: int = 1
-    mixed_precision: str = "bf16"
-
-
-DEFAULT_SLURM_RESOURCES: Mapping[str, SlurmResources] = MappingProxyType({n: SlurmResources() for n in TIERS})
-SLURM_RESOURCE_KEYS = frozenset(f.name for f in fields(SlurmResources))
 
 
 @dataclass(frozen=True)
@@ -250,7 +235,7 @@ class Settings:
             raise ConfigError(f"setting 'slurm_resources': no resources for tier(s) "
                               f"{sorted(set(TIERS) - set(self.slurm_resources))}")
         for tier, res in self.slurm_resources.items():
-            if problem := _resources_problem(res):
+            if problem := resources_problem(res):
                 raise ConfigError(f"setting 'slurm_resources', tier {tier!r}: {problem}")
 
     @property
@@ -406,7 +391,7 @@ def _coerce(name: str, value: Any) -> Any:
         if name == "devices":
             return _devices(value)
         if name == "slurm_resources":
-            return _slurm_resources(value)
+            return parse_slurm_resources(value)
         if name in ("stall_limits_s", *_TIER_TABLE_DEFAULTS):
             default = _TIER_TABLE_DEFAULTS.get(name, DEFAULT_STALL_LIMITS_S)
             unknown = set(map(str, dict(value))) - set(default)
@@ -439,39 +424,6 @@ def _bool(value: Any) -> bool:
     if text in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"not a boolean: {value!r}")
-
-
-def _slurm_resources(table: Mapping[str, Any]) -> Mapping[str, SlurmResources]:
-    chosen = dict(DEFAULT_SLURM_RESOURCES)
-    for tier, spec in dict(table).items():
-        if tier not in TIERS:
-            raise KeyError(f"unknown tier {tier!r}; known: {sorted(TIERS)}")
-        if isinstance(spec, SlurmResources):
-            chosen[tier] = spec
-            continue
-        unknown = set(dict(spec)) - SLURM_RESOURCE_KEYS
-        if unknown:
-            raise KeyError(f"tier {tier!r}: unknown key(s) {sorted(unknown)}; known: {sorted(SLURM_RESOURCE_KEYS)}")
-        spec = dict(spec)
-        if "train_batch_size" in spec:
-            spec["train_batch_size"] = int(spec["train_batch_size"])
-        chosen[tier] = SlurmResources(**spec)
-    return MappingProxyType(chosen)
-
-
-def _resources_problem(res: SlurmResources) -> str | None:
-    """Why Slurm or the trainer could not take these (a sentence), or None."""
-    gres = res.gres.split(":")
-    if not (gres[0] == "gpu" and len(gres) in (2, 3) and gres[-1] == "1" and all(p and p.replace("_", "").replace(
-            "-", "").replace(".", "").isalnum() for p in gres)):
-        return f"gres {res.gres!r} is not `gpu:1` or `gpu:<type>:1` (one GPU: the trainer runs one process)"
-    if any(c.isspace() or not c.isprintable() for c in res.constraint):
-        return f"constraint {res.constraint!r} holds a space or a control character"
-    if not isinstance(res.train_batch_size, int) or not 1 <= res.train_batch_size <= 64:
-        return f"train_batch_size {res.train_batch_size!r} is not a whole number from 1 to 64"
-    if res.mixed_precision not in MIXED_PRECISIONS:
-        return f"mixed_precision {res.mixed_precision!r} is not one of {', '.join(MIXED_PRECISIONS)}"
-    return None
 
 
 DEVICE_KEYS = frozenset({"label", "tiers", "train_batch_size", "vram_mib"})

@@ -68,3 +68,10 @@ def test_resources_from_the_environment_keep_the_other_tiers_defaults(tmp_path):
                        "LORA_WORKER_SLURM_RESOURCES": '{"quality": {"gres": "gpu:a100:1", "train_batch_size": 2}}'})
     assert s.slurm_resources["quality"] == SlurmResources("gpu:a100:1", "", 2, "bf16")
     assert s.slurm_resources["fast"] == Settings().slurm_resources["fast"] == SlurmResources()
+
+
+def test_the_slurm_settings_know_every_tier():
+    from lora_worker.config import TIERS
+    from lora_worker.config_slurm import TIER_NAMES
+
+    assert set(TIER_NAMES) == set(TIERS)

@@ -96,7 +96,9 @@ def record_rc(path: str, rc: int) -> None:
 
 def start(spec: Spec) -> int:
     job, settings = spec.job, spec.settings
-    env = dict(job.env)
+    # What the batch system says (the GPU it allocated) replaces the stored values, which name the request's
+    # device on the worker's host; when it says nothing, the stored value is dropped, never used here.
+    env = {k: v for k, v in job.env.items() if k not in spec.from_environment}
     env.update({name: os.environ[name] for name in spec.from_environment if name in os.environ})
     given = ", ".join(f"{name}={env.get(name, '')}" for name in spec.from_environment)
     note(f"job {job.id}: on {os.uname().nodename}, {given}")

@@ -126,3 +126,14 @@ def test_the_trainer_gets_the_stored_env_and_slurms_gpu(slurm: SlurmWorker):
     text = log_path(slurm.settings, job.id).read_text()
     assert job.env["CUDA_VISIBLE_DEVICES"] == "1"  # the request's device, replaced by the one Slurm allocated
     assert f"GPU=0 TOKEN=- CWD={slurm.settings.sd_scripts_dir}" in text
+
+
+def test_without_a_gpu_from_slurm_the_requests_device_is_not_what_the_trainer_sees(slurm: SlurmWorker):
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    job = slurm.submit()
+    with_argv(slurm.settings, job.id, ["/usr/bin/python3", "-c", "import os; print('GPU=' + os.environ.get("
+                                       "'CUDA_VISIBLE_DEVICES', 'unset'))"])
+    with log_path(slurm.settings, job.id).open("ab") as out:
+        assert subprocess.run([str(script_path(slurm.settings, job.id)), str(spec_path(slurm.settings, job.id))],
+                              stdout=out, stderr=subprocess.STDOUT, env=env, timeout=60).returncode == 0
+    assert job.env["CUDA_VISIBLE_DEVICES"] == "1" and "GPU=unset" in log_path(slurm.settings, job.id).read_text()

@@ -14,8 +14,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from lora_worker.config_slurm import (DEFAULT_SLURM_RESOURCES, SLURM_RESOURCE_KEYS, SlurmResources,
-                                       parse_slurm_resources, resources_problem)
+from lora_worker.config_slurm import (DEFAULT_SLURM_RESOURCES, SlurmResources, parse_slurm_resources,
+                                       resources_problem, resources_to_json)
 from lora_worker.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -215,6 +215,8 @@ class Settings:
             raise ConfigError(f"setting 'backend': {self.backend!r} is not one of {list(BACKENDS)}")
         if self.backend == "slurm":
             self._check_slurm()
+            if problem := resources_problem(self.slurm_resources):
+                raise ConfigError(f"setting 'slurm_resources': {problem}")
 
     def _check_slurm(self) -> None:
         """The Slurm settings a submission and the poller rely on, refused at start-up rather than at sbatch."""
@@ -231,12 +233,6 @@ class Settings:
             if missing or bad:
                 raise ConfigError(f"setting {name!r}: every tier needs a whole number above 0 "
                                   f"(missing {sorted(missing)}, invalid {bad})")
-        if set(TIERS) - set(self.slurm_resources):
-            raise ConfigError(f"setting 'slurm_resources': no resources for tier(s) "
-                              f"{sorted(set(TIERS) - set(self.slurm_resources))}")
-        for tier, res in self.slurm_resources.items():
-            if problem := resources_problem(res):
-                raise ConfigError(f"setting 'slurm_resources', tier {tier!r}: {problem}")
 
     @property
     def simulated(self) -> bool:
@@ -338,7 +334,7 @@ def settings_to_json(settings: Settings) -> str:
             value = {str(i): {"label": d.label, "tiers": sorted(d.tiers), "train_batch_size": d.train_batch_size,
                               "vram_mib": dict(d.vram_mib)} for i, d in value.items()}
         elif f.name == "slurm_resources":
-            value = {tier: {k: getattr(r, k) for k in sorted(SLURM_RESOURCE_KEYS)} for tier, r in value.items()}
+            value = resources_to_json(value)
         elif isinstance(value, Mapping):
             value = dict(value)
         elif isinstance(value, tuple):
@@ -388,10 +384,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
 def _coerce(name: str, value: Any) -> Any:
     kind = _FIELD_TYPES[name]
     try:
-        if name == "devices":
-            return _devices(value)
-        if name == "slurm_resources":
-            return parse_slurm_resources(value)
+        if name in _PARSERS:
+            return _PARSERS[name](value)
         if name in ("stall_limits_s", *_TIER_TABLE_DEFAULTS):
             default = _TIER_TABLE_DEFAULTS.get(name, DEFAULT_STALL_LIMITS_S)
             unknown = set(map(str, dict(value))) - set(default)
@@ -451,6 +445,8 @@ def _devices(table: Mapping[str, Any]) -> Mapping[int, DeviceProfile]:
                                         MappingProxyType(vram))
     return MappingProxyType(profiles)
 
+
+_PARSERS = {"devices": _devices, "slurm_resources": parse_slurm_resources}
 
 __all__ = ["Settings", "Tier", "DeviceProfile", "TIERS", "SDXL_HPARAMS", "LORA_TARGET_PRESETS",
            "DEFAULT_LORA_TARGETS", "SAVE_PRECISION_DTYPES", "LORA_DTYPE", "DEFAULT_DEVICES", "TRAINER_KINDS", "SlurmResources",

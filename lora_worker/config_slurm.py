@@ -49,8 +49,22 @@ def parse_slurm_resources(table: Mapping[str, Any]) -> Mapping[str, SlurmResourc
     return MappingProxyType(chosen)
 
 
-def resources_problem(res: SlurmResources) -> str | None:
-    """Why Slurm or the trainer could not take these (a sentence), or None."""
+def resources_to_json(table: Mapping[str, SlurmResources]) -> dict[str, dict[str, Any]]:
+    return {tier: {k: getattr(res, k) for k in sorted(SLURM_RESOURCE_KEYS)} for tier, res in table.items()}
+
+
+def resources_problem(table: Mapping[str, SlurmResources]) -> str | None:
+    """Why Slurm or the trainer could not take a tier's resources (a sentence), or None."""
+    missing = sorted(set(TIER_NAMES) - set(table))
+    if missing:
+        return f"no resources for tier(s) {missing}"
+    for tier, res in table.items():
+        if problem := tier_problem(res):
+            return f"tier {tier!r}: {problem}"
+    return None
+
+
+def tier_problem(res: SlurmResources) -> str | None:
     if not GRES_ONE_GPU.fullmatch(res.gres):
         return f"gres {res.gres!r} is not `gpu:1` or `gpu:<type>:1` (one GPU: the trainer runs one process)"
     if any(c.isspace() or not c.isprintable() for c in res.constraint):

@@ -449,6 +449,7 @@ def _devices(table: Mapping[str, Any]) -> Mapping[int, DeviceProfile]:
 _PARSERS = {"devices": _devices, "slurm_resources": parse_slurm_resources}
 
 __all__ = ["Settings", "Tier", "DeviceProfile", "TIERS", "SDXL_HPARAMS", "LORA_TARGET_PRESETS",
-           "DEFAULT_LORA_TARGETS", "SAVE_PRECISION_DTYPES", "LORA_DTYPE", "DEFAULT_DEVICES", "TRAINER_KINDS", "SlurmResources",
+           "DEFAULT_LORA_TARGETS", "SAVE_PRECISION_DTYPES", "LORA_DTYPE", "DEFAULT_DEVICES", "TRAINER_KINDS",
+           "SlurmResources",
            "SIMULATED", "BACKENDS", "load_settings", "refuse_simulated_when_deployed",
            "settings_to_json", "settings_from_json"]

@@ -53,7 +53,8 @@ def create_job(db: Database, columns: dict[str, Any], *, actor: str = "api") -> 
 def lora_file_taken(db: Database, lora_file: str) -> JobActive:
     """The 409 for a second active job on one LoRA file (the index `one_active_job_per_lora`), naming the holder."""
     with db.read() as s:
-        holder = s.scalars(select(Job).where(Job.lora_file == lora_file, Job.status.in_([st.value for st in ACTIVE_STATES]))).first()
+        holder = s.scalars(select(Job).where(Job.lora_file == lora_file,
+                                             Job.status.in_(_values(ACTIVE_STATES)))).first()
     holder_id = holder.id if holder else None
     return JobActive(f"Job {holder_id if holder_id is not None else '?'} is already active and writes {lora_file}; "
                      "a second job would overwrite its LoRA.", active_job_id=holder_id, lora_file=lora_file,

@@ -258,8 +258,8 @@ def node_sandbox_check(settings: Settings) -> Check:
             "--time=1", f"--immediate={NODE_PROBE_WAIT_S}", "--job-name=lora-worker-doctor", "--quiet",
             sys.executable, "-m", "lora_worker.run.node", "--probe", settings.sandbox]
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=NODE_PROBE_TIMEOUT_S,  # noqa: S603
-                              stdin=subprocess.DEVNULL, check=False)
+        done = subprocess.run(argv, capture_output=True, text=True, errors="replace",  # noqa: S603 - fixed argv
+                              timeout=NODE_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return Check(name, False, f"srun cannot run here ({exc}); the nodes' sandbox is unchecked", required=False)
     said = (done.stdout.strip() or done.stderr.strip()).splitlines()

@@ -69,7 +69,8 @@ def why_not(spec: Spec) -> str | None:
     for stream in (sys.stdout, sys.stderr):
         now = fs.FileId.of(os.fstat(stream.fileno()))
         if str(now) != spec.log_id:
-            return f"the job's output is not the log file the worker made ({spec.log_file}: was {spec.log_id}, now {now})"
+            return (f"the job's output is not the log file the worker made ({spec.log_file}: was {spec.log_id}, "
+                    f"now {now})")
     if problem := sandbox.unavailable(spec.settings):
         return f"on node {os.uname().nodename}, {problem}"
     return what_moved(spec.job)

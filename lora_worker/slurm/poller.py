@@ -291,7 +291,8 @@ class Poller:
                 artifact.append(verify_lora(Path(job.lora_file), recorded_lora(job)))  # held to the row
                 return artifact[-1]
 
-            outcome = refused_outcome(self.settings, job.id, f.output.tail) or settle(known, slurm_job_id=job.slurm_job_id or "?", recorded=recorded,
+            refused = refused_outcome(self.settings, job.id, f.output.tail)  # the node's pre-exec look said no
+            outcome = refused or settle(known, slurm_job_id=job.slurm_job_id or "?", recorded=recorded,
                              cancel_requested=job.cancel_requested_at is not None,
                              stalled_in=f.watchdog.stalled_in if f.watchdog else None, requeued=f.requeued,
                              progress=f.output.progress,

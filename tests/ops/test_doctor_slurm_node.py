@@ -38,7 +38,7 @@ def test_a_node_without_bubblewrap_fails_saying_how_to_fix_it(host: Host, tmp_pa
 
 
 def test_no_free_node_is_a_warning_not_a_failure(host: Host, tmp_path: Path):
-    bins = fake_srun(tmp_path / "bin", "echo 'srun: error: Unable to allocate resources: Requested nodes are busy' >&2; "
-                                       "exit 1")
+    busy = "srun: error: Unable to allocate resources: Requested nodes are busy"
+    bins = fake_srun(tmp_path / "bin", f"echo '{busy}' >&2; exit 1")
     check = node_sandbox_check(host.settings.with_overrides(backend="slurm", slurm_bin_dir=bins))
     assert not check.ok and not check.required

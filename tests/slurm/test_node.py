@@ -88,7 +88,8 @@ def test_on_the_node_the_trainer_runs_in_the_jobs_sandbox(boxed: SlurmWorker):
     (boxed.host.sd_scripts / "sdxl_train_network.py").write_text(textwrap.dedent(f"""
         import json, os, sys
         args = dict(a[2:].split('=', 1) for a in sys.argv[1:] if '=' in a)
-        seen = {{"token": os.path.exists({str(token)!r}), "ledger": os.path.exists({str(boxed.settings.database_path)!r}),
+        seen = {{"token": os.path.exists({str(token)!r}),
+                "ledger": os.path.exists({str(boxed.settings.database_path)!r}),
                 "spec": os.path.exists({str(spec_path(boxed.settings, 1))!r}),
                 "processes": len([p for p in os.listdir("/proc") if p.isdigit()]),
                 "dataset": sorted(os.listdir(args["train_data_dir"]))}}

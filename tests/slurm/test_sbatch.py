@@ -86,7 +86,8 @@ def test_a_train_id_outside_the_bmp_runs_on_slurm_as_locally(slurm: SlurmWorker)
     job = slurm.job(answer.get_json()["worker_job_id"])
     assert "\U0001f600" in job.output_dir
     sid = job.slurm_job_id
-    assert run_batch_script(slurm.scheduler.scripts[sid], slurm.scheduler.args[sid], log_path(slurm.settings, job.id)) == 0
+    assert run_batch_script(slurm.scheduler.scripts[sid], slurm.scheduler.args[sid],
+                            log_path(slurm.settings, job.id)) == 0
     assert rc_path(slurm.settings, job.id).read_text() == "0\n"
     assert os.path.isfile(job.lora_file)
 
@@ -119,7 +120,8 @@ def test_the_script_outlives_a_term_to_the_whole_job_and_records_the_trainers_si
 
 
 def test_the_trainer_gets_the_stored_env_and_slurms_gpu(slurm: SlurmWorker):
-    proc, job = run_script(slurm, ["/usr/bin/python3", "-c", "import os; print('GPU=' + os.environ['CUDA_VISIBLE_DEVICES'],"
+    proc, job = run_script(slurm, ["/usr/bin/python3", "-c",
+                                   "import os; print('GPU=' + os.environ['CUDA_VISIBLE_DEVICES'],"
                                    " 'TOKEN=' + os.environ.get('SECRET_OF_THE_WEB', '-'), 'CWD=' + os.getcwd())"],
                            env={"CUDA_VISIBLE_DEVICES": "0", "SECRET_OF_THE_WEB": "x"})
     assert proc.wait(30) == 0

@@ -54,7 +54,8 @@ def test_completed_with_a_verified_lora_is_succeeded(slurm: SlurmWorker):
     job = slurm.submit()
     sid = job.slurm_job_id
     slurm.scheduler.set(sid, "RUNNING")
-    assert run_batch_script(slurm.scheduler.scripts[sid], slurm.scheduler.args[sid], log_path(slurm.settings, job.id)) == 0
+    assert run_batch_script(slurm.scheduler.scripts[sid], slurm.scheduler.args[sid],
+                            log_path(slurm.settings, job.id)) == 0
     slurm.scheduler.set(sid, "COMPLETED", code=0, signal=0)
     slurm.cycles()
     row = slurm.job(job.id)
@@ -80,7 +81,8 @@ def test_failed_takes_its_class_from_the_log(slurm: SlurmWorker):
     set_modes(slurm.settings.sd_scripts_dir, oom_at_step=2)
     job = slurm.submit()
     sid = job.slurm_job_id
-    assert run_batch_script(slurm.scheduler.scripts[sid], slurm.scheduler.args[sid], log_path(slurm.settings, job.id)) == 1
+    assert run_batch_script(slurm.scheduler.scripts[sid], slurm.scheduler.args[sid],
+                            log_path(slurm.settings, job.id)) == 1
     slurm.scheduler.set(sid, "FAILED", code=1, signal=0)
     slurm.cycles()
     row = slurm.job(job.id)
@@ -101,7 +103,8 @@ def test_exit_200_is_recorded_as_200_not_saccts_truncated_72(slurm: SlurmWorker)
     sid = job.slurm_job_id
     # The stored argv, replaced by one that exits 200, through the generated script as a node runs it.
     with_argv(slurm.settings, job.id, ["/bin/sh", "-c", "exit 200"])
-    assert run_batch_script(slurm.scheduler.scripts[sid], slurm.scheduler.args[sid], log_path(slurm.settings, job.id)) == 1
+    assert run_batch_script(slurm.scheduler.scripts[sid], slurm.scheduler.args[sid],
+                            log_path(slurm.settings, job.id)) == 1
     slurm.scheduler.set(sid, "FAILED", code=72, signal=0)
     slurm.cycles()
     assert (slurm.job(job.id).exit_code, slurm.job(job.id).failure_class) == (200, "trainer_crashed")

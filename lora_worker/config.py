@@ -15,6 +15,8 @@ from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
+from lora_worker.config_slurm import (DEFAULT_SLURM_RESOURCES, SlurmResources, parse_slurm_resources,
+                                       resources_problem, resources_to_json)
 from lora_worker.errors import ConfigError
 from lora_worker import binds
 
@@ -212,6 +214,8 @@ class Settings:
     slurm_time_limit_min: Mapping[str, int] = field(default_factory=lambda: DEFAULT_SLURM_TIME_LIMIT_MIN)
     slurm_mem_mb: Mapping[str, int] = field(default_factory=lambda: DEFAULT_SLURM_MEM_MB)
     slurm_poll_interval_s: float = 2.0
+    # tier -> SlurmResources (gres, constraint, train_batch_size, mixed_precision); tiers not named keep the default.
+    slurm_resources: Mapping[str, SlurmResources] = field(default_factory=lambda: DEFAULT_SLURM_RESOURCES)
     # Webhooks (lora_worker/webhooks/): arbo's endpoint, from here only (a request may only opt out or choose
     # event types). Unset: no job subscribes, and nothing is sent. The secret is a file, never a setting's value:
     # `$CREDENTIALS_DIRECTORY/webhook_secret` (LoadCredential=) wins over `webhook_secret_file`.
@@ -232,6 +236,8 @@ class Settings:
             raise ConfigError(f"setting 'backend': {self.backend!r} is not one of {list(BACKENDS)}")
         if self.backend == "slurm":
             self._check_slurm()
+            if problem := resources_problem(self.slurm_resources):
+                raise ConfigError(f"setting 'slurm_resources': {problem}")
         if self.webhook_url is not None:
             self._check_webhooks()
         if self.sandbox == "bwrap":
@@ -321,6 +327,20 @@ class Settings:
     def device(self, index: int) -> DeviceProfile | None:
         return self.devices.get(index)
 
+    @property
+    def device_profiles_apply(self) -> bool:
+        """Whether `device_index` picks the card, and with it the batch size, precision and allowed tiers: on
+        this host, yes. Under Slurm, no: Slurm picks the GPU among those the tier's `slurm_resources` allow, and
+        those resources say the batch size and precision; `device_index` is then accepted and has no effect."""
+        return self.backend != "slurm"
+
+    def trainer_profile(self, tier: str, device_index: int) -> tuple[int, str]:
+        """(train_batch_size, mixed_precision) of a job: the local card's, or the tier's Slurm resources'."""
+        if self.device_profiles_apply:
+            return self.devices[device_index].train_batch_size, "bf16"
+        res = self.slurm_resources[tier]
+        return res.train_batch_size, res.mixed_precision
+
     def with_overrides(self, **changes: Any) -> Settings:
         return replace(self, **changes)
 
@@ -370,6 +390,8 @@ def settings_to_json(settings: Settings) -> str:
         if f.name == "devices":
             value = {str(i): {"label": d.label, "tiers": sorted(d.tiers), "train_batch_size": d.train_batch_size,
                               "vram_mib": dict(d.vram_mib)} for i, d in value.items()}
+        elif f.name == "slurm_resources":
+            value = resources_to_json(value)
         elif isinstance(value, Mapping):
             value = dict(value)
         elif isinstance(value, tuple):
@@ -385,7 +407,7 @@ def settings_from_json(text: str) -> Settings:
     return Settings(**{name: _coerce(name, value) for name, value in doc.items() if value is not None})
 
 
-_ENV_JSON_TABLES = {"slurm_time_limit_min", "slurm_mem_mb"}
+_ENV_JSON_TABLES = {"slurm_time_limit_min", "slurm_mem_mb", "slurm_resources"}
 _TABLE_FIELDS = {"devices", "disk_mib", "stall_limits_s"} | _ENV_JSON_TABLES
 _TIER_TABLE_DEFAULTS: Mapping[str, Mapping[str, int]] = MappingProxyType({
     "disk_mib": DEFAULT_DISK_MIB, "slurm_time_limit_min": DEFAULT_SLURM_TIME_LIMIT_MIN,
@@ -419,8 +441,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
 def _coerce(name: str, value: Any) -> Any:
     kind = _FIELD_TYPES[name]
     try:
-        if name == "devices":
-            return _devices(value)
+        if name in _PARSERS:
+            return _PARSERS[name](value)
         if name in ("stall_limits_s", *_TIER_TABLE_DEFAULTS):
             default = _TIER_TABLE_DEFAULTS.get(name, DEFAULT_STALL_LIMITS_S)
             unknown = set(map(str, dict(value))) - set(default)
@@ -481,7 +503,10 @@ def _devices(table: Mapping[str, Any]) -> Mapping[int, DeviceProfile]:
     return MappingProxyType(profiles)
 
 
+_PARSERS = {"devices": _devices, "slurm_resources": parse_slurm_resources}
+
 __all__ = ["Settings", "Tier", "DeviceProfile", "TIERS", "SDXL_HPARAMS", "LORA_TARGET_PRESETS",
            "DEFAULT_LORA_TARGETS", "SAVE_PRECISION_DTYPES", "LORA_DTYPE", "DEFAULT_DEVICES", "TRAINER_KINDS",
+           "SlurmResources",
            "SIMULATED", "BACKENDS", "load_settings", "refuse_simulated_when_deployed",
            "settings_to_json", "settings_from_json"]

@@ -58,14 +58,14 @@ ENV_KEYS: tuple[str, ...] = (
 )
 
 
-def launcher_argv(settings: Settings) -> list[str]:
+def launcher_argv(settings: Settings, mixed_precision: str = "bf16") -> list[str]:
     # Every launcher setting pinned on the command line: a stray accelerate config could otherwise turn on
     # multi-GPU, DeepSpeed or gpu_ids (which overrides CUDA_VISIBLE_DEVICES).
     return [
         str(settings.accelerate), "launch",
         "--num_processes=1",
         "--num_machines=1",
-        "--mixed_precision=bf16",
+        f"--mixed_precision={mixed_precision}",
         "--dynamo_backend=no",
         f"--num_cpu_threads_per_process={settings.cpu_threads}",
         str(settings.train_script),
@@ -76,7 +76,7 @@ def script_args(req: ResolvedRequest, settings: Settings) -> list[tuple[str, str
     """The `--key=value` pairs, in SCRIPT_KEYS order. Paths become text here, and only here."""
     # Rank and steps come from the expected LoRA, so what the trainer is told is what its file is held to.
     lora = req.expected
-    device = settings.devices[req.device_index]
+    batch_size, mixed_precision = settings.trainer_profile(req.tier.name, req.device_index)
     max_grad_norm = repr(float(req.max_grad_norm)) if req.max_grad_norm is not None \
         else SDXL_HPARAMS["max_grad_norm"]
     values: dict[str, str | None] = {
@@ -93,7 +93,7 @@ def script_args(req: ResolvedRequest, settings: Settings) -> list[tuple[str, str
         "network_dim": str(lora.rank),
         "network_alpha": str(lora.rank),
         "network_args": _network_arg(req, lora.rank),
-        "mixed_precision": "bf16",  # the script's own flag wins over the launcher's
+        "mixed_precision": mixed_precision,  # the script's own flag wins over the launcher's
         "learning_rate": SDXL_HPARAMS["learning_rate"],
         "lr_scheduler": SDXL_HPARAMS["lr_scheduler"],
         "optimizer_type": SDXL_HPARAMS["optimizer_type"],
@@ -101,7 +101,7 @@ def script_args(req: ResolvedRequest, settings: Settings) -> list[tuple[str, str
         "noise_offset": SDXL_HPARAMS["noise_offset"],
         "max_grad_norm": max_grad_norm,
         "max_train_steps": str(lora.steps),
-        "train_batch_size": str(device.train_batch_size),
+        "train_batch_size": str(batch_size),
         "max_data_loader_n_workers": SDXL_HPARAMS["max_data_loader_n_workers"],
         "seed": str(req.seed),
     }
@@ -111,7 +111,8 @@ def script_args(req: ResolvedRequest, settings: Settings) -> list[tuple[str, str
 def build_argv(req: ResolvedRequest, settings: Settings) -> list[str]:
     """The complete argv, stored in the job row and executed verbatim by the supervisor."""
     pairs = [f"--{key}={value}" for key, value in script_args(req, settings)]
-    return [*launcher_argv(settings), *pairs, *SCRIPT_FLAGS]
+    _, mixed_precision = settings.trainer_profile(req.tier.name, req.device_index)
+    return [*launcher_argv(settings, mixed_precision), *pairs, *SCRIPT_FLAGS]
 
 
 def build_env(req: ResolvedRequest, settings: Settings) -> dict[str, str]:

@@ -126,9 +126,9 @@ class Dispatcher:
         for slot in slots:
             try:
                 return repo.create_job(self.db, {**columns, "slot": slot})
-            except JobActive:
-                if len(slots) == 1:
-                    raise
+            except JobActive as exc:
+                if len(slots) == 1 or "lora_file" in exc.details:
+                    raise  # the one slot, or another active job writes this LoRA file: no other slot changes that
         oldest = repo.active_job(self.db)
         raise JobActive(f"{len(slots)} jobs are already active on {self.backend.label} (max_active_jobs).",
                         active_job_id=oldest.id if oldest else None)
@@ -136,7 +136,8 @@ class Dispatcher:
     def resolve(self, request: TrainRequest) -> ResolvedRequest:
         """Resolve and contain every path: `<train root>/<train_id>/` for data and output, a models dir for
         the base model. The resolved paths are what the trainer receives."""
-        check_device(request.tier, request.device_index, self.settings)
+        if self.settings.device_profiles_apply:  # under Slurm, device_index is accepted and has no effect
+            check_device(request.tier, request.device_index, self.settings)
         root = paths.real_train_root(self.settings.train_root)
         dataset = paths.resolve_dir(request.dataset_dir, root, "dataset_dir")
         output = paths.resolve_new_dir(request.output_dir, root, "output_dir")

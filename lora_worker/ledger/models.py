@@ -142,6 +142,9 @@ class Job(Base):
         CheckConstraint(PHASE_CHECK, name="phase_valid"),
         CheckConstraint(FAILURE_CHECK, name="failure_class_valid"),
         Index("one_active_job", "slot", unique=True, sqlite_where=text(ACTIVE_WHERE)),
+        # At most one active job per LoRA file, on every backend: a second save would overwrite the first's
+        # verified LoRA (migration 0011; repository.create_job answers 409 job_active naming the holder).
+        Index("one_active_job_per_lora", "lora_file", unique=True, sqlite_where=text(ACTIVE_WHERE)),
         Index("ix_jobs_status_id", "status", "id"),
         Index("ix_jobs_idempotency_key", "idempotency_key", unique=True,
               sqlite_where=text("idempotency_key IS NOT NULL")),

@@ -40,6 +40,8 @@ def create_job(db: Database, columns: dict[str, Any], *, actor: str = "api") -> 
             _event(s, job.id, None, JobState.QUEUED, actor, "accepted")
             outbox.emit(_on(s), job.id, outbox.QUEUED)  # committed with the row, or not at all
     except sqlalchemy.exc.IntegrityError as exc:
+        if "jobs.lora_file" in str(exc):
+            raise lora_file_taken(db, str(columns.get("lora_file"))) from exc
         if "jobs.slot" not in str(exc):
             raise  # e.g. a duplicate idempotency key: the caller looks the key up again
         active = active_job(db)
@@ -48,6 +50,17 @@ def create_job(db: Database, columns: dict[str, Any], *, actor: str = "api") -> 
             active_job_id=active.id if active else None,
         ) from exc
     return job
+
+
+def lora_file_taken(db: Database, lora_file: str) -> JobActive:
+    """The 409 for a second active job on one LoRA file (the index `one_active_job_per_lora`), naming the holder."""
+    with db.read() as s:
+        holder = s.scalars(select(Job).where(Job.lora_file == lora_file,
+                                             Job.status.in_(_values(ACTIVE_STATES)))).first()
+    holder_id = holder.id if holder else None
+    return JobActive(f"Job {holder_id if holder_id is not None else '?'} is already active and writes {lora_file}; "
+                     "a second job would overwrite its LoRA.", active_job_id=holder_id, lora_file=lora_file,
+                     retry_after_s=holder.eta_s if holder else None)
 
 
 def get_job(db: Database, job_id: int) -> Job:

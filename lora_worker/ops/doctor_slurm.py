@@ -7,6 +7,7 @@ import os
 import pwd
 import stat
 import subprocess
+import sys
 
 from lora_worker.config import Settings
 from lora_worker.dispatch.readiness import Check
@@ -27,7 +28,38 @@ def slurm_checks(settings: Settings) -> list[Check]:
     partitions = _partitions(answer.stdout)
     return [Check("slurm sinfo", True, f"answers: {len(partitions)} partition(s)"),
             *_partition_checks(settings.slurm_partition, partitions), _proctrack_check(settings),
-            _sacct_check(settings), _log_dir_check(settings)]
+            _sacct_check(settings), _log_dir_check(settings), node_sandbox_check(settings)]
+
+
+NODE_PROBE_WAIT_S = 10  # srun --immediate: a busy partition is said so, never waited on
+NODE_PROBE_TIMEOUT_S = 45.0
+
+
+def node_sandbox_check(settings: Settings) -> Check:
+    """Whether a node of the partition can start the trainer as the batch job will: this worker's interpreter
+    and package there (the batch script runs them), and bwrap able to make its namespaces, probed by the same
+    code the local check runs (run/node.py --probe). A node without bwrap refuses every job (launch_error);
+    this says so before one is sent. One node, whichever Slurm gives: nodes installed alike are assumed."""
+    name = f"slurm node sandbox in {settings.slurm_partition}"
+    command = str(settings.slurm_bin_dir / "srun") if settings.slurm_bin_dir else "srun"
+    argv = [command, f"--partition={settings.slurm_partition}", "--nodes=1", "--ntasks=1", "--mem=64",
+            "--time=1", f"--immediate={NODE_PROBE_WAIT_S}", "--job-name=lora-worker-doctor", "--quiet",
+            sys.executable, "-m", "lora_worker.run.node", "--probe", settings.sandbox]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, errors="replace",  # noqa: S603 - fixed argv
+                              timeout=NODE_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Check(name, False, f"srun cannot run here ({exc}); the nodes' sandbox is unchecked", required=False)
+    said = (done.stdout.strip() or done.stderr.strip()).splitlines()
+    last = said[-1][:300] if said else f"srun exited {done.returncode}"
+    if done.returncode == 0 and last == "ok":
+        return Check(name, True, f"sandbox {settings.sandbox} works on a node, with {sys.executable}")
+    if "bwrap" in last or "namespaces" in last or "sandbox" in last:
+        return Check(name, False, f"{last}; every job would end launch_error there; fix: install bubblewrap on "
+                     "every node (apt-get install bubblewrap) and allow unprivileged user namespaces")
+    busy = "allocat" in last.lower()  # no node free within --immediate: unchecked, not failed
+    return Check(name, False, f"{last}; fix: " + ("run doctor again when a node of the partition is free" if busy
+                 else f"install this worker at {sys.executable} on the nodes (shared storage)"), required=not busy)
 
 
 def _slurm(settings: Settings, name: str, *args: str) -> subprocess.CompletedProcess[str] | str:

@@ -24,7 +24,7 @@ from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job
 from lora_worker.slurm import NAME
 from lora_worker.slurm.process import ensure_poller, poller_running, replace_stuck, stuck_poller
-from lora_worker.slurm.sbatch import sbatch_options, write_script
+from lora_worker.slurm.sbatch import submit
 from lora_worker.slurm.scheduler import Scheduler, SchedulerUnavailable
 from lora_worker.slurm.states import stage
 
@@ -54,14 +54,7 @@ class SlurmBackend:
     def launch(self, job_id: int, settings: Settings) -> None:
         db, scheduler = self._db(settings), self._scheduler(settings)
         job = repo.get_job(db, job_id)
-        try:
-            script = write_script(job, settings)
-        except OSError as exc:
-            raise LaunchFailed(f"Cannot write the Slurm batch script of job {job_id}: {exc}", job_id=job_id) from exc
-        try:
-            slurm_job_id = scheduler.submit(sbatch_options(job, settings), script)
-        except SchedulerUnavailable as exc:
-            raise LaunchFailed(f"Slurm refused job {job_id}: {exc}", job_id=job_id) from exc
+        slurm_job_id = submit(job, settings, scheduler)  # LaunchFailed with no job of its name left running
         try:
             if not repo.record_slurm_job(db, job_id, slurm_job_id):
                 raise LaunchFailed(f"Job {job_id} left the queue while Slurm accepted it.", job_id=job_id)

@@ -28,7 +28,7 @@ from lora_worker.host.safetensors import ArtifactCheck, verify_lora
 from lora_worker.ledger.models import Job, utcnow
 from lora_worker.slurm.ledger import SlurmLedger
 from lora_worker.slurm.nodelog import NodeLog
-from lora_worker.slurm.sbatch import log_path
+from lora_worker.slurm.sbatch import log_path, refused_outcome
 from lora_worker.slurm.scheduler import Scheduler, SlurmJob
 from lora_worker.slurm.states import Stage, settle, stage
 from lora_worker.states import FailureClass, JobState, Phase
@@ -230,10 +230,11 @@ class SlurmRun:
             artifact.append(verify_lora(Path(job.lora_file), recorded_lora(job)))  # held to the row
             return artifact[-1]
 
-        outcome = settle(known, slurm_job_id=job.slurm_job_id or "?", recorded=recorded,
-                         cancelled=self._cancelled(known), requeued=self.requeued,
-                         stalled_in=self.watchdog.stalled_in if self.watchdog else None,
-                         progress=self.output.progress, log_tail=self.output.tail, verify=verify)
+        refused = refused_outcome(self.settings, job.id, self.output.tail)  # the node's pre-exec look said no
+        outcome = refused or settle(known, slurm_job_id=job.slurm_job_id or "?", recorded=recorded,
+                                    cancelled=self._cancelled(known), requeued=self.requeued,
+                                    stalled_in=self.watchdog.stalled_in if self.watchdog else None,
+                                    progress=self.output.progress, log_tail=self.output.tail, verify=verify)
         extra = artifact_values(artifact[-1], recorded_commit=job.sd_scripts_commit) \
             if artifact and outcome.state is JobState.SUCCEEDED else {}
         self.output.note(f"Slurm job {job.slurm_job_id}: {known.detail if known else 'unknown to Slurm'}; "

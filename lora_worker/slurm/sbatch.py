@@ -1,68 +1,55 @@
-"""A job's submission to Slurm: its batch script, the sbatch flags, and the files the node writes back.
+"""A job's submission to Slurm: its batch script, the sbatch flags, the files the node writes back, and what is
+done when sbatch fails after slurmctld may already have queued the job.
 
 Under `slurm_log_dir` (storage the node and the worker both see) each job has:
-- `<id>.sbatch`: the batch script, written here once (O_EXCL: never a second job's, never through a link);
-- `<id>.log`: sbatch's `--output`, the trainer's stdout and stderr byte for byte (tqdm's `\\r` redraws kept),
-  which the poller tails with the supervisor's parser;
-- `<id>.rc`: the trainer's own exit status, as a Popen return code (negative: killed by that signal), written by
-  the batch script once the trainer has ended (write, fsync, rename: the poller never reads half of it).
+- `<id>.sbatch`: the batch script, the same three lines for every job: it runs `python -m lora_worker.run.node`
+  with the worker's own interpreter on the job's spec. No value of the job is in it;
+- `<id>.job.json`: that spec, the data the node needs (the row's columns the pre-exec look compares, the argv,
+  the env, the settings), read by the node without following a link and without blocking;
+- `<id>.log`: sbatch's `--output` (`--open-mode=append`), the trainer's stdout and stderr byte for byte, which
+  the poller tails with the supervisor's parser. Made empty here first, so slurmd appends to our file; the
+  node refuses to run when its stdout is another file;
+- `<id>.rc`: the trainer's own exit status, as a Popen return code (negative: killed by that signal), written
+  by the node once the trainer has ended;
+- `<id>.refused`: why the node would not start the trainer (the pre-exec look found something moved, or the
+  sandbox is missing there): the poller ends the row `launch_error` with that sentence.
+Every one of them is created O_CREAT|O_EXCL|O_NOFOLLOW by whoever writes it (here, or run/node.py on the node):
+a name already taken, by a link or anything else, refuses the launch and is never written through.
 
-The batch script is Python, not sh: sacct truncates exit codes above 127, and a shell's `$?` cannot tell exit
-200 from a signal (both read 128 + n), so the script records the exact wait status itself. It ignores SIGTERM
-by a handler that does nothing (the trainer, exec'd afresh, gets the default back; `trap '' TERM` would be
-inherited) so that `scancel --signal=TERM --full` stops the trainer, and the script lives to record how. It runs
-the stored argv, in `sd_scripts_dir`, with the stored env only, plus the GPU Slurm allocated
-(`CUDA_VISIBLE_DEVICES` from the GRES) in place of the one the request named. No sandbox: Slurm's cgroup is
-the job's container on the node.
-
-Flags: `--parsable --no-requeue --gres=gpu:1 --partition=P --time=<tier's minutes> --mem=<tier's MB>
---job-name=lora-<id> --output=<dir>/<id>.log --chdir=<dir>`. `--no-requeue`: a requeued job would be a second
-run under the same id (the reference saw a lost node requeue a job whose trainer still ran).
+Flags: `--parsable --no-requeue --gres=<tier's gres> [--constraint=<tier's>] --partition=P --time=<tier's
+minutes> --mem=<tier's MB> --job-name=<unique name> --output=<dir>/<id>.log --open-mode=append --chdir=<dir>`.
+`--no-requeue`: a requeued job would be a second run under the same id (the reference saw a lost node requeue
+a job whose trainer still ran). The job name (`lora-<id>-<8 hex of the state dir>`) is unique to this worker's
+job, so a job sbatch queued without telling us its id (it timed out, or failed after slurmctld took the job)
+is found by name: adopted when it is the only one, else scancelled, never left running unfollowed.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shlex
+import sys
 from pathlib import Path
 
-from lora_worker.config import Settings
+from lora_worker.config import Settings, settings_to_json
+from lora_worker.errors import LaunchFailed
+from lora_worker.host import fs
 from lora_worker.ledger.models import Job
+from lora_worker.ledger.supervisor import RECORD_COLUMNS
+from lora_worker.slurm.scheduler import Scheduler, SchedulerUnavailable
+from lora_worker.states import FailureClass, JobState
+from lora_worker.transcript.outcome import Outcome
 
 # What Slurm sets for the job that the trainer must see (the GPU it allocated), over the stored env's values.
 FROM_SLURM = ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID")
+NODE_MODULE = "lora_worker.run.node"
+REFUSAL_MAX_BYTES = 16 * 1024
 
-SCRIPT = '''#!/usr/bin/env python3
-# lora-worker: Slurm batch script of job {job_id}, generated at dispatch. It runs the job's stored command once
-# and records the trainer's exit status (a Popen return code) in {rc_name}.
-import os, signal, subprocess, sys
-
-ARGV = {argv}
-CWD = {cwd}
-ENV = {env}
-RC = {rc}
-FROM_SLURM = {from_slurm}
-
-# Outlive the trainer: scancel --signal=TERM --full reaches us too, and we must record how it ended.
-signal.signal(signal.SIGTERM, lambda signum, frame: None)
-env = dict(ENV)
-env.update({{name: os.environ[name] for name in FROM_SLURM if name in os.environ}})
-print("[lora-worker] job {job_id}: Slurm job " + os.environ.get("SLURM_JOB_ID", "?") + " on "
-      + os.uname().nodename + ", CUDA_VISIBLE_DEVICES=" + env.get("CUDA_VISIBLE_DEVICES", ""), flush=True)
-try:
-    trainer = subprocess.Popen(ARGV, cwd=CWD, env=env, stdin=subprocess.DEVNULL)
-except OSError as exc:
-    print("[lora-worker] cannot start the trainer: " + str(exc), flush=True)
-    sys.exit(1)  # no .rc: the poller reads Slurm's FAILED and this line
-rc = trainer.wait()
-tmp = RC + ".tmp"
-with open(tmp, "w") as fh:
-    fh.write(str(rc) + "\\n")
-    fh.flush()
-    os.fsync(fh.fileno())
-os.rename(tmp, RC)
-print("[lora-worker] trainer ended with return code " + str(rc), flush=True)
-sys.exit(0 if rc == 0 else 1)
-'''
+SCRIPT = """#!/bin/sh
+# lora-worker: a Slurm batch job. Its one argument is the job's spec (<id>.job.json); nothing of the job is here.
+exec {python} -m {module} "$1"
+"""
 
 
 def log_path(settings: Settings, job_id: int) -> Path:
@@ -77,26 +64,113 @@ def script_path(settings: Settings, job_id: int) -> Path:
     return settings.slurm_logs / f"{job_id}.sbatch"
 
 
-def batch_script(job: Job, settings: Settings) -> str:
-    rc = rc_path(settings, job.id)
-    return SCRIPT.format(job_id=job.id, rc_name=rc.name, argv=json.dumps(list(job.argv)),
-                         cwd=json.dumps(str(settings.sd_scripts_dir)), env=json.dumps(dict(job.env)),
-                         rc=json.dumps(str(rc)), from_slurm=json.dumps(list(FROM_SLURM)))
+def spec_path(settings: Settings, job_id: int) -> Path:
+    return settings.slurm_logs / f"{job_id}.job.json"
+
+
+def refusal_path(settings: Settings, job_id: int) -> Path:
+    return settings.slurm_logs / f"{job_id}.refused"
+
+
+def job_name(settings: Settings, job_id: int) -> str:
+    """Unique on the cluster: the job id is never reused by this ledger, the state dir tells two workers apart."""
+    return f"lora-{job_id}-{hashlib.sha256(str(settings.state_dir).encode()).hexdigest()[:8]}"
+
+
+def batch_script() -> str:
+    return SCRIPT.format(python=shlex.quote(sys.executable), module=NODE_MODULE)
+
+
+def node_spec(job: Job, settings: Settings, log_id: fs.FileId) -> dict[str, object]:
+    """What run/node.py needs on the node, as data: the row as the supervisor reads it, and where to write."""
+    return {
+        "job": {name: getattr(job, name) for name in RECORD_COLUMNS},
+        "settings": json.loads(settings_to_json(settings)),
+        "cwd": str(settings.sd_scripts_dir),
+        "from_environment": list(FROM_SLURM),
+        "log_file": str(log_path(settings, job.id)), "log_id": str(log_id),
+        "rc_file": str(rc_path(settings, job.id)), "refusal_file": str(refusal_path(settings, job.id)),
+    }
 
 
 def sbatch_options(job: Job, settings: Settings) -> list[str]:
-    return [
-        "--parsable", "--no-requeue", "--gres=gpu:1", f"--partition={settings.slurm_partition}",
-        f"--time={settings.slurm_time_limit_min[job.tier]}", f"--mem={settings.slurm_mem_mb[job.tier]}",
-        f"--job-name=lora-{job.id}", f"--output={log_path(settings, job.id)}", f"--chdir={settings.slurm_logs}",
+    tier, resources = job.tier, settings.slurm_resources[job.tier]
+    options = ["--parsable", "--no-requeue", f"--gres={resources.gres}"]
+    if resources.constraint:
+        options.append(f"--constraint={resources.constraint}")
+    return options + [
+        f"--partition={settings.slurm_partition}", f"--time={settings.slurm_time_limit_min[tier]}",
+        f"--mem={settings.slurm_mem_mb[tier]}", f"--job-name={job_name(settings, job.id)}",
+        f"--output={log_path(settings, job.id)}", "--open-mode=append", f"--chdir={settings.slurm_logs}",
     ]
 
 
-def write_script(job: Job, settings: Settings) -> Path:
-    """The batch script, in a file made now by us: O_EXCL, no link followed."""
+def write_files(job: Job, settings: Settings) -> Path:
+    """The job's log (empty), spec and batch script, each made now by us; the script's path."""
     settings.slurm_logs.mkdir(parents=True, exist_ok=True)
-    path = script_path(settings, job.id)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o750)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(batch_script(job, settings))
-    return path
+    log_id = fs.create_new(str(log_path(settings, job.id)), b"")
+    spec = json.dumps(node_spec(job, settings, log_id), ensure_ascii=False).encode()
+    fs.create_new(str(spec_path(settings, job.id)), spec)
+    script = script_path(settings, job.id)
+    fs.create_new(str(script), batch_script().encode(), 0o750)
+    return script
+
+
+def submit(job: Job, settings: Settings, scheduler: Scheduler) -> str:
+    """The Slurm job id of the job's submission; LaunchFailed when none runs.
+
+    When sbatch fails or times out, slurmctld may have queued the job all the same: it is looked up by its
+    name. One job found is the submission (adopted: its id is returned); several are scancelled; when the lookup
+    cannot be answered, a `scancel --name` is sent anyway before the failure is reported."""
+    try:
+        script = write_files(job, settings)
+    except OSError as exc:
+        raise LaunchFailed(f"Cannot write the Slurm files of job {job.id}: {exc}", job_id=job.id) from exc
+    name = job_name(settings, job.id)
+    try:
+        return scheduler.submit(sbatch_options(job, settings), script, [str(spec_path(settings, job.id))])
+    except SchedulerUnavailable as exc:
+        failure = exc
+    try:
+        found = scheduler.find_by_name(name)
+    except SchedulerUnavailable as exc:
+        _cancel_by_name(scheduler, name)
+        raise LaunchFailed(f"Slurm refused job {job.id}: {failure}; whether it queued the job is unknown "
+                           f"({exc}), so `scancel --name={name}` was sent", job_id=job.id) from failure
+    if len(found) == 1:
+        return found[0]
+    _cancel_by_name(scheduler, name)
+    extra = f"; {len(found)} jobs named {name} were scancelled" if found else ""
+    raise LaunchFailed(f"Slurm refused job {job.id}: {failure}{extra}", job_id=job.id) from failure
+
+
+def _cancel_by_name(scheduler: Scheduler, name: str) -> None:
+    try:
+        scheduler.cancel_by_name(name)
+    except SchedulerUnavailable:
+        pass  # nothing more can be done now; the name stays unique, so an operator's `scancel --name` finds it
+
+
+def refused_outcome(settings: Settings, job_id: int, log_tail: list[str]) -> Outcome | None:
+    """`failed` (`launch_error`) when the node refused to start the trainer (as the local supervisor's pre-exec
+    look does), None when it wrote no refusal."""
+    sentence = refusal(settings, job_id)
+    if sentence is None:
+        return None
+    return Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR, f"The node did not start the trainer: {sentence}",
+                   log_lines=tuple(log_tail))
+
+
+def refusal(settings: Settings, job_id: int) -> str | None:
+    """The node's sentence for a trainer it would not start (run/node.py), None when it wrote none."""
+    try:
+        fd, _ = fs.open_regular(None, str(refusal_path(settings, job_id)))
+    except OSError:
+        return None
+    try:
+        text = fs.read_capped(fd, REFUSAL_MAX_BYTES).decode("utf-8", "replace").strip()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return text or None

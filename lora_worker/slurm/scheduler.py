@@ -88,9 +88,23 @@ class Scheduler:
 
     # -- submission and signals -------------------------------------------------------------------------
 
-    def submit(self, options: list[str], script: Path) -> str:
-        """The new job's id, once sbatch accepted the script; SchedulerUnavailable with sbatch's words if not."""
-        return parse_sbatch(self._ok("sbatch", *options, str(script)))
+    def submit(self, options: list[str], script: Path, args: Iterable[str] = ()) -> str:
+        """The new job's id, once sbatch accepted the script (run with `args`); SchedulerUnavailable with sbatch's
+        words if not."""
+        return parse_sbatch(self._ok("sbatch", *options, str(script), *args))
+
+    def find_by_name(self, name: str) -> list[str]:
+        """The ids of the jobs named `name`: squeue's (pending, running, ended for MinJobAge), else sacct's."""
+        result = self._call("squeue", "--noheader", "--states=all", f"--name={name}", "--format=%i|%T|%r")
+        if result.returncode == 0:
+            return sorted({j.job_id for j in parse_squeue(result.stdout)})
+        out = self._ok("sacct", "--noheader", "--parsable2", "--allocations", f"--name={name}",
+                       "--starttime=now-7days", "--format=JobID,State,ExitCode,Reason")
+        return sorted({j.job_id for j in parse_sacct(out)})
+
+    def cancel_by_name(self, name: str) -> None:
+        """`scancel --name=<name>`: every job of that name, whether or not its id was ever known."""
+        self._ok("scancel", f"--name={name}")
 
     def cancel(self, job_id: str, signal: str | None = None) -> None:
         """`scancel <id>`, or with a signal `scancel --signal=<sig> --full <id>`: the batch shell and every

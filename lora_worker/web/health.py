@@ -1,4 +1,5 @@
-"""GET /healthz: liveness and the active job id. Open without a token; it carries no job data.
+"""GET /healthz: liveness and the active jobs' ids (`active_job_ids`, oldest first: several under Slurm; and
+`active_job_id`, the oldest, as before). Open without a token; it carries no job data.
 
 200 with `status: ok`, or a 503 `ledger_replaced` in the one error shape when the service cannot work as it
 claims (the ledger file deleted or replaced under it), with what it saw in `details` (`health: failing`, the

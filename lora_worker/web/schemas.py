@@ -384,7 +384,10 @@ class HealthSchema(Schema):
     status = fields.String(metadata={"description": "`ok`; when the ledger is not the file the service opened, the "
                                                     "answer is a 503 `ledger_replaced` error instead"})
     ledger = fields.String(metadata={"description": "`ok`, or why the ledger file is not the one opened"})
-    active_job_id = fields.Integer(allow_none=True)
+    active_job_id = fields.Integer(allow_none=True, metadata={
+        "description": "the oldest queued or running job (the only one on the local backend)"})
+    active_job_ids = fields.List(fields.Integer(), metadata={
+        "description": "every queued or running job, oldest first (several under Slurm, max_active_jobs)"})
     nvml = fields.String()
     trainer = fields.String(metadata={"description": "sd-scripts, or simulated: the test double, which trains nothing"})
     sandbox = fields.String(metadata={"description": "the trainer's sandbox in force: `bwrap (<path>)`, `none …`, "

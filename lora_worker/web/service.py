@@ -216,15 +216,16 @@ class Worker:
         problem = self.db.identity_problem()
         if problem is not None:
             # Not the ledger we opened: nothing about jobs can be said, and nothing must be written.
-            return {"status": "failing", "ledger": problem, "active_job_id": None, "nvml": "not checked",
-                    "sandbox": sandbox.describe(self.settings)}
-        active = repo.active_job(self.db)
+            return {"status": "failing", "ledger": problem, "active_job_id": None, "active_job_ids": [],
+                    "nvml": "not checked", "sandbox": sandbox.describe(self.settings)}
+        active_ids = [job.id for job in repo.active_jobs(self.db)]  # one read: the oldest is active_job_id
         try:
             self.nvml.read()
             nvml = "ok"
         except NvmlUnavailable as exc:
             nvml = f"unavailable: {exc.message}"
-        return {"status": "ok", "ledger": "ok", "active_job_id": active.id if active else None, "nvml": nvml,
+        return {"status": "ok", "ledger": "ok", "active_job_id": active_ids[0] if active_ids else None,
+                "active_job_ids": active_ids, "nvml": nvml,
                 "trainer": self.settings.trainer_kind, "sandbox": sandbox.describe(self.settings)}
 
     def reconcile_active(self) -> None:

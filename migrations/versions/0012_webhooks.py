@@ -11,7 +11,7 @@ job's subscription.
   the delete trigger takes them off the counts.
 
 Revision ID: 0012
-Revises: 0010
+Revises: 0011
 Create Date: 2026-12-01
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0012"
-down_revision = "0010"
+down_revision = "0011"
 branch_labels = None
 depends_on = None
 

@@ -49,12 +49,18 @@ def test_on_a_cluster_set_up_as_documented_every_slurm_check_passes(slurm_settin
     checks = slurm_checks(slurm_settings)
     assert [c.name.split(" /")[0] for c in checks] == [
         "slurm sinfo", "slurm partition gpu", "slurm gres gpu in gpu", "slurm proctrack", "slurm sacct",
-        "slurm log dir"]
+        "slurm log dir", "slurm node sandbox in gpu"]
     assert all(c.ok for c in checks), [c.line() for c in checks if not c.ok]
     found = by_name(checks)
     assert found["slurm gres gpu in gpu"].detail == "gpu:fake:2"
     assert found["slurm proctrack"].detail.startswith("proctrack/cgroup")
     assert not list(slurm_settings.slurm_logs.iterdir())  # the probe file is gone again
+
+
+def test_a_node_of_the_cluster_runs_the_sandbox_probe_through_srun(slurm_settings: Settings) -> None:
+    """The batch job's trainer runs in bwrap on the node: doctor asks a node whether it can."""
+    check = by_name(slurm_checks(replace(slurm_settings, sandbox="bwrap")))["slurm node sandbox in gpu"]
+    assert check.ok and "sandbox bwrap works on a node" in check.detail, check.line()
 
 
 def test_the_cli_checks_slurm_instead_of_this_hosts_gpus(slurm_settings: Settings, cluster: Cluster) -> None:

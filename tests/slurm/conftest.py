@@ -56,22 +56,31 @@ class SlurmWorker:
         return self.poller
 
 
-@pytest.fixture
-def slurm(host: Host) -> SlurmWorker:
+def slurm_worker(host: Host, **overrides: object) -> tuple[SlurmWorker, object]:
     from lora_worker import create_app
 
-    settings = host.settings.with_overrides(backend="slurm", max_active_jobs=3)
+    settings = host.settings.with_overrides(backend="slurm", max_active_jobs=3, **overrides)
     upgrade(settings.database_path)
     scheduler, clock = FakeScheduler(), Clock()
     db = Database.open(settings.database_path)
     backend = SlurmBackend(scheduler=scheduler, start_poller=lambda s: None, db=db)
     app = create_app(settings, backend=backend)
     app.config["TESTING"] = True
-    worker = SlurmWorker(host, settings, db, scheduler, clock, app.test_client(), Poller(settings, db, scheduler, clock))
-    yield worker
+    return SlurmWorker(host, settings, db, scheduler, clock, app.test_client(),
+                       Poller(settings, db, scheduler, clock)), app
+
+
+def close_worker(worker: SlurmWorker, app: object) -> None:
     worker.poller.close()
-    app.extensions["lora_worker"].db.dispose()
-    db.dispose()
+    app.extensions["lora_worker"].db.dispose()  # type: ignore[attr-defined]
+    worker.db.dispose()
+
+
+@pytest.fixture
+def slurm(host: Host) -> SlurmWorker:
+    worker, app = slurm_worker(host)
+    yield worker
+    close_worker(worker, app)
 
 
 def steps_bar(step: int, total: int = 400, loss: float = 0.1) -> str:

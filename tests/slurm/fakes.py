@@ -1,12 +1,13 @@
 """A scheduler that answers like Slurm's commands from a table the test sets, and records what it is asked."""
 from __future__ import annotations
 
+import json
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from lora_worker.config import Settings
 from lora_worker.slurm.scheduler import Scheduler, SchedulerUnavailable, SlurmJob
 
 
@@ -31,13 +32,39 @@ class FakeScheduler(Scheduler):
         if self.down:
             raise SchedulerUnavailable(f"{call[0]}: slurm_load_jobs error: Unable to contact slurm controller")
 
-    def submit(self, options: list[str], script: Path) -> str:
-        self._check("sbatch", *options, str(script))
+    args: dict[str, list[str]] = field(default_factory=dict)
+    names: dict[str, str] = field(default_factory=dict)  # job id -> --job-name
+    # "queue-then-fail" / "queue-then-timeout": sbatch queues the job and then raises, as a slurmctld that
+    # took the job and answered too late (or an sbatch that failed after the RPC) does.
+    sbatch_trouble: str | None = None
+
+    def submit(self, options: list[str], script: Path, args: Iterable[str] = ()) -> str:
+        self._check("sbatch", *options, str(script), *args)
         self.next_id += 1
         sid = str(self.next_id)
-        self.scripts[sid], self.options[sid] = script, options
+        self.scripts[sid], self.options[sid], self.args[sid] = script, options, list(args)
+        self.names[sid] = next(o.split("=", 1)[1] for o in options if o.startswith("--job-name="))
         self.jobs[sid] = SlurmJob(sid, "PENDING", "Priority", detail="PENDING")
+        if self.sbatch_trouble == "queue-then-fail":
+            raise SchedulerUnavailable("sbatch exited 1: sbatch: error: Batch job submission failed: "
+                                       "Socket timed out on send/recv operation")
+        if self.sbatch_trouble == "queue-then-timeout":
+            raise SchedulerUnavailable("sbatch: Command '['sbatch', …]' timed out after 30.0 seconds")
         return sid
+
+    def find_by_name(self, name: str) -> list[str]:
+        self._check("squeue", f"--name={name}")
+        return sorted(sid for sid, n in self.names.items() if n == name and sid in self.jobs)
+
+    def cancel_by_name(self, name: str) -> None:
+        self._check("scancel", f"--name={name}")
+        for sid, n in self.names.items():
+            if n == name and sid in self.jobs and self.jobs[sid].state in ("PENDING", "RUNNING"):
+                self.set(sid, "CANCELLED", detail="CANCELLED by 0")
+
+    def running(self) -> list[str]:
+        """The jobs Slurm would still run (pending or running)."""
+        return sorted(sid for sid, j in self.jobs.items() if j.state in ("PENDING", "RUNNING"))
 
     def cancel(self, job_id: str, signal: str | None = None) -> None:
         self._check("scancel", *((f"--signal={signal}", "--full") if signal else ()), job_id)
@@ -77,8 +104,19 @@ class Clock:
         return self.now
 
 
-def run_batch_script(script: Path, log: Path, timeout: float = 60.0) -> int:
-    """What a node does with the script: run it, its stdout and stderr into sbatch's --output file."""
+def run_batch_script(script: Path, args: list[str], log: Path, timeout: float = 60.0) -> int:
+    """What a node does with the script: run it with its arguments, its stdout and stderr into sbatch's
+    --output file (appended to, as --open-mode=append does)."""
     with log.open("ab") as out:
-        return subprocess.run([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT,
+        return subprocess.run([str(script), *args], stdout=out, stderr=subprocess.STDOUT,
                               timeout=timeout, check=False).returncode
+
+
+def with_argv(settings: Settings, job_id: int, argv: list[str]) -> None:
+    """The job's spec with another stored argv, as if dispatch had built that one (a test's trainer)."""
+    from lora_worker.slurm.sbatch import spec_path
+
+    path = spec_path(settings, job_id)
+    spec = json.loads(path.read_text())
+    spec["job"]["argv"] = argv
+    path.write_text(json.dumps(spec))

@@ -13,7 +13,7 @@ from lora_worker.slurm.poller import UNKNOWN_CYCLES
 from lora_worker.slurm.sbatch import log_path, rc_path
 from tests.slurm.conftest import SlurmWorker, steps_bar
 from tests.helpers import set_modes
-from tests.slurm.fakes import run_batch_script
+from tests.slurm.fakes import run_batch_script, with_argv
 
 TRAINING_LOG = ("loading model for process 0/1\ncaching latents...\nimport network module: networks.lora\n"
                 + steps_bar(0) + steps_bar(120, loss=0.3) + steps_bar(121, loss=0.29))
@@ -54,7 +54,8 @@ def test_completed_with_a_verified_lora_is_succeeded(slurm: SlurmWorker):
     job = slurm.submit()
     sid = job.slurm_job_id
     slurm.scheduler.set(sid, "RUNNING")
-    assert run_batch_script(slurm.scheduler.scripts[sid], log_path(slurm.settings, job.id)) == 0
+    assert run_batch_script(slurm.scheduler.scripts[sid], slurm.scheduler.args[sid],
+                            log_path(slurm.settings, job.id)) == 0
     slurm.scheduler.set(sid, "COMPLETED", code=0, signal=0)
     slurm.cycles()
     row = slurm.job(job.id)
@@ -80,7 +81,8 @@ def test_failed_takes_its_class_from_the_log(slurm: SlurmWorker):
     set_modes(slurm.settings.sd_scripts_dir, oom_at_step=2)
     job = slurm.submit()
     sid = job.slurm_job_id
-    assert run_batch_script(slurm.scheduler.scripts[sid], log_path(slurm.settings, job.id)) == 1
+    assert run_batch_script(slurm.scheduler.scripts[sid], slurm.scheduler.args[sid],
+                            log_path(slurm.settings, job.id)) == 1
     slurm.scheduler.set(sid, "FAILED", code=1, signal=0)
     slurm.cycles()
     row = slurm.job(job.id)
@@ -99,12 +101,10 @@ def test_exit_3_is_a_trainer_crash_with_status_3(slurm: SlurmWorker):
 def test_exit_200_is_recorded_as_200_not_saccts_truncated_72(slurm: SlurmWorker):
     job = slurm.submit()
     sid = job.slurm_job_id
-    script = slurm.scheduler.scripts[sid]
     # The stored argv, replaced by one that exits 200, through the generated script as a node runs it.
-    text = script.read_text()
-    start = text.index("ARGV = ") + len("ARGV = ")
-    script.write_text(text[:start] + '["/bin/sh", "-c", "exit 200"]' + text[text.index("\n", start):])
-    assert run_batch_script(script, log_path(slurm.settings, job.id)) == 1
+    with_argv(slurm.settings, job.id, ["/bin/sh", "-c", "exit 200"])
+    assert run_batch_script(slurm.scheduler.scripts[sid], slurm.scheduler.args[sid],
+                            log_path(slurm.settings, job.id)) == 1
     slurm.scheduler.set(sid, "FAILED", code=72, signal=0)
     slurm.cycles()
     assert (slurm.job(job.id).exit_code, slurm.job(job.id).failure_class) == (200, "trainer_crashed")
@@ -262,6 +262,7 @@ def test_a_link_or_fifo_planted_at_the_log_or_the_status_file_is_never_followed_
     sid = job.slurm_job_id
     secret = slurm.settings.state_dir / "elsewhere.log"
     secret.write_text("loading model for process 0/1\n" + steps_bar(399, loss=0.01))
+    log_path(slurm.settings, job.id).unlink()  # the log dispatch made, swapped for a link
     log_path(slurm.settings, job.id).symlink_to(secret)
     os.mkfifo(rc_path(slurm.settings, job.id))  # an open without O_NONBLOCK would wait here for a writer
     slurm.scheduler.set(sid, "RUNNING")

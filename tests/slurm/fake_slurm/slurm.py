@@ -30,24 +30,35 @@ def record(job_id):
 
 
 def sbatch(args):
+    """`sbatch [options] script [args]`. A `trouble` file beside the tools makes it queue the job, then fail as
+    an sbatch whose answer was lost does: `fail` (exit 1 after the job was queued) or `hang` (never answer)."""
     STATE.mkdir(exist_ok=True)
     counter = STATE / "next_id"
     job_id = int(counter.read_text()) if counter.exists() else 100
     counter.write_text(str(job_id + 1))
-    script, output = args[-1], option(args, "output")
-    (STATE / f"{job_id}.json").write_text(json.dumps({"state": "RUNNING", "options": args[:-1]}))
+    at = next(i for i, a in enumerate(args) if not a.startswith("--"))
+    options, script, script_args, output = args[:at], args[at], args[at + 1:], option(args, "output")
+    (STATE / f"{job_id}.json").write_text(json.dumps({"state": "RUNNING", "options": options,
+                                                      "name": option(options, "job-name")}))
     env = {**os.environ, "SLURM_JOB_ID": str(job_id), "CUDA_VISIBLE_DEVICES": "0"}
-    subprocess.Popen([sys.executable, str(HERE / "slurm.py"), "node", str(job_id), script, output],  # noqa: S603
+    subprocess.Popen([sys.executable, str(HERE / "slurm.py"), "node", str(job_id), output, script, *script_args],  # noqa: S603
                      env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL, close_fds=True)  # sbatch returns at once; the job lives on
+    trouble = troubled()
+    if trouble in ("fail", "fail-blind"):
+        print("sbatch: error: Batch job submission failed: Socket timed out on send/recv operation", file=sys.stderr)
+        return 1
+    if trouble == "hang":
+        time.sleep(3600)
     print(job_id)
     return 0
 
 
-def node(job_id, script, output):
+def node(job_id, output, script, *script_args):
     """The job's life on the node: the batch script with its output into --output, then its ending."""
     with open(output, "ab") as out:  # the job's own session: what scancel --full signals, not this process
-        proc = subprocess.Popen([script], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # noqa: S603
+        proc = subprocess.Popen([script, *script_args], stdout=out, stderr=subprocess.STDOUT,  # noqa: S603
+                                start_new_session=True)
     rec = record(job_id)
     rec["pgid"] = proc.pid
     (STATE / f"{job_id}.json").write_text(json.dumps(rec))
@@ -64,8 +75,24 @@ def ids_of(args):
     return [i for i in (option(args, "jobs") or "").split(",") if i]
 
 
+def troubled():
+    """What the `trouble` file beside the tools says: `fail`, `hang`, or `fail-blind` (sbatch fails after
+    queueing, and squeue and sacct cannot answer either: only scancel works)."""
+    return (HERE / "trouble").read_text().strip() if (HERE / "trouble").exists() else ""
+
+
+def named(args):
+    name = option(args, "name")
+    if name is None:
+        return ids_of(args)
+    return sorted(p.stem for p in STATE.glob("*.json") if p.stem.isdigit() and record(p.stem).get("name") == name)
+
+
 def squeue(args):
-    for job_id in ids_of(args):
+    if troubled() == "fail-blind":
+        print("squeue: error: Unable to contact slurm controller (connect failure)", file=sys.stderr)
+        return 1
+    for job_id in named(args):
         rec = record(job_id)
         if rec is not None:
             print(f"{job_id}|{rec['state']}|None")
@@ -73,6 +100,9 @@ def squeue(args):
 
 
 def sacct(args):
+    if troubled() == "fail-blind":
+        print("sacct: error: Problem talking to the database: Connection refused", file=sys.stderr)
+        return 1
     for job_id in ids_of(args):
         rec = record(job_id)
         if rec is not None:
@@ -82,7 +112,14 @@ def sacct(args):
 
 
 def scancel(args):
-    job_id = args[-1]
+    if option(args, "name") is not None:
+        for job_id in named(args):
+            cancel(args, job_id)
+        return 0
+    return cancel(args, args[-1])
+
+
+def cancel(args, job_id):
     rec = record(job_id)
     if rec is None or rec["state"] != "RUNNING":
         return 0

@@ -62,9 +62,10 @@ class FailureClass(str, Enum):
 # Why `cancelled` even in `saving`: arbo reads `cancelled` as "ended as asked, nothing to do", and a client
 # that cancelled does not want the LoRA; a rule without a timing window ("unless the save had begun") is what it
 # can act on. The ledger enforces it (ledger/statements.py `transition_in`), on both backends.
-CANCEL_RULE = ("A cancel answered 202 never lets the job end `succeeded`: it ends `cancelled`, in every phase, "
-               "`saving` included (the save is stopped; a LoRA written meanwhile is never reported), or `failed` if "
-               "the run had failed on its own first.")
+CANCEL_RULE = ("A cancel stops the trainer if it still runs, in every phase, `saving` included: the job then ends "
+               "`cancelled` (a LoRA being written is moved aside, never reported). A trainer that had already "
+               "ended when the cancel reached it keeps its own outcome: `succeeded` with its verified LoRA, or "
+               "`failed`. The 202 says the cancel is recorded; the job's final `status` says which of the two it was.")
 
 ACTIVE_STATES = frozenset({JobState.QUEUED, JobState.RUNNING})
 TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})

@@ -72,10 +72,7 @@ def _checked(columns: Iterable[str]) -> tuple[str, ...]:
 
 # -- state changes ---------------------------------------------------------------------------------------------
 
-STATUS_SQL = "SELECT status, cancel_requested_at IS NOT NULL FROM jobs WHERE id = ?"
-# What a success writes that a cancelled row must not carry: the LoRA is no answer to a job that was cancelled.
-LORA_COLUMNS = ("lora_path", "lora_sha256", "lora_size")
-CANCEL_WINS = "cancelled; the cancel was requested before the end was recorded (the trainer's LoRA is not reported)"
+STATUS_SQL = "SELECT status FROM jobs WHERE id = ?"
 EVENT_SQL = ("INSERT INTO job_events (job_id, at, from_status, to_status, actor, reason) "
              "VALUES (?, ?, ?, ?, ?, ?)")
 _TRANSITION_SQL: dict[tuple[str, ...], str] = {}
@@ -91,15 +88,12 @@ def transition_in(db: Statements, job_id: int, to: JobState, *, actor: str, reas
     """Move a job to `to` if its current state allows it, with `values` in the same UPDATE; False (and no
     write) if it does not. A compare-and-set on the state read, so a late writer loses instead of overwriting.
 
-    A job whose cancel was requested never becomes `succeeded`: a cancel answered 202 ends the job `cancelled`
-    in every phase, `saving` included, on every backend, though the trainer finished first. The check is in the
-    same transaction as the write, so no cancel can land between them."""
+    How a cancelled job ends is its run's to decide (states.CANCEL_RULE): a trainer still running when the cancel
+    reached it is stopped and the job written `cancelled`; one that had ended keeps the outcome it had."""
     row = db.execute(STATUS_SQL, (job_id,)).fetchone()
     if row is None or to not in TRANSITIONS[JobState(row[0])]:
         return False
     current = JobState(row[0])
-    if row[1]:
-        to, reason, values = _cancel_wins(to, reason, values)
     if to in TERMINAL_STATES:
         values.setdefault("finished_at", utcnow())
         # Nothing is left to wait for: no writer of a terminal state (reconcile's included) leaves an ETA behind.
@@ -117,13 +111,6 @@ def transition_in(db: Statements, job_id: int, to: JobState, *, actor: str, reas
     record_event(db, job_id, current, to, actor, reason)
     outbox.emit_transition(db, job_id, to)  # the webhook event commits with the change, or neither does
     return True
-
-
-def _cancel_wins(to: JobState, reason: str | None, values: dict[str, Any]) -> tuple[JobState, str | None, dict]:
-    """The ending of a job whose cancel was requested: never `succeeded` (states.CANCEL_RULE)."""
-    if to is not JobState.SUCCEEDED:
-        return to, reason, values
-    return JobState.CANCELLED, CANCEL_WINS, {k: v for k, v in values.items() if k not in LORA_COLUMNS}
 
 
 FAILURE_TAIL_LINES = 25  # the log lines a failure quotes: enough for a Python traceback's end

@@ -31,7 +31,7 @@ from typing import Any
 from lora_worker.config import Settings, settings_from_json
 from lora_worker.host import fs, sandbox
 from lora_worker.ledger.supervisor import JobRecord
-from lora_worker.run.prelaunch import what_moved
+from lora_worker.run.prelaunch import check
 
 SPEC_MAX_BYTES = 4 << 20
 USAGE = "usage: python -m lora_worker.run.node <spec.json> | --probe <sandbox>"
@@ -65,7 +65,8 @@ def note(text: str) -> None:
 
 
 def why_not(spec: Spec) -> str | None:
-    """Why the trainer must not start here (a sentence), or None."""
+    """Why the trainer must not start here (a sentence), or None; the directories are looked at last
+    (`check`, whose descriptors the sandbox then binds)."""
     for stream in (sys.stdout, sys.stderr):
         now = fs.FileId.of(os.fstat(stream.fileno()))
         if str(now) != spec.log_id:
@@ -73,7 +74,7 @@ def why_not(spec: Spec) -> str | None:
                     f"now {now})")
     if problem := sandbox.unavailable(spec.settings):
         return f"on node {os.uname().nodename}, {problem}"
-    return what_moved(spec.job)
+    return None
 
 
 def refuse(spec: Spec, sentence: str) -> int:
@@ -104,14 +105,21 @@ def start(spec: Spec) -> int:
     given = ", ".join(f"{name}={env.get(name, '')}" for name in spec.from_environment)
     note(f"job {job.id}: on {os.uname().nodename}, {given}")
     note(f"sandbox: {sandbox.describe(settings)}")
-    if (sentence := why_not(spec)) is not None:  # the last look, right before exec
+    if (sentence := why_not(spec)) is not None:
         return refuse(spec, sentence)
-    paths = sandbox.JobPaths(Path(job.dataset_dir), Path(job.base_model_path), Path(job.output_dir))
-    command = sandbox.wrap(job.argv, paths, settings, sandbox.host_facts(settings))
+    checked = check(job)  # the last look, right before exec; the sandbox binds the very directories it saw
     try:
-        trainer = subprocess.Popen(command, cwd=spec.cwd, env=env, stdin=subprocess.DEVNULL)  # noqa: S603
-    except OSError as exc:
-        return refuse(spec, f"cannot start the trainer: {exc}")
+        if checked.moved is not None:
+            return refuse(spec, checked.moved)
+        paths = sandbox.JobPaths(Path(job.dataset_dir), Path(job.base_model_path), Path(job.output_dir))
+        command = sandbox.wrap(job.argv, paths, settings, sandbox.host_facts(settings), checked.held)
+        try:
+            trainer = subprocess.Popen(command, cwd=spec.cwd, env=env, stdin=subprocess.DEVNULL,  # noqa: S603
+                                       pass_fds=tuple(checked.held.values()))
+        except OSError as exc:
+            return refuse(spec, f"cannot start the trainer: {exc}")
+    finally:
+        checked.close()  # bwrap has its own copies by now
     rc = sandbox.wait_status(trainer.wait(), settings)
     try:
         record_rc(spec.rc_file, rc)

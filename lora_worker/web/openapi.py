@@ -88,8 +88,8 @@ DOCS: dict[str, Doc] = {
                         + CANCEL_RULE, 202, CancelAnswerSchema,
                         errors=("job_not_found", "job_gone", "job_finished", "validation_failed", *LEDGER),
                         query=CancelQuerySchema,
-                        also={200: "With `wait`: the job ended within it (`cancelled`, or `failed` if it failed "
-                                   "on its own first; never `succeeded`)."}),
+                        also={200: "With `wait`: the job ended within it (`cancelled`; or, when its trainer had "
+                                   "ended before the cancel reached it, the outcome it had)."}),
     "deliveries.deliveries": Doc("The job's webhook events, oldest first, each with every attempt to deliver it "
                                  "(time, status code, latency, error).", 200, DeliveriesSchema,
                                  errors=JOB_READ_ERRORS),

@@ -5,7 +5,7 @@ A Slurm row ends outside `queued`/`running` with its `queue_reason` cleared, wha
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -22,8 +22,8 @@ class SlurmLedger:
     db: Database
 
     def update_running(self, job_id: int, *, points: Iterable[tuple[int, float | None, datetime]] = (),
-                       **values: object) -> bool:
-        return repo.update_running(self.db, job_id, points=points, **values)
+                       phases: Sequence[Phase] = (), **values: object) -> bool:
+        return repo.update_running(self.db, job_id, points=points, phases=phases, actor=ACTOR, **values)
 
     def mark_running(self, job_id: int) -> bool:
         return repo.transition(self.db, job_id, JobState.RUNNING, actor=ACTOR, reason="Slurm started the job",

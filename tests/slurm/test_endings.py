@@ -157,7 +157,8 @@ def test_a_job_that_completed_before_its_cancel_reached_it_keeps_its_success(slu
     job = slurm.submit()
     sid = job.slurm_job_id
     slurm.scheduler.set(sid, "RUNNING")
-    assert run_batch_script(slurm.scheduler.scripts[sid], log_path(slurm.settings, job.id)) == 0
+    assert run_batch_script(slurm.scheduler.scripts[sid], slurm.scheduler.args[sid],
+                            log_path(slurm.settings, job.id)) == 0
     slurm.scheduler.set(sid, "COMPLETED", code=0, signal=0)
     assert slurm.client.post(f"/train/{job.id}/cancel").status_code == 202  # between two cycles
     slurm.cycles()

@@ -62,7 +62,10 @@ def test_migration_0011_up_down_up_adds_and_drops_only_the_index(tmp_path):
     assert "one_active_job_per_lora" not in indexes(db) and objects(db) == before
     upgrade(db)  # to the head: 0012's webhook tables and their triggers come on top, the rest as it was
     assert "one_active_job_per_lora" in indexes(db)
-    assert [o for o in objects(db) if "webhook" not in o[1]] == [o for o in before if "webhook" not in o[1]]
+    def without_webhooks(found: list[tuple]) -> list[tuple]:  # 0012's tables, triggers and jobs' one column
+        return [(kind, name, text.replace(", webhook_events TEXT", "")) for kind, name, text in found
+                if "webhook" not in name]
+    assert without_webhooks(objects(db)) == without_webhooks(before)
 
 
 @pytest.mark.parametrize("status", ["queued", "running"])

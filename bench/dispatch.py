@@ -32,7 +32,7 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.host import processes
 from tests.helpers import Host, set_modes, wait_for
-from tests.service import Service
+from tests.helpers.service import Service
 
 GRACE_S = 2.0  # shorter than production's 20 s; the overshoot past it is what is measured
 

@@ -1,7 +1,7 @@
 """Benchmark 2, status under load: `GET /train/<id>` of a running job against `GET /healthz`, through gunicorn.
 
 gunicorn runs exactly as deployed (systemd/gunicorn.conf.py: one gthread worker, 8 threads, access log on),
-configured by LORA_WORKER_* variables (tests/service.py). The job is real: the fake trainer at one step a
+configured by LORA_WORKER_* variables (tests/helpers/service.py). The job is real: the fake trainer at one step a
 second, so its supervisor writes the row once a second (two redraws a step) while we poll. The load
 generator is wrk (Debian package `wrk`), with keep-alive connections, each route for the same duration at
 1, 8 and 32 connections, the two routes alternating so drift on a noisy machine hits both alike (skipped,
@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 from bench.common import Row, arg_parser, bench_host, emit, peak_rss_mib, running_service
 from tests.helpers import Host, set_modes, wait_for
-from tests.service import Service
+from tests.helpers.service import Service
 
 UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 

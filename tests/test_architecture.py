@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from lora_worker.config import REPO_ROOT, Settings
-from tests.service import settings_env
+from tests.helpers.service import settings_env
 
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 WEB_STACK = {"flask", "werkzeug", "marshmallow", "apispec", "apispec_webframeworks", "prometheus_client"}

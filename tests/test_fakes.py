@@ -19,8 +19,7 @@ from lora_worker.host.safetensors import inspect_lora, read_header
 from lora_worker.states import Phase
 from tests.helpers import (DATA, SDXL_TINY, install_fake_trainer, make_dataset, pid_alive, set_modes, wait_for,
                            write_safetensors, write_tokenizer)
-
-ENV = {"PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "250"}
+from tests.helpers.fake_trainer import ENV, argv, run
 
 
 @pytest.fixture
@@ -31,26 +30,6 @@ def rig(tmp_path: Path) -> dict:
     # the capture's dataset: 3 images with captions in "2_ohwx dog"
     dataset = make_dataset(tmp_path / "train", "t1", "2_ohwx dog", images=3)
     return {**install, "model": model, "dataset": dataset, "out": tmp_path / "train" / "t1" / "output" / "run1"}
-
-
-def argv(rig: dict, *extra: str, steps: int = 3) -> list[str]:
-    """The real-run reference's command (run1), pointed at the rig."""
-    return [str(rig["accelerate"]), "launch", "--num_processes", "1", "--num_machines", "1", "--mixed_precision",
-            "no", "--dynamo_backend", "no", "--num_cpu_threads_per_process", "2", "sdxl_train_network.py",
-            f"--pretrained_model_name_or_path={rig['model']}", f"--tokenizer_cache_dir={rig['tokenizer_cache_dir']}",
-            f"--train_data_dir={rig['dataset']}", f"--output_dir={rig['out']}", "--output_name=ohwx",
-            "--save_model_as=safetensors", "--caption_extension=.txt", "--resolution=256",
-            "--network_module=networks.lora", "--network_dim=4", "--network_alpha=4", "--network_train_unet_only",
-            "--cache_latents", "--cache_text_encoder_outputs", "--gradient_checkpointing", "--learning_rate=1e-4",
-            "--lr_scheduler=cosine", "--seed=42", "--min_snr_gamma=5", "--noise_offset=0.1", "--max_grad_norm=1.0",
-            "--sdpa", "--max_data_loader_n_workers=0", "--optimizer_type=AdamW", f"--max_train_steps={steps}",
-            "--train_batch_size=1", "--console_log_simple", *extra]
-
-
-def run(rig: dict, *extra: str, steps: int = 3, **modes: object) -> subprocess.CompletedProcess[bytes]:
-    set_modes(rig["sd_scripts_dir"], **modes)
-    return subprocess.run(argv(rig, *extra, steps=steps), cwd=rig["sd_scripts_dir"], env=ENV, capture_output=True,
-                          timeout=60, start_new_session=True)
 
 
 def capture(name: str, stream: str) -> bytes:

@@ -15,7 +15,7 @@ from lora_worker.states import JobState
 from lora_worker.host import processes
 from lora_worker.host.locks import hold_lock, job_lock_path
 from tests.helpers import pid_alive
-from tests.ledger.test_ledger import columns
+from tests.helpers.ledger import columns
 
 
 @pytest.fixture

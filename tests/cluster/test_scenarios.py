@@ -21,7 +21,7 @@ import pytest
 from lora_worker.config import TIERS
 from lora_worker.host.safetensors import verify_lora
 from tests.helpers import make_host, pid_alive, wait_for
-from tests.service import Service
+from tests.helpers.service import Service
 from tests.cluster.cluster import Cluster
 from tests.cluster.worker import (TERMINAL, Worker, gpus_in_use, slurm_settings, start_worker, stop_poller,
                                 wait_gpus_in_use)

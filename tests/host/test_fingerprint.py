@@ -9,7 +9,7 @@ import sqlite3
 from lora_worker.host.fingerprint import sd_scripts_commit, trainer_versions
 from lora_worker.dispatch.dataset import inspect_dataset
 from tests.helpers import SD_SCRIPTS_COMMIT, TRAINER_VERSIONS
-from tests.run.test_supervisor import TERMINAL, modes, submit, wait_state
+from tests.helpers.runs import TERMINAL, modes, submit, wait_state
 
 
 def query(settings, sql: str, *params: object) -> list[tuple]:

@@ -16,7 +16,7 @@ from lora_worker.ledger.models import Job
 from lora_worker.ledger.supervisor import RECORD_COLUMNS, JobRecord, SupervisorLedger
 from lora_worker.states import FailureClass, JobState
 from tests.helpers import hold_exclusive
-from tests.ledger.test_ledger import columns
+from tests.helpers.ledger import columns
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from lora_worker.config import REPO_ROOT
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.migrate import alembic_config, allow_batch_rename, head_revision
 from lora_worker.states import JobState
-from tests.ledger.test_ledger import columns
+from tests.helpers.ledger import columns
 
 COLUMNS = {
     "v_jobs": ["id", "status", "phase", "tier", "device_index", "train_id", "output_name", "step", "total_steps",

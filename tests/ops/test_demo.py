@@ -28,7 +28,7 @@ from lora_worker.ops.doctor import run_checks
 from lora_worker.host.nvml import FakeNvml
 from lora_worker.transcript.logfile import LogReader
 from tests.helpers import install_script, wait_for
-from tests.service import free_port
+from tests.helpers.service import free_port
 
 DEPLOYED_ONLY = ("INVOCATION_ID", "CREDENTIALS_DIRECTORY")
 

@@ -120,7 +120,7 @@ def test_a_supervisor_that_never_says_ready_fails_the_launch_after_the_timeout(t
 def test_the_real_supervisor_holds_its_job_lock_when_the_launch_returns(migrated, host, db):
     from lora_worker.ledger import repository as repo
     from lora_worker.run.local import LocalBackend, launch_supervisor
-    from tests.ledger.test_ledger import columns
+    from tests.helpers.ledger import columns
 
     job = repo.create_job(db, columns())  # its folders do not exist here: the pre-exec check ends the run
     launch_supervisor(job.id, host.settings)

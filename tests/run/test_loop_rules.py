@@ -18,7 +18,7 @@ from lora_worker.run import requests, runner
 from lora_worker.run.runner import attend
 from lora_worker.transcript.eta import DEFAULT_TAIL_S
 from lora_worker.states import TERMINAL_STATES, JobState, Phase
-from tests.ledger.test_ledger import columns
+from tests.helpers.ledger import columns
 from tests.run.fake_host import LAUNCHER_PID, FakeHost, FakeJob, FakeProcess
 
 TERM, KILL = signal.SIGTERM, signal.SIGKILL

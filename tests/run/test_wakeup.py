@@ -5,7 +5,6 @@ signalled."""
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from lora_worker.host import processes
 from lora_worker.host.process_host import ProcessHost
 from lora_worker.run.local import WAKE_SIGNAL, listen_for_wakeups, wake_supervisor
 from tests.helpers import wait_for
+from tests.helpers.wakeup import heard, listener  # noqa: F401 - listener is a fixture
 
 # -- the real host's waits -----------------------------------------------------------------------------------
 
@@ -107,31 +107,6 @@ def test_without_a_wake_up_fd_the_pause_is_a_plain_sleep():
 
 
 # -- who is signalled ----------------------------------------------------------------------------------------
-
-LISTENER = r"""
-import signal, sys, time
-signal.signal(signal.SIGURG, lambda *a: (sys.stdout.write("woken\n"), sys.stdout.flush()))
-print("listening", flush=True)
-time.sleep(30)
-"""
-
-
-@pytest.fixture
-def listener():
-    """A process that says "woken" on each wake-up signal it receives."""
-    proc = subprocess.Popen([sys.executable, "-c", LISTENER], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline() == "listening\n"
-    with proc:  # closes its stdout
-        yield proc
-        proc.kill()
-
-
-def heard(proc: subprocess.Popen[str], within: float = 0.3) -> bool:
-    assert proc.stdout is not None
-    if not select.select([proc.stdout], [], [], within)[0]:
-        return False
-    assert proc.stdout.readline() == "woken\n"
-    return True
 
 
 def test_the_recorded_supervisor_is_woken(listener):

@@ -7,7 +7,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from lora_worker.config import Settings
+from lora_worker.ledger import repository as repo
+from lora_worker.ledger.db import Database
+from lora_worker.ledger.models import Job
+from lora_worker.slurm.poller import Poller
+from lora_worker.slurm.sbatch import log_path, rc_path
 from lora_worker.slurm.scheduler import Scheduler, SchedulerUnavailable, SlurmJob
+from tests.helpers import Host, payload
 
 
 @dataclass
@@ -79,3 +86,46 @@ def run_batch_script(script: Path, log: Path, timeout: float = 60.0) -> int:
     with log.open("ab") as out:
         return subprocess.run([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT,
                               timeout=timeout, check=False).returncode
+
+
+@dataclass
+class SlurmWorker:
+    host: Host
+    settings: Settings
+    db: Database
+    scheduler: FakeScheduler
+    clock: Clock
+    client: object
+    poller: Poller
+
+    def submit(self, n: int = 0, **overrides: object) -> Job:
+        body = payload(self.host.dataset, self.host.model, output_dir=str(self.host.dataset.parent / f"output{n}"),
+                       **overrides)
+        answer = self.client.post("/train", json=body)
+        assert answer.status_code == 202, answer.get_json()
+        return repo.get_job(self.db, answer.get_json()["worker_job_id"])
+
+    def job(self, job_id: int) -> Job:
+        return repo.get_job(self.db, job_id)
+
+    def log(self, job: Job, text: str | bytes) -> None:
+        data = text.encode() if isinstance(text, str) else text
+        with log_path(self.settings, job.id).open("ab") as fh:
+            fh.write(data)
+
+    def rc(self, job: Job, returncode: int) -> None:
+        rc_path(self.settings, job.id).write_text(f"{returncode}\n")
+
+    def cycles(self, n: int = 1) -> None:
+        for _ in range(n):
+            self.poller.cycle()
+
+    def new_poller(self) -> Poller:
+        self.poller.close()
+        self.poller = Poller(self.settings, self.db, self.scheduler, self.clock)
+        return self.poller
+
+
+def steps_bar(step: int, total: int = 400, loss: float = 0.1) -> str:
+    return f"\rsteps: {100 * step // total:3d}%|#####     | {step}/{total} [00:10<00:12,  2.00it/s, avr_loss={loss}]"
+

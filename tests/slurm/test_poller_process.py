@@ -16,7 +16,7 @@ from lora_worker.run.local import SETTINGS_ENV
 from lora_worker.slurm.backend import SlurmBackend
 from lora_worker.slurm.process import ensure_poller, poller_lock_path, poller_running
 from tests.helpers import pid_alive, wait_for
-from tests.slurm.conftest import SlurmWorker, steps_bar
+from tests.slurm.fakes import SlurmWorker, steps_bar
 
 
 @pytest.fixture

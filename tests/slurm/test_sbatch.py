@@ -9,7 +9,7 @@ import sys
 
 from lora_worker.slurm.sbatch import log_path, rc_path
 from tests.helpers import payload, wait_for
-from tests.slurm.conftest import SlurmWorker
+from tests.slurm.fakes import SlurmWorker
 
 
 def with_argv(script, argv: list[str]) -> None:

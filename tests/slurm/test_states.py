@@ -11,7 +11,7 @@ import pytest
 from lora_worker.ledger import repository as repo
 from lora_worker.slurm.poller import UNKNOWN_CYCLES
 from lora_worker.slurm.sbatch import log_path, rc_path
-from tests.slurm.conftest import SlurmWorker, steps_bar
+from tests.slurm.fakes import SlurmWorker, steps_bar
 from tests.helpers import set_modes
 from tests.slurm.fakes import run_batch_script
 

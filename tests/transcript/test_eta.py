@@ -12,8 +12,8 @@ from lora_worker.ledger.models import utcnow
 from lora_worker.states import JobState, Phase
 from lora_worker.transcript.eta import DEFAULT_TAIL_S, EtaClock, estimate_duration, estimate_tail
 from tests.helpers import wait_for
-from tests.ledger.test_ledger import columns
-from tests.run.test_supervisor import TERMINAL, job, modes, submit, wait_phase, wait_state
+from tests.helpers.ledger import columns
+from tests.helpers.runs import TERMINAL, job, modes, submit, wait_phase, wait_state
 
 TRAINING = Phase.TRAINING
 

@@ -10,8 +10,8 @@ from lora_worker.config import LORA_DTYPE, SDXL_HPARAMS
 from lora_worker.host.safetensors import ExpectedLora, inspect_lora, read_header, verify_lora
 from lora_worker.ledger import repository as repo
 from tests.helpers import SDXL_TINY, install_fake_trainer, make_dataset, write_safetensors
-from tests.run.test_supervisor import TERMINAL, modes, submit, wait_state
-from tests.test_fakes import run
+from tests.helpers.runs import TERMINAL, modes, submit, wait_state
+from tests.helpers.fake_trainer import run
 
 EXPECTED = ExpectedLora(rank=4, output_name="ohwx", steps=3, seed=42, dtype="F16")
 METADATA = {"ss_network_dim": "4", "ss_output_name": "ohwx", "ss_max_train_steps": "3", "ss_seed": "42"}

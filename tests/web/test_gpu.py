@@ -18,7 +18,7 @@ from lora_worker.errors import NvmlUnavailable
 from lora_worker.host.nvml import PynvmlBackend
 from lora_worker.host.locks import gpu_lock_path
 from tests.helpers import fake_gpus, set_modes, wait_for
-from tests.dispatch.test_dispatch import assert_refused
+from tests.helpers.api import assert_refused
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ from lora_worker.host.locks import hold_lock, job_lock_path
 from lora_worker.ledger import repository as repo
 from lora_worker.states import JobState
 from lora_worker.web.buffered_worker import REQUEST_DEADLINE_S
-from tests.ledger.test_ledger import columns
-from tests.service import Service
-from tests.web.test_auth import TOKEN, bearer, write_token
+from tests.helpers.ledger import columns
+from tests.helpers.service import Service
+from tests.helpers.api import TOKEN, bearer, write_token
 
 pytestmark = pytest.mark.slow
 DRIPPERS = 16  # of each kind: twice gunicorn's threads in all

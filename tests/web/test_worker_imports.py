@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from lora_worker.config import REPO_ROOT
-from tests.service import settings_env
+from tests.helpers.service import settings_env
 
 # alembic (and mako, which it loads) ~10 MiB; apispec and its YAML support ~1 MiB.
 NOT_AT_START = ("alembic", "mako", "apispec", "apispec_webframeworks", "yaml", "pygments")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lora_worker.config import REPO_ROOT
-from tests.service import free_port, settings_env
+from tests.helpers.service import free_port, settings_env
 
 pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 

@@ -11,8 +11,8 @@ import pytest
 
 from lora_worker.config import Settings
 from lora_worker.ledger.db import Database
-from lora_worker.ledger.migrate import upgrade
 from tests.helpers import Host, Launches, make_host
+from tests.helpers.ledger import migrated_ledger
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def settings(host: Host) -> Settings:
 
 @pytest.fixture
 def migrated(settings: Settings) -> Settings:
-    upgrade(settings.database_path)
+    migrated_ledger(settings.database_path)
     return settings
 
 

@@ -1,6 +1,7 @@
 """Builders for what the tests need on disk: a fake trainer installation, datasets, models, fake GPUs."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -38,6 +39,12 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]], met
     `hollow`: every tensor indexes 0 bytes, so a full SDXL header makes a file of ~200 KB instead of 6.9 GB. The
     preflight reads names and shapes, never the data; the fake trainer never loads weights (it hashes the file,
     as sd-scripts does, which is why the tests cannot afford the real size)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(safetensors_bytes(tensors, metadata, truncate_by=truncate_by, hollow=hollow))
+
+
+def safetensors_bytes(tensors: dict[str, tuple[str, list[int]]], metadata: dict[str, str] | None = None,
+                      *, truncate_by: int = 0, hollow: bool = False) -> bytes:
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, (dtype, shape) in tensors.items():
@@ -46,13 +53,17 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]], met
         offset += size
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)) + raw + b"\0" * (offset - truncate_by))
+    return struct.pack("<Q", len(raw)) + raw + b"\0" * (offset - truncate_by)
 
 
 # The full SDXL key set (2514 tensors), written hollow: what the preflight accepts, in a small file.
 SDXL_TINY = sdxl_checkpoint_tensors()
+
+
+@functools.cache
+def hollow_sdxl() -> bytes:
+    """SDXL_TINY as a hollow file's bytes, encoded once per process: every host's base model (66 ms each)."""
+    return safetensors_bytes(SDXL_TINY, hollow=True)
 
 
 def png_bytes(width: int = 8, height: int = 8) -> bytes:
@@ -220,7 +231,8 @@ def make_host(root: Path, **settings: Any) -> Host:
     overrides them (the benchmarks run with the production intervals)."""
     install = install_fake_trainer(root / "opt")
     model = root / "models" / "sdxl_tiny.safetensors"
-    write_safetensors(model, SDXL_TINY, hollow=True)
+    model.parent.mkdir(parents=True)
+    model.write_bytes(hollow_sdxl())
     train_root = root / "train"
     dataset = make_dataset(train_root)
     values: dict[str, Any] = {

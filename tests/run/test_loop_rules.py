@@ -52,10 +52,10 @@ def host() -> FakeHost:  # type: ignore[override]  # this module's host is the f
 @pytest.fixture
 def settings(tmp_path) -> Settings:
     from tests.helpers import make_host
-    from lora_worker.ledger.migrate import upgrade
+    from tests.helpers.ledger import migrated_ledger
 
     values = make_host(tmp_path).settings
-    upgrade(values.database_path)
+    migrated_ledger(values.database_path)
     return replace(values, cancel_grace_s=5.0, progress_interval_s=1.0)
 
 

@@ -1,17 +1,14 @@
 """A worker with `backend = "slurm"` whose Slurm is a FakeScheduler: real dispatch, ledger and files."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from lora_worker.ledger.db import Database
-from lora_worker.ledger.migrate import upgrade
 from lora_worker.slurm.backend import SlurmBackend
 from lora_worker.slurm.poller import Poller
 from tests.helpers import Host
-from tests.slurm.fakes import Clock, FakeScheduler
-from tests.slurm.fakes import SlurmWorker
+from tests.helpers.ledger import migrated_ledger
+from tests.slurm.fakes import Clock, FakeScheduler, SlurmWorker
 
 
 @pytest.fixture
@@ -19,7 +16,7 @@ def slurm(host: Host) -> SlurmWorker:
     from lora_worker import create_app
 
     settings = host.settings.with_overrides(backend="slurm", max_active_jobs=3)
-    upgrade(settings.database_path)
+    migrated_ledger(settings.database_path)
     scheduler, clock = FakeScheduler(), Clock()
     db = Database.open(settings.database_path)
     backend = SlurmBackend(scheduler=scheduler, start_poller=lambda s: None, db=db)
@@ -31,5 +28,3 @@ def slurm(host: Host) -> SlurmWorker:
     app.extensions["lora_worker"].db.dispose()
     db.dispose()
 
-
-__all__ = ["SlurmWorker", "steps_bar", "Path"]

@@ -237,9 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.runs, args.ignoring_runs = 1, 1
-    with bench_host(cancel_grace_s=GRACE_S) as host:
-        with running_service(host) as svc:
-            rows, notes = run(svc, host, args.runs, args.ignoring_runs)
+    with bench_host(cancel_grace_s=GRACE_S) as host, running_service(host) as svc:
+        rows, notes = run(svc, host, args.runs, args.ignoring_runs)
     emit("Dispatch and cancel latency", rows, notes)
     return 0
 

@@ -13,6 +13,7 @@ from lora_worker.config import Settings
 from lora_worker.ledger.db import Database
 from tests.helpers import Host, Launches, make_host
 from tests.helpers.ledger import migrated_ledger
+from tests.helpers.wakeup import start_listener
 
 
 @pytest.fixture
@@ -66,6 +67,14 @@ def api(migrated: Settings, launches: Launches):
     application = create_app(migrated, launch=launches)
     yield application.test_client()
     application.extensions["lora_worker"].db.dispose()
+
+
+@pytest.fixture
+def listener():
+    """A process that says "woken" on each wake-up signal it receives (tests/helpers/wakeup.py)."""
+    with start_listener() as proc:  # closes its stdout
+        yield proc
+        proc.kill()
 
 
 @pytest.fixture

@@ -58,7 +58,8 @@ def test_the_steps_bar_is_redrawn_like_tqdm_in_the_real_run(rig):
     result = run(rig, step_s=0.2)  # slower than tqdm's 0.1 s minimum interval, as real steps are
     redraws = [r for r in result.stderr.decode().split("\r") if r.startswith("steps:")]
     real = [r for r in capture("run1_simple", "stderr").decode().split("\r") if r.startswith("steps:")]
-    pattern = re.compile(r"steps: +\d+%\|[^|]*\| \d+/\d+ \[[\d:]+<[\d:?]+, +[\d.?]+(it/s|s/it)(, avr_loss=[\d.]+)?\] *\n?$")
+    pattern = re.compile(r"steps: +\d+%\|[^|]*\| \d+/\d+ \[[\d:]+<[\d:?]+, +[\d.?]+(it/s|s/it)"
+                         r"(, avr_loss=[\d.]+)?\] *\n?$")
     assert all(pattern.match(r) for r in redraws + real)
     fake_n = [re.search(r"\| (\d+)/", r)[1] for r in redraws]  # type: ignore[index]
     real_n = [re.search(r"\| (\d+)/", r)[1] for r in real]  # type: ignore[index]

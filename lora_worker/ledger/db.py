@@ -11,7 +11,6 @@ with the one the Database first saw (one stat, ~1 µs). A ledger deleted or repl
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field

@@ -28,7 +28,7 @@ def test_the_lock_pins_every_install_requires_of_setup_cfg_at_the_same_version()
 def test_every_locked_package_has_a_hash_and_nothing_is_unpinned():
     entries = lock_entries()
     assert all(hashes for _, hashes in entries.values()), [n for n, (_, h) in entries.items() if not h]
-    requirement_lines = [line for line in LOCK.read_text().splitlines() if line and not line[0] in "# "]
+    requirement_lines = [line for line in LOCK.read_text().splitlines() if line and line[0] not in "# "]
     assert len(requirement_lines) == len(entries)  # every requirement line is a name==version entry
 
 

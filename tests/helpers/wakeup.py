@@ -5,8 +5,6 @@ import select
 import subprocess
 import sys
 
-import pytest
-
 LISTENER = r"""
 import signal, sys, time
 signal.signal(signal.SIGURG, lambda *a: (sys.stdout.write("woken\n"), sys.stdout.flush()))
@@ -15,14 +13,12 @@ time.sleep(30)
 """
 
 
-@pytest.fixture
-def listener():
-    """A process that says "woken" on each wake-up signal it receives."""
+def start_listener() -> subprocess.Popen[str]:
+    """A process that says "woken" on each wake-up signal it receives (the `listener` fixture of
+    tests/conftest.py)."""
     proc = subprocess.Popen([sys.executable, "-c", LISTENER], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline() == "listening\n"
-    with proc:  # closes its stdout
-        yield proc
-        proc.kill()
+    return proc
 
 
 def heard(proc: subprocess.Popen[str], within: float = 0.3) -> bool:

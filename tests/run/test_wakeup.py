@@ -17,7 +17,7 @@ from lora_worker.host import processes
 from lora_worker.host.process_host import ProcessHost
 from lora_worker.run.local import WAKE_SIGNAL, listen_for_wakeups, wake_supervisor
 from tests.helpers import wait_for
-from tests.helpers.wakeup import heard, listener  # noqa: F401 - listener is a fixture
+from tests.helpers.wakeup import heard
 
 # -- the real host's waits -----------------------------------------------------------------------------------
 

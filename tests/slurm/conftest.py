@@ -22,7 +22,8 @@ def slurm(host: Host) -> SlurmWorker:
     backend = SlurmBackend(scheduler=scheduler, start_poller=lambda s: None, db=db)
     app = create_app(settings, backend=backend)
     app.config["TESTING"] = True
-    worker = SlurmWorker(host, settings, db, scheduler, clock, app.test_client(), Poller(settings, db, scheduler, clock))
+    worker = SlurmWorker(host, settings, db, scheduler, clock, app.test_client(),
+                         Poller(settings, db, scheduler, clock))
     yield worker
     worker.poller.close()
     app.extensions["lora_worker"].db.dispose()

@@ -10,7 +10,7 @@ from lora_worker.host.locks import hold_lock, job_lock_path
 from lora_worker.ledger import repository as repo
 from lora_worker.states import JobState
 from tests.helpers.ledger import columns
-from tests.helpers.wakeup import heard, listener  # noqa: F401 - listener is a fixture
+from tests.helpers.wakeup import heard
 
 
 def running_job(db, migrated, *, boot_id: str, pid: int, start_ticks: int) -> tuple[int, int]:

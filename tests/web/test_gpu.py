@@ -53,7 +53,8 @@ def test_gpu_status_reports_every_field_in_pci_order(migrated, host, process_nam
     assert (first["index"], first["pci_bus_id"], first["name"]) == (0, "00000000:01:00.0", "NVIDIA GeForce RTX 3090")
     assert (second["index"], second["label"], second["allowed_tiers"]) == (1, "48g", ["balanced", "fast", "quality"])
     assert (first["memory_total_mib"], first["memory_used_mib"], first["memory_free_mib"]) == (24_576, 4_576, 20_000)
-    assert (first["utilization_pct"], first["temperature_c"], first["uuid"], first["error"]) == (3, 41, "GPU-3090", None)
+    assert (first["utilization_pct"], first["temperature_c"], first["uuid"], first["error"]) == (3, 41, "GPU-3090",
+                                                                                                 None)
     (proc,) = second["processes"]
     assert (proc["pid"], proc["used_mib"], proc["ours"], proc["tts"]) == (foreign, 2048, False, False)
     assert proc["name"].startswith("python")

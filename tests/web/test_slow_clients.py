@@ -102,7 +102,7 @@ def test_a_request_that_does_not_arrive_whole_in_time_is_answered_408_and_closed
     sock.send(HEADERS[:40])
     started = time.monotonic()
     answer = sock.recv(4096)
-    assert answer.startswith(b"HTTP/1.1 408 ") and REQUEST_DEADLINE_S - 1 < time.monotonic() - started
+    assert answer.startswith(b"HTTP/1.1 408 ") and time.monotonic() - started > REQUEST_DEADLINE_S - 1
     assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"] == "request_timeout"
     assert sock.recv(4096) == b""  # closed
     sock.close()

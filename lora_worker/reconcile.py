@@ -60,6 +60,7 @@ def reconcile_job(db: Database, settings: Settings, job: Job, *, actor: str = "r
         return None  # its supervisor is alive
     if job.status == JobState.QUEUED.value and utcnow() - job.created_at < timedelta(seconds=settings.launch_grace_s):
         return None  # being launched right now
+    killed: tuple[int, ...]
     if job.boot_id and job.boot_id != processes.boot_id():
         failure, killed = FailureClass.HOST_REBOOTED, ()
         reason = "the host rebooted while the job was running"

@@ -13,6 +13,7 @@ from lora_worker.config import Settings
 from lora_worker.ledger.db import Database
 from tests.helpers import Host, Launches, make_host
 from tests.helpers.ledger import migrated_ledger
+from tests.helpers.processes import not_zombie, pids, processes_of
 from tests.helpers.wakeup import start_listener
 
 
@@ -91,14 +92,17 @@ LEFTOVER_GRACE_S = 5.0  # a supervisor may still be closing its ledger just afte
 @pytest.fixture(autouse=True)
 def _no_leftover_processes(tmp_path: Path):
     """Every process a test started under its tmp dir is gone afterwards: one still alive after a short grace
-    fails the test (a leaked trainer is a bug the test would otherwise hide), and is killed."""
+    fails the test (a leaked trainer is a bug the test would otherwise hide), and is killed. Only the processes
+    started while the test ran are looked at (a pid is not reused that soon: pid_max is in the millions), and
+    each through /proc directly: psutil's walk over every process's environment cost 0.1 s a test."""
+    before = pids()
     yield
-    leftovers = _processes_of(str(tmp_path))
+    leftovers = processes_of(str(tmp_path), pids() - before)
     if leftovers:
         # Wait for each to exit, not to be reaped: a zombie is done, and its reaper (init, re-parented to) may
         # take seconds to collect it, which psutil.wait_procs would wait out.
         deadline = time.monotonic() + LEFTOVER_GRACE_S
-        while (alive := [p for p in leftovers if _not_zombie(p)]) and time.monotonic() < deadline:
+        while (alive := [p for p in leftovers if not_zombie(p)]) and time.monotonic() < deadline:
             time.sleep(0.02)
         described = [_describe(p) for p in alive]
         for proc in alive:
@@ -108,26 +112,6 @@ def _no_leftover_processes(tmp_path: Path):
                 pass
         if described:
             pytest.fail(f"processes left running by the test: {described}", pytrace=False)
-
-
-def _processes_of(marker: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cmdline", "environ"]):
-        try:
-            cmdline = " ".join(proc.info["cmdline"] or ())
-            environ = proc.info["environ"] or {}
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if proc.pid != os.getpid() and (marker in cmdline or marker in environ.get("LORA_WORKER_SETTINGS", "")):
-            found.append(proc)
-    return [p for p in found if _not_zombie(p)]
-
-
-def _not_zombie(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _describe(proc: psutil.Process) -> str:

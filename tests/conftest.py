@@ -13,7 +13,7 @@ from lora_worker.config import Settings
 from lora_worker.ledger.db import Database
 from tests.helpers import Host, Launches, make_host
 from tests.helpers.ledger import migrated_ledger
-from tests.helpers.processes import not_zombie, pids, processes_of
+from tests.helpers.processes import not_zombie, pids, processes_of, start_recorder
 from tests.helpers.wakeup import start_listener
 
 
@@ -84,6 +84,32 @@ def nvml(settings: Settings):
 
     assert settings.nvml_fake_file is not None
     return FakeNvml.from_file(settings.nvml_fake_file)
+
+
+# `make test-fast` (LW_TEST_FAST=1, `-m "not slow"`): the edit-test loop, without real processes. A test there that
+# starts one anyway fails, naming itself, so the split stays true: mark it `slow`.
+FAST = os.environ.get("LW_TEST_FAST") == "1"
+CLUSTER = Path(__file__).parent / "cluster"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real-cluster tests run on one worker (`--dist loadgroup`), one after another, against the one
+    session-scoped cluster; every other test may run on any worker at the same time."""
+    for item in items:
+        if CLUSTER in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+
+
+@pytest.fixture(autouse=True)
+def _no_process_in_fast_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    if not FAST:
+        yield
+        return
+    started = start_recorder(monkeypatch)
+    yield
+    if started:
+        pytest.fail(f"{request.node.nodeid} started a real process ({started[0]}) under make test-fast: mark it "
+                    "@pytest.mark.slow", pytrace=False)
 
 
 LEFTOVER_GRACE_S = 5.0  # a supervisor may still be closing its ledger just after it wrote the final state

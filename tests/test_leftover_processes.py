@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from tests.helpers.processes import pids, processes_of
+from tests.helpers.processes import pids, processes_of, start_recorder
 
 SLEEP = "import time; time.sleep(60)"
 
@@ -29,3 +29,13 @@ def test_a_process_naming_the_tmp_dir_in_its_command_line_or_its_settings_is_fou
             proc.kill()
             proc.wait()
     assert not processes_of(str(tmp_path), pids() - before)  # and an exited one is not left
+
+
+def test_the_fast_runs_recorder_sees_subprocess_and_fork_and_lets_them_through(monkeypatch):
+    started = start_recorder(monkeypatch)
+    assert subprocess.run([sys.executable, "-c", "print('ran')"], capture_output=True, text=True).stdout == "ran\n"
+    pid = os.fork()
+    if pid == 0:
+        os._exit(7)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 7
+    assert started == ["subprocess", "os.fork"]

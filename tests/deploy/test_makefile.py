@@ -42,6 +42,19 @@ def test_make_run_installs_the_locked_runtime_only_and_make_test_adds_the_test_e
     assert any("--require-hashes" in line for line in test)  # the same locked runtime underneath
 
 
+
+def test_make_test_lints_and_types_the_code_before_the_suite_and_runs_it_on_workers(tmp_path):
+    test = recipe("test", tmp_path / "venv")
+    steps = [i for i, line in enumerate(test) if "/ruff check" in line or "/mypy" in line or "-m pytest" in line]
+    assert [test[i].split()[0].rsplit("/", 1)[-1] for i in steps] == ["ruff", "mypy", "python"], test
+    assert "-n 4 --dist loadgroup" in test[steps[-1]]  # the cluster's tests one xdist group (tests/conftest.py)
+
+
+def test_make_test_fast_leaves_out_the_slow_tests_and_refuses_a_process_in_the_rest(tmp_path):
+    (line,) = [line for line in recipe("test-fast", tmp_path / "venv") if "-m pytest" in line]
+    assert line.startswith("LW_TEST_FAST=1 ") and '-m "not slow"' in line
+    assert "ruff" not in line and "mypy" not in line
+
 def test_make_run_leaves_bind_to_the_settings_unless_bind_is_given(tmp_path):
     assert "--bind" not in gunicorn_line(recipe("run", tmp_path / "venv"))
     assert "--bind 10.1.2.3:9000" in gunicorn_line(recipe("run", tmp_path / "venv", BIND="10.1.2.3:9000"))

@@ -6,7 +6,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers.processes import pids, processes_of, start_recorder
+
+pytestmark = pytest.mark.slow  # every test here starts a real process
 
 SLEEP = "import time; time.sleep(60)"
 

@@ -16,7 +16,8 @@ import pytest
 from lora_worker.config import REPO_ROOT
 from tests.helpers.service import free_port, settings_env
 
-pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+pytestmark = [pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed"),
+              pytest.mark.slow]  # every test here runs make
 
 
 def recipe(target: str, venv: Path, **variables: str) -> list[str]:

@@ -6,6 +6,8 @@ import json
 import shutil
 import sqlite3
 
+import pytest
+
 from lora_worker.host.fingerprint import sd_scripts_commit, trainer_versions
 from lora_worker.dispatch.dataset import inspect_dataset
 from tests.helpers import SD_SCRIPTS_COMMIT, TRAINER_VERSIONS
@@ -20,6 +22,7 @@ def query(settings, sql: str, *params: object) -> list[tuple]:
         conn.close()
 
 
+@pytest.mark.slow
 def test_a_finished_job_carries_its_fingerprint_and_artifact_hash(client, host):
     modes(host)
     job_id = submit(client, host)
@@ -36,6 +39,7 @@ def test_a_finished_job_carries_its_fingerprint_and_artifact_hash(client, host):
                      SD_SCRIPTS_COMMIT, done["lora_sha256"])]
 
 
+@pytest.mark.slow
 def test_without_a_git_checkout_the_commit_comes_from_the_lora(client, host):
     shutil.rmtree(host.sd_scripts / ".git")
     modes(host)

@@ -86,6 +86,7 @@ def test_show_prints_the_job_and_its_event_history(db, migrated):
                                                     ["running", "failed", "supervisor"]]
 
 
+@pytest.mark.slow
 def test_show_of_an_unknown_job_fails_with_a_sentence(migrated):
     result = cli(migrated, "jobs", "show", "4242")
     assert result.returncode == 1 and "No job has id 4242." in result.stderr
@@ -135,6 +136,7 @@ def test_cancel_of_a_queued_job_cancels_it_at_once(db, migrated):
     assert repo.get_job(db, job.id).status == "cancelled"
 
 
+@pytest.mark.slow
 def test_cancel_of_a_finished_job_is_refused(db, migrated):
     job_id = finished(db, JobState.SUCCEEDED, 1)
     with pytest.raises(JobFinished):
@@ -169,6 +171,7 @@ def test_cancel_all_wait_stops_real_training_while_the_web_service_is_down(clien
     assert client.get(f"/train/{job_id}").get_json()["status"] == "cancelled"
 
 
+@pytest.mark.slow
 def test_the_cli_logs_one_line_per_event_with_its_job_id_to_stderr(migrated, supervised):
     running = supervised()
     result = cli(migrated, "jobs", "cancel", str(running))

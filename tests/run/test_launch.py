@@ -23,6 +23,8 @@ from lora_worker.errors import LaunchFailed
 from lora_worker.run.local import start_detached
 from tests.helpers import pid_alive, wait_for
 
+pytestmark = pytest.mark.slow  # every test here starts a real process
+
 STAND_IN = r"""
 import json, os, sys, time
 mode, record, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])

@@ -52,6 +52,7 @@ def test_the_real_pause_ends_when_the_wake_up_signal_arrives(wake_fd):
     assert time.monotonic() - started >= 0.1
 
 
+@pytest.mark.slow
 def test_the_real_pause_ends_when_the_launcher_exits(wake_fd, tmp_path):
     real = ProcessHost(wake_fd)
     trainer = real.spawn([sys.executable, "-c", "import os, time; os.close(1); os.close(2); time.sleep(0.2)"],
@@ -66,6 +67,7 @@ def test_the_real_pause_ends_when_the_launcher_exits(wake_fd, tmp_path):
         trainer.close()
 
 
+@pytest.mark.slow
 def test_the_trainers_read_ends_on_a_wake_up_with_nothing_read(wake_fd, tmp_path):
     real = ProcessHost(wake_fd)
     trainer = real.spawn([sys.executable, "-c", "import time; time.sleep(30)"], cwd=tmp_path, env=dict(os.environ))
@@ -81,6 +83,7 @@ def test_the_trainers_read_ends_on_a_wake_up_with_nothing_read(wake_fd, tmp_path
         trainer.close()
 
 
+@pytest.mark.slow
 def test_the_trainers_read_after_the_end_of_its_pipe_also_ends_on_a_wake_up(wake_fd, tmp_path):
     real = ProcessHost(wake_fd)
     # a launcher that closed its output and lives on: the loop keeps passing, waiting in read
@@ -109,6 +112,7 @@ def test_without_a_wake_up_fd_the_pause_is_a_plain_sleep():
 # -- who is signalled ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_recorded_supervisor_is_woken(listener):
     me = processes.identity_of(listener.pid)
     assert me is not None
@@ -131,6 +135,7 @@ def test_a_process_that_is_not_the_recorded_one_is_never_signalled(listener, cha
     assert not heard(listener)
 
 
+@pytest.mark.slow
 def test_a_dead_supervisor_is_not_signalled():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     me = processes.identity_of(proc.pid)

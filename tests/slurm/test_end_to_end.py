@@ -17,6 +17,8 @@ from lora_worker.slurm.process import poller_lock_path
 from tests.helpers import Host, payload, pid_alive, set_modes, wait_for
 from tests.helpers.ledger import migrated_ledger
 
+pytestmark = pytest.mark.slow  # every test here starts a real process
+
 FAKE = Path(__file__).parent / "fake_slurm" / "slurm.py"
 
 

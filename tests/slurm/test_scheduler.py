@@ -95,6 +95,7 @@ def test_scancel_sends_a_signal_to_every_process_of_the_job_or_cancels_plainly()
     assert run.argvs == [["/usr/bin/scancel", "--signal=TERM", "--full", "5"], ["/usr/bin/scancel", "5"]]
 
 
+@pytest.mark.slow
 def test_a_missing_command_is_unavailable(tmp_path):
     with pytest.raises(SchedulerUnavailable):
         Scheduler(tmp_path).queue(["5"])  # tmp_path/squeue does not exist

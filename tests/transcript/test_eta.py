@@ -237,6 +237,7 @@ def test_a_step_written_again_keeps_its_first_time_and_takes_the_new_loss(db):
     assert point.loss == 0.8 and abs((point.at - first).total_seconds()) < 0.002
 
 
+@pytest.mark.slow
 def test_the_eta_replay_benchmark_runs_and_prints_its_tables():
     import subprocess
     import sys

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from lora_worker.host import processes
 from lora_worker.host.locks import hold_lock, job_lock_path
 from lora_worker.ledger import repository as repo
 from lora_worker.states import JobState
 from tests.helpers.ledger import columns
 from tests.helpers.wakeup import heard
+
+pytestmark = pytest.mark.slow  # every test here starts a real process
 
 
 def running_job(db, migrated, *, boot_id: str, pid: int, start_ticks: int) -> tuple[int, int]:

@@ -42,6 +42,7 @@ def make_client(settings, launches=None):
     return app.test_client()
 
 
+@pytest.mark.slow
 def test_gpu_status_reports_every_field_in_pci_order(migrated, host, process_named):
     foreign = process_named("some_other_job.py")
     fake_gpus(host.gpus, free0=20_000, free1=40_000, processes1=[{"pid": foreign, "used_mib": 2048}])
@@ -61,6 +62,7 @@ def test_gpu_status_reports_every_field_in_pci_order(migrated, host, process_nam
     assert body["tts_on_3090"] is False and body["active_job_id"] is None
 
 
+@pytest.mark.slow
 def test_tts_on_3090_is_true_only_when_a_tts_process_runs_on_device_0(migrated, host, process_named):
     tts = process_named("tts_server.py", "--port", "5002")
     fake_gpus(host.gpus, processes0=[{"pid": tts, "used_mib": 3000}])
@@ -74,6 +76,7 @@ def test_tts_on_3090_is_true_only_when_a_tts_process_runs_on_device_0(migrated, 
     assert client.get("/gpu-status").get_json()["tts_on_3090"] is False
 
 
+@pytest.mark.slow
 def test_the_tts_matcher_is_configurable(migrated, host, process_named):
     voice = process_named("voicebox-daemon")
     fake_gpus(host.gpus, processes0=[{"pid": voice, "used_mib": 1}])
@@ -122,6 +125,7 @@ def test_the_vram_a_tier_needs_comes_from_the_device_profile(migrated, host, lau
     assert client.post("/train", json=host.payload(tier="fast")).status_code == 202
 
 
+@pytest.mark.slow
 def test_a_foreign_compute_process_is_a_409_naming_it(migrated, host, launches, process_named):
     stranger = process_named("stranger_training.py")
     fake_gpus(host.gpus, processes1=[{"pid": stranger, "used_mib": 9000}])
@@ -130,12 +134,14 @@ def test_a_foreign_compute_process_is_a_409_naming_it(migrated, host, launches, 
     assert body["details"]["processes"][0]["pid"] == stranger and str(stranger) in body["message"]
 
 
+@pytest.mark.slow
 def test_co_tenancy_can_be_allowed_by_configuration(migrated, host, launches, process_named):
     fake_gpus(host.gpus, processes1=[{"pid": process_named("tts_server"), "used_mib": 3000}])
     client = make_client(replace(migrated, allow_cotenancy=True), launches)
     assert client.post("/train", json=host.payload()).status_code == 202
 
 
+@pytest.mark.slow
 def test_another_trainer_holding_the_device_lock_is_a_409(migrated, host, launches):
     client = make_client(migrated, launches)  # creates the lock directory
     lock = gpu_lock_path(migrated, 1)

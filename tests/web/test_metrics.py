@@ -126,6 +126,7 @@ def test_a_dead_supervisor_shows_as_a_reconcile_action_not_as_a_running_phase(ap
         ("lora_worker_reconcile_actions", (("actor", "api"), ("failure_class", "supervisor_lost"))): 1}
 
 
+@pytest.mark.slow
 def test_a_job_another_process_finished_shows_at_the_next_scrape(api, db, migrated):
     assert scrape(api)["lora_worker_jobs"][("lora_worker_jobs", (("status", "succeeded"),))] == 0
     script = (

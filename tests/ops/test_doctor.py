@@ -126,6 +126,7 @@ def _lock_dir_closed(settings, users):
     (_no_setgid, "train root shared", "not the root's"),
     (_lock_dir_closed, "gpu interlock", "mode 0750, not 3770"),
 ], ids=lambda v: getattr(v, "__name__", None) or str(v)[:20])
+@pytest.mark.slow
 def test_each_identity_check_fails_when_its_promise_is_broken(deployed, users, breakage, check, says):
     settings = breakage(deployed, users)
     found = checks_as(users["service"], settings)

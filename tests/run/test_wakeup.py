@@ -121,6 +121,7 @@ def test_the_recorded_supervisor_is_woken(listener):
 
 
 @pytest.mark.parametrize("change", ["recycled pid", "another boot", "nothing recorded"])
+@pytest.mark.slow
 def test_a_process_that_is_not_the_recorded_one_is_never_signalled(listener, change):
     me = processes.identity_of(listener.pid)
     assert me is not None

@@ -90,14 +90,21 @@ def nvml(settings: Settings):
 # starts one anyway fails, naming itself, so the split stays true: mark it `slow`.
 FAST = os.environ.get("LW_TEST_FAST") == "1"
 CLUSTER = Path(__file__).parent / "cluster"
+# A module whose tests share a module-scoped fixture too costly to make once per worker: systemd/install.py's
+# staged install builds a venv from the lock.
+ONE_WORKER_MODULES = {Path(__file__).parent / "deploy" / "test_install.py"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The real-cluster tests run on one worker (`--dist loadgroup`), one after another, against the one
-    session-scoped cluster; every other test may run on any worker at the same time."""
+    session-scoped cluster, and so do the tests of each module in ONE_WORKER_MODULES; every other test may run
+    on any worker at the same time."""
     for item in items:
-        if CLUSTER in Path(str(item.path)).parents:
+        path = Path(str(item.path))
+        if CLUSTER in path.parents:
             item.add_marker(pytest.mark.xdist_group("cluster"))
+        elif path in ONE_WORKER_MODULES:
+            item.add_marker(pytest.mark.xdist_group(path.stem))
 
 
 @pytest.fixture(autouse=True)

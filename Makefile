@@ -45,8 +45,10 @@ lock: $(VENV)/.runtime
 		--generate-hashes -o $(LOCK)
 
 # ruff and mypy first (seconds; pyproject.toml says which rules and why), then the suite on TEST_WORKERS processes
-# (pytest-xdist). Most tests wait on real child processes, so more workers than cores pay. The real-cluster tests
-# (tests/cluster) are one xdist group: one worker runs them all, in turn, against the one cluster it starts.
+# (pytest-xdist). Most tests wait on real child processes, so more workers than cores pay. What starts a real
+# Slurm cluster (tests/cluster, and the benchmarks' smoke test through bench/slurm.py) runs after, in one process:
+# never two clusters at once (the xdist_group marks in tests/conftest.py did not keep them on one worker).
+CLUSTER_TESTS := tests/cluster tests/test_bench_smoke.py
 TEST_WORKERS ?= 4
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
@@ -54,7 +56,8 @@ lint: $(VENV)/.installed
 
 test: lint
 	@$(call NO_BWRAP_NOTICE,the sandbox tests are skipped.)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(addprefix --ignore=,$(CLUSTER_TESTS))
+	$(BIN)/python -m pytest $(CLUSTER_TESTS)
 
 # The edit-test loop, under a minute: no real process and no cluster (the tests not marked `slow`; one that starts
 # a process unmarked fails), no lint.

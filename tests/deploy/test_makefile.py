@@ -47,8 +47,9 @@ def test_make_run_installs_the_locked_runtime_only_and_make_test_adds_the_test_e
 def test_make_test_lints_and_types_the_code_before_the_suite_and_runs_it_on_workers(tmp_path):
     test = recipe("test", tmp_path / "venv")
     steps = [i for i, line in enumerate(test) if "/ruff check" in line or "/mypy" in line or "-m pytest" in line]
-    assert [test[i].split()[0].rsplit("/", 1)[-1] for i in steps] == ["ruff", "mypy", "python"], test
-    assert "-n 4 --dist loadgroup" in test[steps[-1]]  # the cluster's tests one xdist group (tests/conftest.py)
+    assert [test[i].split()[0].rsplit("/", 1)[-1] for i in steps] == ["ruff", "mypy", "python", "python"], test
+    assert "-n 4 --dist loadgroup" in test[steps[2]] and "--ignore=tests/cluster" in test[steps[2]]
+    assert test[steps[3]].endswith("-m pytest tests/cluster tests/test_bench_smoke.py")  # one cluster at a time
 
 
 def test_make_test_fast_leaves_out_the_slow_tests_and_refuses_a_process_in_the_rest(tmp_path):

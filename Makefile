@@ -9,7 +9,7 @@ BIND ?=
 PORT ?=
 LOCK := deploy/requirements.lock
 
-.PHONY: run test demo demo-slurm chaos bench install lock clean
+.PHONY: run test test-fast lint demo demo-slurm chaos bench install lock clean
 
 # The trainer's sandbox is bubblewrap (`sandbox` setting, README "The sandbox"). Without it, say so first.
 NO_BWRAP_NOTICE = command -v bwrap >/dev/null || [ -n "$$LORA_WORKER_SANDBOX" ] || printf '%s %s\n%s\n' \
@@ -46,9 +46,25 @@ lock: $(VENV)/.runtime
 	$(BIN)/uv pip compile setup.cfg deploy/build-requirements.in --universal --python-version 3.11 \
 		--generate-hashes -o $(LOCK)
 
-test: $(VENV)/.installed
+# ruff and mypy first (seconds; pyproject.toml says which rules and why), then the suite on TEST_WORKERS processes
+# (pytest-xdist). Most tests wait on real child processes, so more workers than cores pay. What starts a real
+# Slurm cluster (tests/cluster, and the benchmarks' smoke test through bench/slurm.py) runs after, in one process:
+# never two clusters at once (the xdist_group marks in tests/conftest.py did not keep them on one worker).
+CLUSTER_TESTS := tests/cluster tests/test_bench_smoke.py
+TEST_WORKERS ?= 4
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
 	@$(call NO_BWRAP_NOTICE,the sandbox tests are skipped.)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(addprefix --ignore=,$(CLUSTER_TESTS))
+	$(BIN)/python -m pytest $(CLUSTER_TESTS)
+
+# The edit-test loop, under a minute: no real process and no cluster (the tests not marked `slow`; one that starts
+# a process unmarked fails), no lint.
+test-fast: $(VENV)/.installed
+	LW_TEST_FAST=1 $(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadgroup -q
 
 # No GPU, no sd-scripts: a simulated host under ./var/demo (the test suite's fake trainer, a 24 GB card running
 # TTS and a 48 GB card), the real service on 127.0.0.1:8204, one `fast` job trained live to a verified LoRA,

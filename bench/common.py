@@ -23,7 +23,7 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import upgrade
 from tests.helpers import Host, make_host, wait_for
-from tests.service import Service
+from tests.helpers.service import Service
 
 BENCH_DIR = Path(__file__).resolve().parent
 CAPTURE = REPO_ROOT / "tests" / "data" / "run1_simple.jsonl"
@@ -45,7 +45,7 @@ def bench_host(**settings: Any) -> Iterator[Host]:
 
 @contextmanager
 def running_service(host: Host) -> Iterator[Service]:
-    """gunicorn with the shipped configuration on this host (tests/service.py), stopped afterwards."""
+    """gunicorn with the shipped configuration on this host (tests/helpers/service.py), stopped afterwards."""
     svc = Service(host.settings, host.root / "gunicorn.log").start()
     try:
         yield svc

@@ -32,7 +32,7 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.host import processes
 from tests.helpers import Host, set_modes, wait_for
-from tests.service import Service
+from tests.helpers.service import Service
 
 GRACE_S = 2.0  # shorter than production's 20 s; the overshoot past it is what is measured
 
@@ -237,9 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.runs, args.ignoring_runs = 1, 1
-    with bench_host(cancel_grace_s=GRACE_S) as host:
-        with running_service(host) as svc:
-            rows, notes = run(svc, host, args.runs, args.ignoring_runs)
+    with bench_host(cancel_grace_s=GRACE_S) as host, running_service(host) as svc:
+        rows, notes = run(svc, host, args.runs, args.ignoring_runs)
     emit("Dispatch and cancel latency", rows, notes)
     return 0
 

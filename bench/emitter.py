@@ -41,7 +41,7 @@ def load_capture(path: str) -> tuple[list[tuple[int, bytes]], list[tuple[int, by
     return events[:first_bar], events[saving:]
 
 
-@functools.lru_cache(maxsize=None)  # a flood redraws each step hundreds of times; render each once
+@functools.cache  # a flood redraws each step hundreds of times; render each once
 def bar(step: int, total: int, loss: float | None) -> bytes:
     """One redraw of the `steps` bar, as tqdm 4.70 draws it (see the capture)."""
     frac = step / total

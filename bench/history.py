@@ -28,7 +28,7 @@ from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import verify_integrity
 from lora_worker.reconcile import reconcile
 from tests.helpers import Host, set_modes, wait_for
-from tests.service import settings_env
+from tests.helpers.service import settings_env
 
 ERROR = ("The trainer ran out of GPU memory (CUDA out of memory).\n" + "steps:  45%|████▌     | 765/1700 "
          "[09:44<11:54,  1.31it/s, avr_loss=0.0871]\n" * 6)

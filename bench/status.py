@@ -1,7 +1,7 @@
 """Benchmark 2, status under load: `GET /train/<id>` of a running job against `GET /healthz`, through gunicorn.
 
 gunicorn runs exactly as deployed (systemd/gunicorn.conf.py: one gthread worker, 8 threads, access log on),
-configured by LORA_WORKER_* variables (tests/service.py). The job is real: the fake trainer at one step a
+configured by LORA_WORKER_* variables (tests/helpers/service.py). The job is real: the fake trainer at one step a
 second, so its supervisor writes the row once a second (two redraws a step) while we poll. The load
 generator is wrk (Debian package `wrk`), with keep-alive connections, each route for the same duration at
 1, 8 and 32 connections, the two routes alternating so drift on a noisy machine hits both alike (skipped,
@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 
 from bench.common import Row, arg_parser, bench_host, emit, peak_rss_mib, running_service
 from tests.helpers import Host, set_modes, wait_for
-from tests.service import Service
+from tests.helpers.service import Service
 
 UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 
@@ -188,22 +188,21 @@ def main(argv: list[str] | None = None) -> int:
     levels, seconds = ([1, 8, 32], args.seconds) if not args.quick else ([1, 8], 1.0)
     pollers, settle_s, poll_seconds, wait_s = ((args.pollers, 3.0, args.poll_seconds, 25.0) if not args.quick
                                                else (16, 0.5, 2.0, 2.0))
-    with bench_host() as host:
-        with running_service(host) as svc:
-            job_id = start_job(svc, host)
-            rows, notes = pollers_delay(svc, job_id, pollers, settle_s, poll_seconds, wait_s)
-            if shutil.which("wrk") is not None:
-                more, more_notes = measure(svc, job_id, levels, seconds)
-                rows, notes = more + rows, more_notes + notes
-            else:
-                notes.append("wrk is not installed (apt-get install -y wrk): the throughput rows were not measured")
-            worker = svc.workers()[0]
-            notes.append(f"gunicorn worker peak RSS after the load: {peak_rss_mib(worker):.1f} MiB")
-            step = svc.request("GET", f"/train/{job_id}")[1]["step"]
-            notes.append(f"the job was at step {step} when the load ended (its row is written once a second)")
-            svc.request("POST", f"/train/{job_id}/cancel")
-            wait_for(lambda: svc.request("GET", f"/train/{job_id}")[1]["status"] == "cancelled", timeout=60,
-                     what="cancelled")
+    with bench_host() as host, running_service(host) as svc:
+        job_id = start_job(svc, host)
+        rows, notes = pollers_delay(svc, job_id, pollers, settle_s, poll_seconds, wait_s)
+        if shutil.which("wrk") is not None:
+            more, more_notes = measure(svc, job_id, levels, seconds)
+            rows, notes = more + rows, more_notes + notes
+        else:
+            notes.append("wrk is not installed (apt-get install -y wrk): the throughput rows were not measured")
+        worker = svc.workers()[0]
+        notes.append(f"gunicorn worker peak RSS after the load: {peak_rss_mib(worker):.1f} MiB")
+        step = svc.request("GET", f"/train/{job_id}")[1]["step"]
+        notes.append(f"the job was at step {step} when the load ended (its row is written once a second)")
+        svc.request("POST", f"/train/{job_id}/cancel")
+        wait_for(lambda: svc.request("GET", f"/train/{job_id}")[1]["status"] == "cancelled", timeout=60,
+                 what="cancelled")
     emit("Status under load (gunicorn, production settings)", rows, notes)
     return 0
 

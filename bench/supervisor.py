@@ -29,7 +29,7 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.run.local import launch_supervisor
 from tests.helpers import Host, set_modes, wait_for
-from tests.service import Service
+from tests.helpers.service import Service
 
 POLL_S = 0.0005
 END_TARGET_MS = 10.0

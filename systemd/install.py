@@ -559,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if sys.version_info < (3, 11):
+    if sys.version_info < (3, 11):  # noqa: UP036 - an older system python runs this and must say why it stops
         parser.error("lora-worker needs Python 3.11 or newer")
     root = args.root.resolve()
     if (root == Path("/") or args.accounts) and os.geteuid() != 0:

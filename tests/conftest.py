@@ -11,8 +11,10 @@ import pytest
 
 from lora_worker.config import Settings
 from lora_worker.ledger.db import Database
-from lora_worker.ledger.migrate import upgrade
 from tests.helpers import Host, Launches, make_host
+from tests.helpers.ledger import migrated_ledger
+from tests.helpers.processes import not_zombie, pids, processes_of, start_recorder
+from tests.helpers.wakeup import start_listener
 
 pytest_plugins = ["tests.webhooks.fixtures"]  # the webhook target: tests/webhooks and tests/chaos
 
@@ -29,7 +31,7 @@ def settings(host: Host) -> Settings:
 
 @pytest.fixture
 def migrated(settings: Settings) -> Settings:
-    upgrade(settings.database_path)
+    migrated_ledger(settings.database_path)
     return settings
 
 
@@ -71,11 +73,55 @@ def api(migrated: Settings, launches: Launches):
 
 
 @pytest.fixture
+def listener():
+    """A process that says "woken" on each wake-up signal it receives (tests/helpers/wakeup.py)."""
+    with start_listener() as proc:  # closes its stdout
+        yield proc
+        proc.kill()
+
+
+@pytest.fixture
 def nvml(settings: Settings):
     from lora_worker.host.nvml import FakeNvml
 
     assert settings.nvml_fake_file is not None
     return FakeNvml.from_file(settings.nvml_fake_file)
+
+
+# `make test-fast` (LW_TEST_FAST=1, `-m "not slow"`): the edit-test loop, without real processes. A test there that
+# starts one anyway fails, naming itself, so the split stays true: mark it `slow`.
+FAST = os.environ.get("LW_TEST_FAST") == "1"
+CLUSTER = Path(__file__).parent / "cluster"
+# Outside tests/cluster, what starts a real cluster of its own (bench/slurm.py, through the benchmarks' smoke test)
+# shares the cluster's worker: two clusters at once would each see the other's daemons as its own leftovers.
+STARTS_A_CLUSTER = {Path(__file__).parent / "test_bench_smoke.py"}
+# A module whose tests share a module-scoped fixture too costly to make once per worker: systemd/install.py's
+# staged install builds a venv from the lock.
+ONE_WORKER_MODULES = {Path(__file__).parent / "deploy" / "test_install.py"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real-cluster tests run on one worker (`--dist loadgroup`), one after another, against the one
+    session-scoped cluster, and so do the tests of each module in ONE_WORKER_MODULES; every other test may run
+    on any worker at the same time."""
+    for item in items:
+        path = Path(str(item.path))
+        if CLUSTER in path.parents or path in STARTS_A_CLUSTER:
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+        elif path in ONE_WORKER_MODULES:
+            item.add_marker(pytest.mark.xdist_group(path.stem))
+
+
+@pytest.fixture(autouse=True)
+def _no_process_in_fast_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    if not FAST:
+        yield
+        return
+    started = start_recorder(monkeypatch)
+    yield
+    if started:
+        pytest.fail(f"{request.node.nodeid} started a real process ({started[0]}) under make test-fast: mark it "
+                    "@pytest.mark.slow", pytrace=False)
 
 
 LEFTOVER_GRACE_S = 5.0  # a supervisor may still be closing its ledger just after it wrote the final state
@@ -84,14 +130,17 @@ LEFTOVER_GRACE_S = 5.0  # a supervisor may still be closing its ledger just afte
 @pytest.fixture(autouse=True)
 def _no_leftover_processes(tmp_path: Path):
     """Every process a test started under its tmp dir is gone afterwards: one still alive after a short grace
-    fails the test (a leaked trainer is a bug the test would otherwise hide), and is killed."""
+    fails the test (a leaked trainer is a bug the test would otherwise hide), and is killed. Only the processes
+    started while the test ran are looked at (a pid is not reused that soon: pid_max is in the millions), and
+    each through /proc directly: psutil's walk over every process's environment cost 0.1 s a test."""
+    before = pids()
     yield
-    leftovers = _processes_of(str(tmp_path))
+    leftovers = processes_of(str(tmp_path), pids() - before)
     if leftovers:
         # Wait for each to exit, not to be reaped: a zombie is done, and its reaper (init, re-parented to) may
         # take seconds to collect it, which psutil.wait_procs would wait out.
         deadline = time.monotonic() + LEFTOVER_GRACE_S
-        while (alive := [p for p in leftovers if _not_zombie(p)]) and time.monotonic() < deadline:
+        while (alive := [p for p in leftovers if not_zombie(p)]) and time.monotonic() < deadline:
             time.sleep(0.02)
         described = [_describe(p) for p in alive]
         for proc in alive:
@@ -101,26 +150,6 @@ def _no_leftover_processes(tmp_path: Path):
                 pass
         if described:
             pytest.fail(f"processes left running by the test: {described}", pytrace=False)
-
-
-def _processes_of(marker: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cmdline", "environ"]):
-        try:
-            cmdline = " ".join(proc.info["cmdline"] or ())
-            environ = proc.info["environ"] or {}
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        if proc.pid != os.getpid() and (marker in cmdline or marker in environ.get("LORA_WORKER_SETTINGS", "")):
-            found.append(proc)
-    return [p for p in found if _not_zombie(p)]
-
-
-def _not_zombie(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def _describe(proc: psutil.Process) -> str:

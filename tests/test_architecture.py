@@ -10,8 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lora_worker.config import REPO_ROOT, Settings
-from tests.service import settings_env
+from tests.helpers.service import settings_env
+
+pytestmark = pytest.mark.slow  # every test here starts a real process
 
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 WEB_STACK = {"flask", "werkzeug", "marshmallow", "apispec", "apispec_webframeworks", "prometheus_client"}

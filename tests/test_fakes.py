@@ -19,8 +19,7 @@ from lora_worker.host.safetensors import inspect_lora, read_header
 from lora_worker.states import Phase
 from tests.helpers import (DATA, SDXL_TINY, install_fake_trainer, make_dataset, pid_alive, set_modes, wait_for,
                            write_safetensors, write_tokenizer)
-
-ENV = {"PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "250"}
+from tests.helpers.fake_trainer import ENV, argv, run
 
 
 @pytest.fixture
@@ -31,26 +30,6 @@ def rig(tmp_path: Path) -> dict:
     # the capture's dataset: 3 images with captions in "2_ohwx dog"
     dataset = make_dataset(tmp_path / "train", "t1", "2_ohwx dog", images=3)
     return {**install, "model": model, "dataset": dataset, "out": tmp_path / "train" / "t1" / "output" / "run1"}
-
-
-def argv(rig: dict, *extra: str, steps: int = 3) -> list[str]:
-    """The real-run reference's command (run1), pointed at the rig."""
-    return [str(rig["accelerate"]), "launch", "--num_processes", "1", "--num_machines", "1", "--mixed_precision",
-            "no", "--dynamo_backend", "no", "--num_cpu_threads_per_process", "2", "sdxl_train_network.py",
-            f"--pretrained_model_name_or_path={rig['model']}", f"--tokenizer_cache_dir={rig['tokenizer_cache_dir']}",
-            f"--train_data_dir={rig['dataset']}", f"--output_dir={rig['out']}", "--output_name=ohwx",
-            "--save_model_as=safetensors", "--caption_extension=.txt", "--resolution=256",
-            "--network_module=networks.lora", "--network_dim=4", "--network_alpha=4", "--network_train_unet_only",
-            "--cache_latents", "--cache_text_encoder_outputs", "--gradient_checkpointing", "--learning_rate=1e-4",
-            "--lr_scheduler=cosine", "--seed=42", "--min_snr_gamma=5", "--noise_offset=0.1", "--max_grad_norm=1.0",
-            "--sdpa", "--max_data_loader_n_workers=0", "--optimizer_type=AdamW", f"--max_train_steps={steps}",
-            "--train_batch_size=1", "--console_log_simple", *extra]
-
-
-def run(rig: dict, *extra: str, steps: int = 3, **modes: object) -> subprocess.CompletedProcess[bytes]:
-    set_modes(rig["sd_scripts_dir"], **modes)
-    return subprocess.run(argv(rig, *extra, steps=steps), cwd=rig["sd_scripts_dir"], env=ENV, capture_output=True,
-                          timeout=60, start_new_session=True)
 
 
 def capture(name: str, stream: str) -> bytes:
@@ -69,17 +48,20 @@ def shape(text: str) -> list[str]:
     return out
 
 
+@pytest.mark.slow
 def test_stdout_has_the_lines_of_the_real_run_in_the_same_order(rig):
     result = run(rig)
     assert result.returncode == 0, result.stderr.decode()[-2000:]
     assert shape(result.stdout.decode()) == shape(capture("run1_simple", "stdout").decode())
 
 
+@pytest.mark.slow
 def test_the_steps_bar_is_redrawn_like_tqdm_in_the_real_run(rig):
     result = run(rig, step_s=0.2)  # slower than tqdm's 0.1 s minimum interval, as real steps are
     redraws = [r for r in result.stderr.decode().split("\r") if r.startswith("steps:")]
     real = [r for r in capture("run1_simple", "stderr").decode().split("\r") if r.startswith("steps:")]
-    pattern = re.compile(r"steps: +\d+%\|[^|]*\| \d+/\d+ \[[\d:]+<[\d:?]+, +[\d.?]+(it/s|s/it)(, avr_loss=[\d.]+)?\] *\n?$")
+    pattern = re.compile(r"steps: +\d+%\|[^|]*\| \d+/\d+ \[[\d:]+<[\d:?]+, +[\d.?]+(it/s|s/it)"
+                         r"(, avr_loss=[\d.]+)?\] *\n?$")
     assert all(pattern.match(r) for r in redraws + real)
     fake_n = [re.search(r"\| (\d+)/", r)[1] for r in redraws]  # type: ignore[index]
     real_n = [re.search(r"\| (\d+)/", r)[1] for r in real]  # type: ignore[index]
@@ -88,6 +70,7 @@ def test_the_steps_bar_is_redrawn_like_tqdm_in_the_real_run(rig):
     assert redraws[-1].endswith("\n") and not redraws[-2].endswith("\n")  # closed after "model saved."
 
 
+@pytest.mark.slow
 def test_the_lora_is_a_real_safetensors_file_of_the_requested_rank(rig):
     from safetensors.numpy import load_file  # the reference reader, not ours
 
@@ -107,6 +90,7 @@ def test_the_lora_is_a_real_safetensors_file_of_the_requested_rank(rig):
     assert inspect_lora(path).ranks == {8}
 
 
+@pytest.mark.slow
 def test_an_empty_train_data_dir_prints_what_the_capture_shows_and_exits_0_without_a_file(rig):
     shutil.rmtree(rig["dataset"] / "2_ohwx dog")  # the capture's case: train_data_dir holds nothing
     result = run(rig, bnb_warning=True)  # as on the capture box
@@ -115,6 +99,7 @@ def test_an_empty_train_data_dir_prints_what_the_capture_shows_and_exits_0_witho
     assert shape(result.stderr.decode()) == shape(capture("fail_empty_dataset", "stderr").decode())
 
 
+@pytest.mark.slow
 def test_an_empty_subset_is_ignored_as_train_util_does_then_no_images_exits_0(rig):
     for f in (rig["dataset"] / "2_ohwx dog").iterdir():
         f.unlink()
@@ -128,6 +113,7 @@ def test_an_empty_subset_is_ignored_as_train_util_does_then_no_images_exits_0(ri
     assert out[-3:] == shape(capture("fail_empty_dataset", "stdout").decode())[-3:]
 
 
+@pytest.mark.slow
 def test_unknown_flags_exit_2_inside_and_1_outside(rig):
     result = run(rig, "--text_encoder_lr1=1e-5")
     assert result.returncode == 1
@@ -136,6 +122,7 @@ def test_unknown_flags_exit_2_inside_and_1_outside(rig):
     assert "returned non-zero exit status 2." in err
 
 
+@pytest.mark.slow
 def test_a_missing_model_fails_like_diffusers_does(rig):
     rig["model"].unlink()
     result = run(rig)
@@ -146,6 +133,7 @@ def test_a_missing_model_fails_like_diffusers_does(rig):
     assert b"returned non-zero exit status 1." in result.stderr
 
 
+@pytest.mark.slow
 def test_an_empty_caption_crashes_like_sd_scripts(rig):
     (rig["dataset"] / "2_ohwx dog" / "img1.txt").write_bytes(b"")
     result = run(rig)
@@ -154,12 +142,14 @@ def test_an_empty_caption_crashes_like_sd_scripts(rig):
     assert b"AssertionError: caption file is empty" in capture("fail_empty_caption", "stderr")
 
 
+@pytest.mark.slow
 def test_cuda_oom_reads_like_torch(rig):
     result = run(rig, oom_at_step=2)
     assert result.returncode == 1
     assert b"torch.OutOfMemoryError: CUDA out of memory. Tried to allocate" in result.stderr
 
 
+@pytest.mark.slow
 def test_the_launcher_forwards_no_signal_and_the_trainer_is_orphaned(rig, tmp_path):
     record = tmp_path / "record.json"
     set_modes(rig["sd_scripts_dir"], hang_in="training", record=str(record))
@@ -175,6 +165,7 @@ def test_the_launcher_forwards_no_signal_and_the_trainer_is_orphaned(rig, tmp_pa
     wait_for(lambda: not pid_alive(trainer["pid"]), what="trainer gone")
 
 
+@pytest.mark.slow
 def test_modes_reach_the_fake_through_a_file_not_the_environment(rig, tmp_path):
     record = tmp_path / "record.json"
     assert run(rig, record=str(record)).returncode == 0
@@ -223,6 +214,7 @@ def run_merged(rig: dict, args: list[str], **modes: object) -> subprocess.Comple
                           timeout=60, start_new_session=True)
 
 
+@pytest.mark.slow
 def test_a_model_missing_keys_dies_loading_the_unet_as_in_the_real_run_log(rig):
     real = log_lines("fail_model_missing_keys.log")
     missing_line = next(line for line in real if line.startswith("\tMissing key(s) in state_dict: "))
@@ -244,6 +236,7 @@ def test_a_model_missing_keys_dies_loading_the_unet_as_in_the_real_run_log(rig):
         "subprocess.CalledProcessError: Command '[…]' returned non-zero exit status 1.")
 
 
+@pytest.mark.slow
 def test_hollow_tokenizers_die_caching_text_encoder_outputs_as_in_the_real_run_log(rig, tmp_path):
     hollow = tmp_path / "tokenizers-hollow"
     for name in ("openai_clip-vit-large-patch14", "laion_CLIP-ViT-bigG-14-laion2B-39B-b160k"):
@@ -259,6 +252,7 @@ def test_hollow_tokenizers_die_caching_text_encoder_outputs_as_in_the_real_run_l
     assert not (rig["out"] / "ohwx_d2.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_real_tokenizers_without_their_config_fail_the_same_way(rig):
     # the fixture README: real vocab.json and merges.txt without tokenizer_config.json (max_length 10^30)
     (rig["tokenizer_cache_dir"] / "openai_clip-vit-large-patch14" / "tokenizer_config.json").unlink()
@@ -288,6 +282,7 @@ def test_the_fake_runs_one_function_per_phase():
     (lambda rig: (rig["dataset"] / "2_ohwx dog" / "img1.txt").write_bytes(b""), "dataset_invalid"),
     (lambda rig: (rig["dataset"] / "2_ohwx dog" / "img1.txt").write_bytes(b"\xff\xfe"), "dataset_invalid"),
 ])
+@pytest.mark.slow
 def test_the_fakes_failures_are_classed_as_the_real_ones_are(rig, break_it, failure):
     from lora_worker.transcript.outcome import decide
     from lora_worker.transcript.parser import Progress

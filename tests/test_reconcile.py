@@ -15,7 +15,7 @@ from lora_worker.states import JobState
 from lora_worker.host import processes
 from lora_worker.host.locks import hold_lock, job_lock_path
 from tests.helpers import pid_alive
-from tests.ledger.test_ledger import columns
+from tests.helpers.ledger import columns
 
 
 @pytest.fixture
@@ -42,6 +42,7 @@ def test_a_running_row_whose_supervisor_is_gone_becomes_failed(db, migrated):
     assert repo.job_events(db, job_id)[-1].actor == "reconcile"
 
 
+@pytest.mark.slow
 def test_a_forged_row_with_a_reused_pid_never_gets_the_stranger_killed(db, migrated, stranger):
     ticks = processes.start_ticks(stranger.pid)
     job_id = running_job(db, boot_id=processes.boot_id(), supervisor_pid=stranger.pid,
@@ -53,6 +54,7 @@ def test_a_forged_row_with_a_reused_pid_never_gets_the_stranger_killed(db, migra
     assert pid_alive(stranger.pid)
 
 
+@pytest.mark.slow
 def test_a_leftover_trainer_that_is_provably_ours_is_killed(db, migrated, stranger):
     ticks = processes.start_ticks(stranger.pid)
     running_job(db, boot_id=processes.boot_id(), trainer_pid=stranger.pid, trainer_start_ticks=ticks)
@@ -61,6 +63,7 @@ def test_a_leftover_trainer_that_is_provably_ours_is_killed(db, migrated, strang
     assert stranger.wait(5) == -signal.SIGKILL
 
 
+@pytest.mark.slow
 def test_a_row_from_before_a_reboot_is_host_rebooted_and_nothing_is_signalled(db, migrated, stranger):
     ticks = processes.start_ticks(stranger.pid)
     job_id = running_job(db, boot_id="00000000-dead-beef-0000-000000000000", trainer_pid=stranger.pid,
@@ -98,6 +101,7 @@ def test_reconcile_is_idempotent(db, migrated):
     assert [(j.id, j.status, j.version) for j in repo.list_jobs(db)] == snapshot
 
 
+@pytest.mark.slow
 def test_a_zombie_does_not_count_as_alive():
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     ident = processes.identity_of(child.pid)
@@ -130,6 +134,7 @@ def test_gpu_status_never_shows_a_dead_supervisors_job_as_active(db, migrated):
 
 # -- it says what it killed, and only that ------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_job_with_nothing_left_says_so_and_claims_no_kill(db, migrated):
     gone = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True)
     ticks = processes.start_ticks(gone.pid)
@@ -140,6 +145,7 @@ def test_a_job_with_nothing_left_says_so_and_claims_no_kill(db, migrated):
     assert action.killed == () and "no process of the job was left" in error and "killed" not in error
 
 
+@pytest.mark.slow
 def test_a_process_it_did_not_kill_is_never_reported_as_killed(db, migrated):
     # Shows our output dir in its argv, but started before the trainer: not provably ours, so not signalled,
     # and so not in the list of what was killed.
@@ -162,6 +168,7 @@ def test_a_process_it_did_not_kill_is_never_reported_as_killed(db, migrated):
 
 
 @pytest.mark.skipif(__import__("shutil").which("bwrap") is None, reason="bubblewrap is not installed")
+@pytest.mark.slow
 def test_a_sandboxed_job_whose_launcher_outlived_its_supervisor_is_killed_namespace_and_all(db, migrated):
     # The instant between bwrap's start and its parent-death signal: the supervisor is gone, bwrap is not.
     marker = f"lora-worker-reconcile-escapee-{id(db)}"

@@ -19,7 +19,7 @@ def trainer_versions(accelerate: Path) -> dict[str, str]:
     if not site:
         return found
     for dist in importlib.metadata.distributions(path=site):
-        name = _canonical(dist.metadata.get("Name") or "")
+        name = _canonical(dist.name or "")
         if name in TRAINER_PACKAGES and name not in found:
             found[name] = dist.version
     return dict(sorted(found.items()))

@@ -20,7 +20,7 @@ from pathlib import Path
 from lora_worker.config import Settings
 # Taking a lock is in host/flock.py, which imports nothing heavy: a supervisor takes its job lock first thing.
 from lora_worker.host.flock import (NotALockFile, hold_lock, lock_file_mode,  # noqa: F401 - theirs, re-exported
-                                    open_lock_file, take_lock)
+                                    open_lock_file, take_lock as take_lock)
 
 # The GPU lock directory: setgid keeps new lock files in the group, sticky stops anyone deleting another's lock
 # file (a deleted file would let a second trainer "lock" a new inode while the first still trains).

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from lora_worker.errors import NvmlUnavailable
 
@@ -171,7 +171,7 @@ class PynvmlBackend:
             raise _Timeout(f"{getattr(fn, '__name__', 'NVML call')} took over {self.timeout_s:g}s")
         if "error" in box:
             raise box["error"]
-        return box["value"]
+        return cast(T, box["value"])
 
 
 @dataclass

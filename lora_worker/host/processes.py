@@ -149,7 +149,7 @@ def set_child_subreaper() -> bool:
     """Make orphaned descendants (a trainer whose launcher died) re-parent to us instead of init."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
 

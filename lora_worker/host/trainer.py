@@ -18,6 +18,7 @@ import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from lora_worker.config import Settings
 from lora_worker.errors import TrainerUnavailable
@@ -130,7 +131,7 @@ def _text(data: bytes) -> str:
         raise FileUnusable(f"not UTF-8 ({exc.reason} at byte {exc.start})") from exc
 
 
-def _json_object(data: bytes) -> dict:
+def _json_object(data: bytes) -> dict[str, Any]:
     try:
         value = json.loads(_text(data))
     except json.JSONDecodeError as exc:

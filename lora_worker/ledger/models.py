@@ -9,7 +9,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
-from lora_worker.ledger.statements import iso_utc, parse_utc, utcnow  # noqa: F401 - utcnow: one clock for both paths
+from lora_worker.ledger.statements import iso_utc, parse_utc, utcnow as utcnow  # noqa: F401 - utcnow: one clock for both paths
 from lora_worker.states import ACTIVE_STATES, FailureClass, JobState, Phase
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import sqlalchemy.exc
 from sqlalchemy import Connection, delete, func, select, update
+from sqlalchemy.engine import CursorResult, Result
 from sqlalchemy.orm import Session, defer
 
 from lora_worker.errors import JobActive, JobFinished, JobNotFound
@@ -24,7 +25,8 @@ from lora_worker.ledger.db import Database
 from lora_worker.ledger.db import Driver as _Driver
 from lora_worker.ledger.models import Job, JobCount, JobEvent, ProgressPoint, utcnow
 # The failure text's shape and the progress SQL live with the statements both ledger paths share.
-from lora_worker.ledger.statements import (FAILURE_MAX_CHARS, FAILURE_TAIL_LINES, PROGRESS_POINT_SQL,  # noqa: F401
+from lora_worker.ledger.statements import (FAILURE_MAX_CHARS, FAILURE_TAIL_LINES as FAILURE_TAIL_LINES,  # noqa: F401
+                                           PROGRESS_POINT_SQL,
                                            SENTENCE_MAX_CHARS, failure_text)
 from lora_worker.states import ACTIVE_STATES, TERMINAL_STATES, FailureClass, JobState
 
@@ -100,7 +102,7 @@ def record_slurm_job(db: Database, job_id: int, slurm_job_id: str) -> bool:
         result = s.execute(update(Job).where(Job.id == job_id, Job.status == JobState.QUEUED.value,
                                              Job.slurm_job_id.is_(None))
                            .values(slurm_job_id=slurm_job_id, updated_at=utcnow(), version=Job.version + 1))
-        return result.rowcount == 1
+        return _rowcount(result) == 1
 
 
 def record_queue_reason(db: Database, job_id: int, reason: str | None) -> bool:
@@ -108,7 +110,7 @@ def record_queue_reason(db: Database, job_id: int, reason: str | None) -> bool:
     with db.write() as s:
         result = s.execute(update(Job).where(Job.id == job_id, Job.status == JobState.QUEUED.value)
                            .values(queue_reason=reason, updated_at=utcnow(), version=Job.version + 1))
-        return result.rowcount == 1
+        return _rowcount(result) == 1
 
 
 def durations_of_similar_jobs(db: Database, *, tier: str, device_index: int, image_count: int,
@@ -207,7 +209,7 @@ def request_cancel(db: Database, job_id: int, *, actor: str, reason: str = "canc
                 .where(Job.id == job_id, Job.status == state.value, Job.cancel_requested_at.is_(None))
                 .values(cancel_requested_at=now, updated_at=now, version=Job.version + 1)
             )
-            if flagged.rowcount == 1:
+            if _rowcount(flagged) == 1:
                 _event(s, job_id, state, state, actor, reason)
         s.flush()
         s.refresh(job)
@@ -225,6 +227,11 @@ def cancel_state(db: Database, job_id: int) -> tuple[str | None, bool]:
     """(status, whether a cancel is requested)."""
     with db.read_connection() as conn:
         return sql.cancel_state_in(_Driver(conn), job_id)
+
+
+def _rowcount(result: Result[Any]) -> int:
+    # An UPDATE's or a DELETE's result is a CursorResult; Session.execute is typed for any statement.
+    return cast("CursorResult[Any]", result).rowcount
 
 
 def _on(s: Session) -> _Driver:
@@ -245,7 +252,7 @@ def delete_jobs(db: Database, job_ids: Sequence[int]) -> int:
         result = s.execute(
             delete(Job).where(Job.id.in_(list(job_ids)), Job.status.in_(_values(TERMINAL_STATES)))
         )
-        return int(result.rowcount)
+        return _rowcount(result)
 
 
 # -- for operators: metrics and retention ---------------------------------------------------------------------

@@ -62,7 +62,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def run(settings: Settings, args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    from lora_worker.ledger.migrate import check_ledger  # the same refusal as the service's: no ledger, or an old schema
+    # The same refusal as the service's: no ledger, or an old schema.
+    from lora_worker.ledger.migrate import check_ledger
 
     check_ledger(settings)
     db = Database.open(settings.database_path, busy_timeout_s=settings.busy_timeout_s)

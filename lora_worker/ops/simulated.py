@@ -76,7 +76,7 @@ def clip_tokenizer_files() -> dict[str, bytes]:
 def write_tokenizer(folder: Path, **overrides: bytes | None) -> Path:
     """A tokenizer folder; `overrides` replaces a file's bytes by name, e.g. `vocab_json=b"{}"` (None: left out)."""
     folder.mkdir(parents=True, exist_ok=True)
-    files = dict(clip_tokenizer_files())
+    files: dict[str, bytes | None] = dict(clip_tokenizer_files())
     for key, data in overrides.items():
         files[key.replace("_json", ".json").replace("_txt", ".txt")] = data
     for name, data in files.items():

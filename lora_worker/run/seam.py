@@ -1,9 +1,10 @@
 """What the run loop needs of the operating system, as two protocols.
 
 `SupervisorHost` below is the real one: `lora_worker.host.process_host.ProcessHost` (processes, signals, locks,
-clocks) plus the two looks at the job's files before exec (the pre-exec check, the sandboxed command). The loop's rules (cancel → TERM → grace → KILL, the
-stall watchdog, the orphaned launcher, a busy ledger, the order of the final writes) are unit-tested against a
-recording fake with a fake clock (tests/run/fake_host.py): nothing here may reach the OS any other way.
+clocks) plus the two looks at the job's files before exec (the pre-exec check, the sandboxed command). The
+loop's rules (cancel → TERM → grace → KILL, the stall watchdog, the orphaned launcher, a busy ledger, the order of
+the final writes) are unit-tested against a recording fake with a fake clock (tests/run/fake_host.py): nothing
+here may reach the OS any other way.
 """
 from __future__ import annotations
 

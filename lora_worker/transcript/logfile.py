@@ -18,6 +18,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from lora_worker.host import fs
 
@@ -83,7 +84,7 @@ class JobLog:
         self.head_bytes, self.tail_bytes = head_bytes, tail_bytes
         self._head = _create_new(self.head_path, self.tail_path)
         self._head_size = 0
-        self._tail = None
+        self._tail: BinaryIO | None = None
         self._tail_start = 0
         self._tail_size = 0
         self._open = b""  # the open line: the newest redraw of a bar, or a line still without its newline
@@ -249,7 +250,7 @@ class _TailView:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.present, self.start, self.body_size, self._header_len = False, 0, 0, 0
-        self._fh = None
+        self._fh: BinaryIO | None = None
 
     def __enter__(self) -> _TailView:
         try:

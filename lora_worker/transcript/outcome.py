@@ -15,7 +15,7 @@ rules once its trainer runs, runner.py `load_the_end`), so the trainer's start w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lora_worker.host.fs import FileId
 from lora_worker.host.processes import decode_wait_status, signal_name, split_wait_status
@@ -83,7 +83,7 @@ def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], c
     exit_code, signal = split_wait_status(returncode)
     if signal is None and progress.signal is not None:
         signal = progress.signal  # the launcher survived and reported how the trainer died
-    base = {"exit_code": exit_code, "signal": signal}
+    base: dict[str, Any] = {"exit_code": exit_code, "signal": signal}
     if cancelled:
         return Outcome(JobState.CANCELLED, **base)
     saved = "model_saved" in progress.flags

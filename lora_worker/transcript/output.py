@@ -1,9 +1,9 @@
 """The trainer's output as the supervisor takes it in: bytes from the merged stdout+stderr pipe, parsed, written
 to the run log, and its last lines kept for an error message.
 
-Everything works on the bytes as they come (transcript/parser.py, transcript/logfile.py): each chunk is parsed and logged at
-once, whatever its cuts, and costs a few C-level passes, so nothing needs to wait for a later chunk. Only what
-is kept is decoded: the segments the parser reads, the lines the log keeps of a run of redraws, and the error
+Everything works on the bytes as they come (transcript/parser.py, transcript/logfile.py): each chunk is parsed
+and logged at once, whatever its cuts, and costs a few C-level passes, so nothing needs to wait for a later chunk.
+Only what is kept is decoded: the segments the parser reads, the lines the log keeps of a run of redraws, and the error
 tail when someone asks for it.
 """
 from __future__ import annotations

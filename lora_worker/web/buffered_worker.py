@@ -62,7 +62,8 @@ class BufferingThreadWorker(ThreadWorker):
 
     def accept(self, listener: socket.socket) -> None:
         if not self.buffer_requests:
-            return super().accept(listener)
+            super().accept(listener)
+            return
         try:
             client, address = listener.accept()
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
@@ -75,7 +76,8 @@ class BufferingThreadWorker(ThreadWorker):
     def on_client_socket_readable(self, conn: TConn, client: socket.socket) -> None:
         """A kept-alive connection has a next request: buffer it like a new one."""
         if not self.buffer_requests:
-            return super().on_client_socket_readable(conn, client)
+            super().on_client_socket_readable(conn, client)
+            return
         self.poller.unregister(client)
         self.keepalived_conns.remove(conn)
         self._buffer(conn)

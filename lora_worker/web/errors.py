@@ -101,7 +101,7 @@ def status_of(exc: LoraWorkerError | type[LoraWorkerError]) -> int:
     cls = exc if isinstance(exc, type) else type(exc)
     for base in cls.__mro__:
         if base in STATUS:
-            return STATUS[base]  # type: ignore[index]
+            return STATUS[base]
     return 500
 
 

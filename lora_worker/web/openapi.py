@@ -62,9 +62,10 @@ IDEMPOTENCY_KEY = {
 
 
 SUBMIT_ERRORS = ("bad_request", "request_timeout", "length_required", "request_entity_too_large",
-                 "validation_failed", "dataset_invalid", "base_model_invalid", "idempotency_key_reused", "output_exists", "job_active", "insufficient_vram",
-                 "gpu_busy", "gpu_locked", "insufficient_disk", "trainer_unavailable", "sandbox_unavailable", "nvml_unavailable",
-                 "train_root_missing", *LEDGER, "launch_failed")
+                 "validation_failed", "dataset_invalid", "base_model_invalid", "idempotency_key_reused",
+                 "output_exists", "job_active", "insufficient_vram", "gpu_busy", "gpu_locked", "insufficient_disk",
+                 "trainer_unavailable", "sandbox_unavailable", "nvml_unavailable", "train_root_missing", *LEDGER,
+                 "launch_failed")
 JOB_READ_ERRORS = ("job_not_found", "job_gone", "validation_failed", *LEDGER)
 
 DOCS: dict[str, Doc] = {

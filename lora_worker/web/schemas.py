@@ -30,8 +30,8 @@ MAX_GRAD_NORM = (0.0, 10.0)
 class FullMatch(validate.Regexp):
     """A Regexp validator that must match the whole value (re.fullmatch), documented by its pattern."""
 
-    def __call__(self, value: str) -> str:
-        if self.regex.fullmatch(value) is None:
+    def __call__(self, value: str) -> str:  # type: ignore[override]  # a request's values are text, never bytes
+        if self.regex.fullmatch(value) is None:  # type: ignore[call-overload]  # a str pattern (above)
             raise ValidationError(self._format_error(value))
         return value
 
@@ -115,7 +115,7 @@ class FiniteFloat(fields.Float):
     def _serialize(self, value: Any, attr: str | None, obj: Any, **kwargs: Any) -> float | None:
         if value is None or not math.isfinite(value):
             return None
-        return super()._serialize(value, attr, obj, **kwargs)
+        return super()._serialize(value, attr, obj, **kwargs)  # type: ignore[return-value]  # no as_string here
 
 
 class _InStates:
@@ -148,10 +148,10 @@ class EndedInPhase(_InStates, fields.String):
     states = TERMINAL_STATES
 
 
-class InEffect(fields.Field):
+class InEffect(fields.Field[Any]):
     """An optional request value as it took effect: the recipe's default where the request left it out."""
 
-    def __init__(self, inner: fields.Field, default: object, **kwargs: Any) -> None:
+    def __init__(self, inner: fields.Field[Any], default: object, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.inner, self.default = inner, default
 

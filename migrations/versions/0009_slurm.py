@@ -6,7 +6,8 @@ revisions constrain that rebuild: 0007 made `jobs.id` AUTOINCREMENT (the copy mu
 sqlite_sequence with it), and 0008 put triggers on `jobs`, which SQLite drops with the old table. The triggers
 are read from sqlite_master before the rebuild and created again, word for word, after it: this revision
 changes no count. sqlite_sequence loses the old table's row with it, and the copy sets it to the highest id
-copied: the highest id ever given (a pruned newest job's) is read first and put back, so no id is reused. The lists are written out here, so this revision stays what it was.
+copied: the highest id ever given (a pruned newest job's) is read first and put back, so no id is reused. The
+lists are written out here, so this revision stays what it was.
 
 Revision ID: 0009
 Revises: 0008

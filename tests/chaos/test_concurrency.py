@@ -14,7 +14,7 @@ import pytest
 
 from tests.chaos.invariants import TERMINAL, active_rows, integrity_ok
 from tests.helpers import set_modes, wait_for
-from tests.service import Service
+from tests.helpers.service import Service
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 SECONDS = float(os.environ.get("CHAOS_SECONDS", "10"))

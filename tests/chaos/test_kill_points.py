@@ -21,7 +21,7 @@ import pytest
 
 from tests.chaos.invariants import TERMINAL, Timeline, integrity_ok, terminal_events
 from tests.helpers import pid_alive, set_modes, wait_for
-from tests.service import Service
+from tests.helpers.service import Service
 
 ITERATIONS = int(os.environ.get("CHAOS_ITERATIONS", "12"))
 SEED = int(os.environ.get("CHAOS_SEED", "20261130"))

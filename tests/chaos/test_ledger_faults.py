@@ -20,7 +20,7 @@ from lora_worker.ledger.migrate import verify_integrity
 from lora_worker.transcript.logfile import LogReader
 from lora_worker.run.local import SETTINGS_ENV
 from tests.helpers import hold_exclusive, pid_alive, set_modes, wait_for
-from tests.service import Service
+from tests.helpers.service import Service
 
 pytestmark = pytest.mark.slow
 

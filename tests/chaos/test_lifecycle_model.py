@@ -19,9 +19,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from lora_worker import create_app
-from lora_worker.ledger.migrate import upgrade
 from tests.chaos.invariants import TERMINAL, active_rows, integrity_ok, terminal_events
 from tests.helpers import make_host, pid_alive, set_modes, wait_for
+from tests.helpers.ledger import migrated_ledger
 
 EXAMPLES = int(os.environ.get("CHAOS_MODEL_EXAMPLES", "6"))
 
@@ -32,7 +32,7 @@ class JobLifecycle(RuleBasedStateMachine):
         self.root = Path(tempfile.mkdtemp(prefix="lifecycle-"))
         self.host = make_host(self.root, cancel_grace_s=0.5)
         self.settings = self.host.settings
-        upgrade(self.settings.database_path)
+        migrated_ledger(self.settings.database_path)
         self.app = create_app(self.settings)
         self.client = self.app.test_client()
         self.jobs: dict[int, dict] = {}  # job id -> {"record": path, "release": path, "final": status or None}

@@ -298,7 +298,8 @@ PartitionName=debug Nodes={n} MaxTime=INFINITE State=UP
         try:
             _wait(there, timeout, f"node {'/'.join(states)}")
         except TimeoutError as exc:
-            raise TimeoutError(f"{exc} (it says {seen[-1:]}; slurmd's log ends: {self.log('slurmd.log')[-800:]})")
+            raise TimeoutError(f"{exc} (it says {seen[-1:]}; slurmd's log ends: "
+                               f"{self.log('slurmd.log')[-800:]})") from exc
 
     def resume_node(self) -> None:
         """After a lost node: back to service (ReturnToService=2 does it once slurmd registers; this is sure)."""

@@ -16,7 +16,7 @@ import pytest
 from lora_worker.config import REPO_ROOT, TIERS
 from lora_worker.host.locks import is_locked
 from tests.helpers import wait_for
-from tests.service import free_port
+from tests.helpers.service import free_port
 from tests.cluster.cluster import Cluster
 
 pytestmark = pytest.mark.slow

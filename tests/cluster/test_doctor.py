@@ -15,7 +15,7 @@ import pytest
 from lora_worker.config import Settings
 from lora_worker.ops.doctor import Check, slurm_checks
 from tests.helpers import make_host
-from tests.service import settings_env
+from tests.helpers.service import settings_env
 from tests.cluster.cluster import Cluster
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,8 @@ import pytest
 from lora_worker.config import TIERS
 from lora_worker.host.safetensors import verify_lora
 from tests.helpers import make_host, pid_alive, wait_for
-from tests.service import Service
+from tests.helpers.ledger import migrated_ledger
+from tests.helpers.service import Service
 from tests.cluster.cluster import Cluster
 from tests.cluster.worker import (TERMINAL, Worker, gpus_in_use, slurm_settings, start_worker, stop_poller,
                                 wait_gpus_in_use)
@@ -83,8 +84,7 @@ def test_a_job_dispatched_over_http_ends_succeeded_with_a_verified_lora(cluster:
                                                                                   "slurm_time_limit_min")})
     tables = {"LORA_WORKER_SLURM_MEM_MB": json.dumps(settings["slurm_mem_mb"]),
               "LORA_WORKER_SLURM_TIME_LIMIT_MIN": json.dumps(settings["slurm_time_limit_min"])}
-    from lora_worker.ledger.migrate import upgrade
-    upgrade(host.settings.database_path)
+    migrated_ledger(host.settings.database_path)
     service = Service(host.settings, tmp_path / "gunicorn.log", extra_env={"SLURM_CONF": str(cluster.conf),
                                                                            **tables}).start()
     try:

@@ -19,9 +19,9 @@ from typing import Any
 
 from lora_worker.config import TIERS, Settings
 from lora_worker.host.locks import lock_state
-from lora_worker.ledger.migrate import upgrade
 from lora_worker.slurm.process import poller_lock_path
 from tests.helpers import Host, make_host, pid_alive, set_modes, wait_for
+from tests.helpers.ledger import migrated_ledger
 from tests.cluster.cluster import Cluster, alive
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -168,7 +168,7 @@ def start_worker(cluster: Cluster, root: Path, **overrides: Any) -> Worker:
     from lora_worker import create_app
 
     host = make_host(root, **slurm_settings(cluster, root, **overrides))
-    upgrade(host.settings.database_path)
+    migrated_ledger(host.settings.database_path)
     app = create_app(host.settings)
     app.config["TESTING"] = True
     return Worker(cluster=cluster, host=host, client=app.test_client(), app=app)

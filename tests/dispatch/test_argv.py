@@ -12,8 +12,9 @@ from lora_worker.config import DEFAULT_DEVICES, LORA_TARGET_PRESETS, TIERS, Sett
 from lora_worker.dispatch.argv import ENV_KEYS, SCRIPT_FLAGS, SCRIPT_KEYS, build_argv, build_env
 from lora_worker.dispatch.request import ResolvedRequest, TrainRequest, resolve_request
 
-SETTINGS = Settings(accelerate=Path("/opt/fluxgym/.venv/bin/accelerate"), sd_scripts_dir=Path("/opt/fluxgym/sd-scripts"),
-                    tokenizer_cache_dir=Path("/opt/fluxgym/tokenizers"), state_dir=Path("/var/lib/lora-worker"))
+SETTINGS = Settings(accelerate=Path("/opt/fluxgym/.venv/bin/accelerate"),
+                    sd_scripts_dir=Path("/opt/fluxgym/sd-scripts"), tokenizer_cache_dir=Path("/opt/fluxgym/tokenizers"),
+                    state_dir=Path("/var/lib/lora-worker"))
 PATHS = ("dataset_dir", "base_model_path", "output_dir")
 
 
@@ -95,7 +96,8 @@ paths = st.lists(path_parts, min_size=1, max_size=5).map(lambda parts: "/" + "/"
 @given(dataset=paths, output=paths, model=paths, name=names, trigger=triggers, subject=classes,
        repeats=st.integers(1, 100), seed=st.integers(0, 2**31 - 1),
        tier_device=st.sampled_from([("fast", 0), ("balanced", 0), ("fast", 1), ("balanced", 1), ("quality", 1)]),
-       grad=st.none() | st.floats(0, 10, allow_nan=False), preset=st.none() | st.sampled_from(list(LORA_TARGET_PRESETS)))
+       grad=st.none() | st.floats(0, 10, allow_nan=False),
+       preset=st.none() | st.sampled_from(list(LORA_TARGET_PRESETS)))
 def test_no_request_can_produce_a_token_outside_the_allowed_key_value_form(
         dataset, output, model, name, trigger, subject, repeats, seed, tier_device, grad, preset):
     tier, device = tier_device

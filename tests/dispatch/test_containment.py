@@ -2,6 +2,7 @@
 that blocks, sees every folder sd-scripts would train on, and refuses a LoRA path that holds anything."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import socket
@@ -42,8 +43,10 @@ def post_bounded(api, body: dict, seconds: float = 10.0):
 
 def bound_socket(path: Path) -> None:
     """A unix socket's file, left at `path` (the socket itself is closed; its file stays)."""
-    with socket.socket(socket.AF_UNIX) as sock:
-        sock.bind(str(path))
+    # Bound by its name from its folder: a unix socket's path is at most 108 bytes, and an xdist worker's tmp dir
+    # is long enough to pass that.
+    with socket.socket(socket.AF_UNIX) as sock, contextlib.chdir(path.parent):
+        sock.bind(path.name)
 
 
 @pytest.fixture

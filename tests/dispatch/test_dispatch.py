@@ -9,16 +9,7 @@ import unicodedata
 import pytest
 
 from tests.helpers import job_rows as rows, make_dataset, write_safetensors
-
-
-def assert_refused(response, status: int, code: str, settings, launches, field: str | None = None) -> dict:
-    body = response.get_json()
-    assert response.status_code == status, body
-    assert response.is_json and body["error"] == code and body["status"] == status and body["message"]
-    if field:
-        assert field in body["fields"], body
-    assert rows(settings) == 0 and launches == []
-    return body
+from tests.helpers.api import assert_refused
 
 
 def test_valid_request_is_accepted_recorded_and_launched(api, host, launches):

@@ -11,7 +11,7 @@ from lora_worker import create_app
 from lora_worker.ledger import repository as repo
 from lora_worker.states import JobState
 from tests.helpers import job_rows as rows, set_modes, wait_for
-from tests.service import Service
+from tests.helpers.service import Service
 
 
 def post(client, body, key: str | None = "order-7f3a") -> tuple[int, dict]:

@@ -635,7 +635,8 @@ def launching(args: argparse.Namespace) -> tuple[list[CLIPTokenizer], Dataset | 
         log(f"found directory {path} contains {len(imgs)} image files")
         captions += load_dreambooth_dir(args, imgs)
         if not imgs:
-            log(f"ignore subset with image_dir='{path}': no images found / 画像が見つからないためサブセットを無視します")
+            log(f"ignore subset with image_dir='{path}': no images found / "
+                "画像が見つからないためサブセットを無視します")
     subsets = [subset for subset in found if subset[2]]
     dataset = Dataset(subsets, [img for _, _, imgs in subsets for img in imgs], captions,
                       sum(r * len(i) for _, r, i in subsets))

@@ -9,10 +9,12 @@ import sqlite3
 import sys
 import types
 
+import pytest
+
 from lora_worker.host.fingerprint import sd_scripts_commit, trainer_versions
 from lora_worker.dispatch.dataset import inspect_dataset
 from tests.helpers import FAKES, SD_SCRIPTS_COMMIT, TRAINER_VERSIONS
-from tests.run.test_supervisor import TERMINAL, modes, submit, wait_state
+from tests.helpers.runs import TERMINAL, modes, submit, wait_state
 
 
 def fake_trainer() -> types.ModuleType:
@@ -31,6 +33,7 @@ def query(settings, sql: str, *params: object) -> list[tuple]:
         conn.close()
 
 
+@pytest.mark.slow
 def test_a_finished_job_carries_its_fingerprint_and_artifact_hash(client, host):
     modes(host)
     job_id = submit(client, host)
@@ -48,6 +51,7 @@ def test_a_finished_job_carries_its_fingerprint_and_artifact_hash(client, host):
                      SD_SCRIPTS_COMMIT, done["lora_sha256"])]
 
 
+@pytest.mark.slow
 def test_without_a_git_checkout_the_commit_comes_from_the_lora(client, host):
     shutil.rmtree(host.sd_scripts / ".git")
     modes(host)

@@ -97,6 +97,7 @@ def test_a_fifo_planted_as_a_lock_never_blocks(tmp_path):
     assert is_locked(fifo) is True
 
 
+@pytest.mark.slow
 def test_lock_state_names_the_pid_that_holds_the_lock(tmp_path):
     path = tmp_path / "gpu-1.lock"
     assert lock_state(path) == lock_state(path).__class__(False, None)  # absent: free

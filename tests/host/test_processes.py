@@ -17,6 +17,7 @@ def exited(pid: int) -> bool:
     return processes.state_of(pid) == "Z"
 
 
+@pytest.mark.slow
 def test_reap_orphans_reaps_exited_children_but_leaves_the_kept_one_to_popen():
     kept = subprocess.Popen([sys.executable, "-c", "pass"])
     orphan = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -27,6 +28,7 @@ def test_reap_orphans_reaps_exited_children_but_leaves_the_kept_one_to_popen():
     assert exited(kept.pid) and kept.wait() == 0  # still waiting for Popen, with its status intact
 
 
+@pytest.mark.slow
 def test_reap_orphans_does_not_list_processes_while_no_child_has_exited(monkeypatch: pytest.MonkeyPatch):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
@@ -40,6 +42,7 @@ def test_reap_orphans_does_not_list_processes_while_no_child_has_exited(monkeypa
         sleeper.wait()
 
 
+@pytest.mark.slow
 def test_the_trainer_is_spawned_in_its_own_group_with_one_pipe_read_until_end_of_file(tmp_path):
     from lora_worker.host.process_host import ProcessHost
 
@@ -80,6 +83,7 @@ def test_an_exit_status_is_worded_one_way_for_the_log_and_the_error():
     assert processes.split_wait_status(-15) == (None, 15) and processes.split_wait_status(1) == (1, None)
 
 
+@pytest.mark.slow
 def test_descendants_are_listed_from_proc_through_a_new_session_and_zombies_left_out():
     # A child, and its child in a session of its own (as a daemonising trainer would): both descend from us.
     code = ("import os, subprocess, sys, time\n"
@@ -105,6 +109,7 @@ def test_descendants_are_listed_from_proc_through_a_new_session_and_zombies_left
         dead.wait()
 
 
+@pytest.mark.slow
 def test_a_flood_is_taken_a_pipeful_per_read_from_an_enlarged_pipe_in_order(tmp_path):
     import fcntl
     from pathlib import Path

@@ -47,7 +47,8 @@ def test_the_real_runs_lora_is_verified(tmp_path):
     ({"metadata": {"ss_max_train_steps": "1500"}}, "ss_max_train_steps '1500' instead of 3"),
     ({"metadata": {"ss_seed": "7"}}, "ss_seed '7' instead of 42"),
     ({"keep": lambda name: not name.startswith("lora_unet")}, "no lora_down weights"),
-    ({"dtype": lambda name: "F16" if name.endswith(".weight") else None}, "tensors of another dtype than F32 (1444 F16)"),
+    ({"dtype": lambda name: "F16" if name.endswith(".weight") else None},
+     "tensors of another dtype than F32 (1444 F16)"),
     # one module saved in another precision is enough to refuse the file
     ({"dtype": lambda name: "BF16" if name.endswith("proj_in.lora_up.weight") else None},
      "tensors of another dtype than F32 (11 BF16)"),

@@ -266,6 +266,7 @@ def test_without_bubblewrap_post_train_is_a_503_naming_it_and_changes_nothing(ap
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_healthz_and_doctor_say_which_sandbox_is_in_force(api, migrated):
     from lora_worker.host.nvml import FakeNvml
     from lora_worker.ops.doctor import run_checks
@@ -297,6 +298,7 @@ def test_a_launcher_killed_by_a_signal_reads_as_killed_through_bwrap():
 
 
 @needs_bwrap
+@pytest.mark.slow
 def test_doctor_finds_a_bwrap_that_cannot_make_its_namespaces(migrated, monkeypatch, tmp_path):
     from lora_worker.host.nvml import FakeNvml
     from lora_worker.ops.doctor import run_checks

@@ -14,7 +14,7 @@ from lora_worker.ledger.migrate import upgrade
 from lora_worker.ledger.models import utcnow
 from lora_worker.states import FailureClass, JobState
 from lora_worker.web.metrics import DURATION_BUCKETS
-from tests.ledger.test_ledger import columns
+from tests.helpers.ledger import columns
 
 RECONCILED = ("supervisor_lost", "host_rebooted")
 

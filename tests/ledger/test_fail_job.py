@@ -22,7 +22,7 @@ from lora_worker.run.local import launch_supervisor
 from lora_worker.transcript.logfile import JobLog, LogReader
 from lora_worker.states import FailureClass, JobState
 from tests.helpers import set_modes, wait_for
-from tests.ledger.test_ledger import columns
+from tests.helpers.ledger import columns
 
 PACKAGE = REPO_ROOT / "lora_worker"
 SENTENCE = re.compile(r"[A-Z][^\n]*[.!?]")

@@ -10,7 +10,7 @@ from alembic import command
 
 from lora_worker.ledger.migrate import alembic_config
 from lora_worker.states import FailureClass, JobState
-from tests.ledger.test_ledger import columns
+from tests.helpers.ledger import columns
 
 
 def store(path, job_id: int, value: str) -> None:

@@ -16,7 +16,7 @@ from lora_worker.ledger.models import utcnow
 from lora_worker.ops.retention import prune
 from lora_worker.transcript.logfile import JobLog, log_paths
 from lora_worker.states import JobState
-from tests.ledger.test_ledger import columns
+from tests.helpers.ledger import columns
 
 
 def finished_job(db: Database) -> int:
@@ -27,7 +27,7 @@ def finished_job(db: Database) -> int:
 
 def old_failed_job(path: Path) -> int:
     """A failed job and its event, written as an older ledger holds them."""
-    from tests.slurm.test_migration import old_row
+    from tests.helpers.ledger import old_row
 
     job_id = old_row(path, "failed")
     conn = sqlite3.connect(path)

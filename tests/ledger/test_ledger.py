@@ -19,18 +19,7 @@ from lora_worker.ledger.migrate import (alembic_config, allow_batch_rename, curr
                                         upgrade)
 from lora_worker.ledger.models import Job
 from lora_worker.states import JobState
-
-
-def columns(**overrides: object) -> dict:
-    cols = {
-        "train_id": "t1", "dataset_dir": "/train/t1/dataset", "base_model_path": "/models/m.safetensors",
-        "output_dir": "/train/t1/output", "output_name": "ohwx", "trigger": "ohwx", "subject_class": "woman",
-        "repeats": 10, "tier": "fast", "device_index": 1, "seed": 42, "image_count": 3,
-        "argv": ["accelerate", "launch"], "env": {"PATH": "/usr/bin"}, "total_steps": 400,
-        "lora_file": "/train/t1/output/ohwx.safetensors", "lora_rank": 16, "lora_steps": 400, "lora_dtype": "F32",
-    }
-    cols.update(overrides)
-    return cols
+from tests.helpers.ledger import columns
 
 
 def raw(db: Database, sql: str, *params: object) -> list[tuple]:

@@ -16,7 +16,7 @@ from lora_worker.ledger.models import Job
 from lora_worker.ledger.supervisor import RECORD_COLUMNS, JobRecord, SupervisorLedger
 from lora_worker.states import FailureClass, JobState
 from tests.helpers import hold_exclusive
-from tests.ledger.test_ledger import columns
+from tests.helpers.ledger import columns
 
 
 @pytest.fixture
@@ -44,7 +44,7 @@ def recording(seen: list[str], fail_on: str | None = None, error: str = "databas
 
 def test_the_record_reads_columns_of_jobs_and_the_json_ones_are_the_models():
     assert set(RECORD_COLUMNS) <= set(Job.__table__.c.keys())
-    assert statements.JSON_COLUMNS == {c.name for c in Job.__table__.c if c.type.__class__.__name__ == "JSON"}
+    assert {c.name for c in Job.__table__.c if c.type.__class__.__name__ == "JSON"} == statements.JSON_COLUMNS
 
 
 def test_the_record_is_the_row_as_the_orm_reads_it(db, ledger):

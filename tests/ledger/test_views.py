@@ -17,7 +17,7 @@ from lora_worker.config import REPO_ROOT
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.migrate import alembic_config, allow_batch_rename, head_revision
 from lora_worker.states import JobState
-from tests.ledger.test_ledger import columns
+from tests.helpers.ledger import columns
 
 COLUMNS = {
     "v_jobs": ["id", "status", "phase", "tier", "device_index", "train_id", "output_name", "step", "total_steps",
@@ -126,9 +126,9 @@ def test_the_views_are_read_only(migrated, ledger):
 def test_the_views_survive_a_batch_migration_that_recreates_jobs(migrated, ledger):
     engine = create_engine(f"sqlite:///{migrated.database_path}")
     event.listen(engine, "connect", allow_batch_rename)  # as migrations/env.py connects
-    with engine.begin() as conn:
-        with Operations(MigrationContext.configure(conn)).batch_alter_table("jobs", recreate="always") as batch:
-            batch.alter_column("trigger", existing_nullable=False, nullable=False)
+    with engine.begin() as conn, Operations(MigrationContext.configure(conn)).batch_alter_table(
+            "jobs", recreate="always") as batch:
+        batch.alter_column("trigger", existing_nullable=False, nullable=False)
     engine.dispose()
     assert [r["id"] for r in query(migrated.database_path, "SELECT id FROM v_active")] == [ledger["running"]]
     assert len(query(migrated.database_path, "SELECT * FROM v_jobs")) == 4

@@ -12,9 +12,9 @@ import pytest
 
 from lora_worker.ledger import repository as repo
 from lora_worker.states import JobState
-from tests.ledger.test_ledger import columns
-from tests.ops.test_jobs import finished, write_log
-from tests.service import settings_env
+from tests.helpers.ledger import columns
+from tests.helpers.cli import finished, write_log
+from tests.helpers.service import settings_env
 
 pytestmark = pytest.mark.slow
 LORA_WORKER = str(Path(sys.executable).parent / "lora-worker")

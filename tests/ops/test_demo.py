@@ -28,7 +28,7 @@ from lora_worker.ops.doctor import run_checks
 from lora_worker.host.nvml import FakeNvml
 from lora_worker.transcript.logfile import LogReader
 from tests.helpers import install_script, wait_for
-from tests.service import free_port
+from tests.helpers.service import free_port
 
 DEPLOYED_ONLY = ("INVOCATION_ID", "CREDENTIALS_DIRECTORY")
 
@@ -107,7 +107,7 @@ def test_make_demos_flow_from_a_fresh_clone_trains_a_verified_lora_and_labels_th
         assert lora.is_relative_to(root / "train")
         with safe_open(str(lora), framework="np") as f:  # the reference reader, not the worker's own
             meta = f.metadata()
-            downs = [k for k in f.keys() if k.endswith(".lora_down.weight")]
+            downs = [k for k in f.keys() if k.endswith(".lora_down.weight")]  # noqa: SIM118 - safe_open is no dict
         assert meta["ss_network_dim"] == "16" and meta["ss_output_name"] == "ohwx_lora" and meta["ss_seed"] == "42"
         assert len(downs) == 722
         assert f"verified {lora.relative_to(clone)}: {lora.stat().st_size} bytes" in out.text

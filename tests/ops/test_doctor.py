@@ -85,6 +85,7 @@ def checks_as(user: str, settings) -> dict[str, tuple[bool, str]]:
     return {name.split(" /")[0]: (ok, detail) for name, ok, detail in json.loads(b"".join(chunks))}
 
 
+@pytest.mark.slow
 def test_on_a_host_laid_out_as_installed_every_identity_check_passes(deployed, users):
     found = checks_as(users["service"], deployed)
     assert found["running as"] == (True, f"{users['service']} (uid {pwd.getpwnam(users['service']).pw_uid})")
@@ -125,6 +126,7 @@ def _lock_dir_closed(settings, users):
     (_no_setgid, "train root shared", "not the root's"),
     (_lock_dir_closed, "gpu interlock", "mode 0750, not 3770"),
 ], ids=lambda v: getattr(v, "__name__", None) or str(v)[:20])
+@pytest.mark.slow
 def test_each_identity_check_fails_when_its_promise_is_broken(deployed, users, breakage, check, says):
     settings = breakage(deployed, users)
     found = checks_as(users["service"], settings)
@@ -133,6 +135,7 @@ def test_each_identity_check_fails_when_its_promise_is_broken(deployed, users, b
     assert ok is False and says in detail, (key, detail)
 
 
+@pytest.mark.slow
 def test_in_a_checkout_without_arbo_user_or_a_shared_lock_dir_those_checks_only_warn(deployed, users):
     checkout = replace(deployed, arbo_user=None, gpu_lock_dir=None)
     checkout.train_root.chmod(0o0770)  # not shared either: a folder there stays the service user's

@@ -5,9 +5,13 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from lora_worker.ops.doctor import run_checks, slurm_checks
 from lora_worker.host.nvml import FakeNvml
 from tests.helpers import make_host
+
+pytestmark = pytest.mark.slow  # every test here starts a real process
 
 
 def slurm_host(tmp_path: Path, **settings: object):

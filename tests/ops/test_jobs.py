@@ -1,7 +1,6 @@
 """`lora-worker jobs`: ls, show, log [-f], cancel [--all], prune, on the ledger directly."""
 from __future__ import annotations
 
-import io
 import os
 import sqlite3
 import subprocess
@@ -9,28 +8,20 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
 from lora_worker.ops.cli import build_parser
 from lora_worker.errors import JobFinished
-from lora_worker.ops.jobs import run
 from lora_worker.ledger import repository as repo
-from lora_worker.ledger.models import utcnow
 from lora_worker.states import JobState
-from lora_worker.transcript.logfile import JobLog, log_paths
+from lora_worker.transcript.logfile import log_paths
 from lora_worker.host.locks import hold_lock, job_lock_path
 from tests.helpers import set_modes, wait_for
-from tests.service import settings_env
-from tests.ledger.test_ledger import columns
-
-
-def jobs(settings, *argv: str) -> tuple[int, str]:
-    out = io.StringIO()
-    code = run(settings, build_parser().parse_args(["jobs", *argv]), out)
-    return code, out.getvalue()
+from tests.helpers.service import settings_env
+from tests.helpers.ledger import columns
+from tests.helpers.cli import finished, jobs, write_log
 
 
 def cli(settings, *argv: str) -> subprocess.CompletedProcess[str]:
@@ -38,17 +29,6 @@ def cli(settings, *argv: str) -> subprocess.CompletedProcess[str]:
     lora_worker = str(Path(sys.executable).parent / "lora-worker")
     return subprocess.run([lora_worker, *argv], env={**os.environ, **settings_env(settings)}, capture_output=True,
                           text=True, timeout=120)
-
-
-def finished(db, state: JobState, days_ago: float, lora_path: str | None = None, **values: object) -> int:
-    job = repo.create_job(db, columns(**values))
-    end = utcnow() - timedelta(days=days_ago)
-    repo.transition(db, job.id, JobState.RUNNING, actor="supervisor", started_at=end - timedelta(minutes=10))
-    repo.update_running(db, job.id, step=3, points=[(1, 0.5, end), (2, 0.4, end)])
-    extra = ({"failure_class": "cuda_oom", "error": "CUDA ran out of memory.\ntorch.OutOfMemoryError"}
-             if state is JobState.FAILED else {"lora_path": lora_path or f"/out/{job.id}.safetensors"})
-    repo.transition(db, job.id, state, actor="supervisor", finished_at=end, **extra)
-    return job.id
 
 
 @pytest.fixture
@@ -67,13 +47,6 @@ def supervised(db, migrated) -> Iterator[Callable[[], int]]:
     yield start
     for fd in locks:
         os.close(fd)
-
-
-def write_log(settings, job_id: int, lines: list[str]) -> JobLog:
-    joblog = JobLog(settings.log_dir, job_id, head_bytes=200, tail_bytes=10_000)  # small head: a tail file too
-    for line in lines:
-        joblog.feed(line + "\n")
-    return joblog
 
 
 def test_ls_prints_a_table_of_recent_jobs_newest_first(db, migrated, supervised):
@@ -113,6 +86,7 @@ def test_show_prints_the_job_and_its_event_history(db, migrated):
                                                     ["running", "failed", "supervisor"]]
 
 
+@pytest.mark.slow
 def test_show_of_an_unknown_job_fails_with_a_sentence(migrated):
     result = cli(migrated, "jobs", "show", "4242")
     assert result.returncode == 1 and "No job has id 4242." in result.stderr
@@ -162,6 +136,7 @@ def test_cancel_of_a_queued_job_cancels_it_at_once(db, migrated):
     assert repo.get_job(db, job.id).status == "cancelled"
 
 
+@pytest.mark.slow
 def test_cancel_of_a_finished_job_is_refused(db, migrated):
     job_id = finished(db, JobState.SUCCEEDED, 1)
     with pytest.raises(JobFinished):
@@ -196,6 +171,7 @@ def test_cancel_all_wait_stops_real_training_while_the_web_service_is_down(clien
     assert client.get(f"/train/{job_id}").get_json()["status"] == "cancelled"
 
 
+@pytest.mark.slow
 def test_the_cli_logs_one_line_per_event_with_its_job_id_to_stderr(migrated, supervised):
     running = supervised()
     result = cli(migrated, "jobs", "cancel", str(running))

@@ -21,8 +21,8 @@ from lora_worker.ops.jobs import run
 from lora_worker.ops.watch import BLOCKS, describe_curve, sparkline
 from lora_worker.states import JobState
 from tests.helpers import set_modes
-from tests.ops.test_jobs import finished
-from tests.service import settings_env
+from tests.helpers.cli import finished
+from tests.helpers.service import settings_env
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 PHASES = ["launching", "loading_model", "caching_latents", "caching_text_encoder_outputs", "preparing_training",
@@ -166,7 +166,7 @@ def test_a_flat_curve_is_a_flat_line_and_nan_losses_are_gaps():
 
 def test_the_log_lines_shown_skip_blank_lines_and_cannot_move_the_cursor(db, migrated):
     from lora_worker.ops.watch import LOG_LINES, _Looker
-    from tests.ops.test_jobs import write_log
+    from tests.helpers.cli import write_log
 
     job_id = finished(db, JobState.SUCCEEDED, 0.1)
     lines = [f"line {i}" for i in range(10)] + ["", "epoch 2/2", "", "evil \x1b[2J\x1b[H here", ""]

@@ -8,6 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test here starts a real process
+
 WEB_ONLY = ("flask", "werkzeug", "marshmallow", "apispec", "prometheus_client", "jinja2", "click", "torch")
 # The web's and ops' ledger path, and psutil (host/processes.py reads /proc for what the supervisor asks).
 NEVER = set(WEB_ONLY) | {"sqlalchemy", "alembic", "typing_extensions", "psutil"}
@@ -75,6 +79,8 @@ def dump_and_exit(rc):
     dump("_exit")
     _exit(rc)
 os._exit = dump_and_exit
+import pytest
+
 from lora_worker.run.__main__ import main
 sys.exit(main(sys.argv[1:]))
 """

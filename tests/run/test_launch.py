@@ -23,6 +23,8 @@ from lora_worker.errors import LaunchFailed
 from lora_worker.run.local import start_detached
 from tests.helpers import pid_alive, wait_for
 
+pytestmark = pytest.mark.slow  # every test here starts a real process
+
 STAND_IN = r"""
 import json, os, sys, time
 mode, record, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])
@@ -120,7 +122,7 @@ def test_a_supervisor_that_never_says_ready_fails_the_launch_after_the_timeout(t
 def test_the_real_supervisor_holds_its_job_lock_when_the_launch_returns(migrated, host, db):
     from lora_worker.ledger import repository as repo
     from lora_worker.run.local import LocalBackend, launch_supervisor
-    from tests.ledger.test_ledger import columns
+    from tests.helpers.ledger import columns
 
     job = repo.create_job(db, columns())  # its folders do not exist here: the pre-exec check ends the run
     launch_supervisor(job.id, host.settings)

@@ -18,7 +18,7 @@ from lora_worker.run import requests, runner
 from lora_worker.run.runner import attend
 from lora_worker.transcript.eta import DEFAULT_TAIL_S
 from lora_worker.states import TERMINAL_STATES, JobState, Phase
-from tests.ledger.test_ledger import columns
+from tests.helpers.ledger import columns
 from tests.run.fake_host import LAUNCHER_PID, FakeHost, FakeJob, FakeProcess
 
 TERM, KILL = signal.SIGTERM, signal.SIGKILL
@@ -52,10 +52,10 @@ def host() -> FakeHost:  # type: ignore[override]  # this module's host is the f
 @pytest.fixture
 def settings(tmp_path) -> Settings:
     from tests.helpers import make_host
-    from lora_worker.ledger.migrate import upgrade
+    from tests.helpers.ledger import migrated_ledger
 
     values = make_host(tmp_path).settings
-    upgrade(values.database_path)
+    migrated_ledger(values.database_path)
     return replace(values, cancel_grace_s=5.0, progress_interval_s=1.0)
 
 

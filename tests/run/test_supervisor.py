@@ -1,7 +1,6 @@
 """The detached supervisor, end to end with real processes: the fake `accelerate` → fake trainer tree."""
 from __future__ import annotations
 
-import json
 import os
 import random
 import signal
@@ -15,45 +14,11 @@ from lora_worker.host.safetensors import inspect_lora
 from lora_worker.dispatch.argv import build_argv, build_env
 from lora_worker.dispatch.request import TrainRequest, resolve_request
 from lora_worker.ledger import repository as repo
-from lora_worker.states import TERMINAL_STATES
 from lora_worker.run.local import launch_supervisor
-from tests.helpers import fake_gpus, hold_exclusive, pid_alive, set_modes, wait_for
+from tests.helpers import fake_gpus, hold_exclusive, pid_alive, wait_for
+from tests.helpers.runs import TERMINAL, job, job_processes, modes, recorded, submit, wait_phase, wait_state
 
 pytestmark = pytest.mark.slow
-TERMINAL = {s.value for s in TERMINAL_STATES}
-
-
-def submit(client, host, **overrides) -> int:
-    response = client.post("/train", json=host.payload(**overrides))
-    assert response.status_code == 202, response.get_json()
-    return response.get_json()["worker_job_id"]
-
-
-def job(client, job_id: int) -> dict:
-    return client.get(f"/train/{job_id}").get_json()
-
-
-def wait_state(client, job_id: int, *states: str, timeout: float = 30) -> dict:
-    return wait_for(lambda: (j := job(client, job_id))["status"] in states and j, timeout=timeout,
-                    what=f"job {job_id} in {states}")
-
-
-def wait_phase(client, job_id: int, phase: str) -> dict:
-    return wait_for(lambda: (j := job(client, job_id))["phase"] == phase and j, what=f"phase {phase}")
-
-
-def recorded(host) -> dict:
-    path = host.root / "record.json"
-    return wait_for(lambda: path.exists() and json.loads(path.read_text()), what="trainer record")
-
-
-def modes(host, **values) -> None:
-    set_modes(host.sd_scripts, record=str(host.root / "record.json"), **values)
-
-
-def job_processes(rec: dict) -> list[int]:
-    pids = [rec["pgid"], rec["pid"]] + ([rec["grandchild"]] if rec.get("grandchild") else [])
-    return [p for p in pids if pid_alive(p)]
 
 
 # -- a run ------------------------------------------------------------------------------------------------------

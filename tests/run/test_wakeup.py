@@ -5,7 +5,6 @@ signalled."""
 from __future__ import annotations
 
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from lora_worker.host import processes
 from lora_worker.host.process_host import ProcessHost
 from lora_worker.run.local import WAKE_SIGNAL, listen_for_wakeups, wake_supervisor
 from tests.helpers import wait_for
+from tests.helpers.wakeup import heard
 
 # -- the real host's waits -----------------------------------------------------------------------------------
 
@@ -52,6 +52,7 @@ def test_the_real_pause_ends_when_the_wake_up_signal_arrives(wake_fd):
     assert time.monotonic() - started >= 0.1
 
 
+@pytest.mark.slow
 def test_the_real_pause_ends_when_the_launcher_exits(wake_fd, tmp_path):
     real = ProcessHost(wake_fd)
     trainer = real.spawn([sys.executable, "-c", "import os, time; os.close(1); os.close(2); time.sleep(0.2)"],
@@ -66,6 +67,7 @@ def test_the_real_pause_ends_when_the_launcher_exits(wake_fd, tmp_path):
         trainer.close()
 
 
+@pytest.mark.slow
 def test_the_trainers_read_ends_on_a_wake_up_with_nothing_read(wake_fd, tmp_path):
     real = ProcessHost(wake_fd)
     trainer = real.spawn([sys.executable, "-c", "import time; time.sleep(30)"], cwd=tmp_path, env=dict(os.environ))
@@ -81,6 +83,7 @@ def test_the_trainers_read_ends_on_a_wake_up_with_nothing_read(wake_fd, tmp_path
         trainer.close()
 
 
+@pytest.mark.slow
 def test_the_trainers_read_after_the_end_of_its_pipe_also_ends_on_a_wake_up(wake_fd, tmp_path):
     real = ProcessHost(wake_fd)
     # a launcher that closed its output and lives on: the loop keeps passing, waiting in read
@@ -108,32 +111,8 @@ def test_without_a_wake_up_fd_the_pause_is_a_plain_sleep():
 
 # -- who is signalled ----------------------------------------------------------------------------------------
 
-LISTENER = r"""
-import signal, sys, time
-signal.signal(signal.SIGURG, lambda *a: (sys.stdout.write("woken\n"), sys.stdout.flush()))
-print("listening", flush=True)
-time.sleep(30)
-"""
 
-
-@pytest.fixture
-def listener():
-    """A process that says "woken" on each wake-up signal it receives."""
-    proc = subprocess.Popen([sys.executable, "-c", LISTENER], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline() == "listening\n"
-    with proc:  # closes its stdout
-        yield proc
-        proc.kill()
-
-
-def heard(proc: subprocess.Popen[str], within: float = 0.3) -> bool:
-    assert proc.stdout is not None
-    if not select.select([proc.stdout], [], [], within)[0]:
-        return False
-    assert proc.stdout.readline() == "woken\n"
-    return True
-
-
+@pytest.mark.slow
 def test_the_recorded_supervisor_is_woken(listener):
     me = processes.identity_of(listener.pid)
     assert me is not None
@@ -142,6 +121,7 @@ def test_the_recorded_supervisor_is_woken(listener):
 
 
 @pytest.mark.parametrize("change", ["recycled pid", "another boot", "nothing recorded"])
+@pytest.mark.slow
 def test_a_process_that_is_not_the_recorded_one_is_never_signalled(listener, change):
     me = processes.identity_of(listener.pid)
     assert me is not None
@@ -156,6 +136,7 @@ def test_a_process_that_is_not_the_recorded_one_is_never_signalled(listener, cha
     assert not heard(listener)
 
 
+@pytest.mark.slow
 def test_a_dead_supervisor_is_not_signalled():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     me = processes.identity_of(proc.pid)

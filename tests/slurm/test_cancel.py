@@ -2,7 +2,7 @@
 a plain scancel while pending); the row is `cancelled` once Slurm says the job ended. A fake clock."""
 from __future__ import annotations
 
-from tests.slurm.conftest import SlurmWorker
+from tests.slurm.fakes import SlurmWorker
 
 
 def test_a_running_job_gets_term_then_kill_after_the_grace_then_is_cancelled_when_slurm_says_so(slurm: SlurmWorker):

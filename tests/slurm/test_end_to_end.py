@@ -12,10 +12,12 @@ import pytest
 
 from lora_worker.host.locks import lock_state
 from lora_worker.ledger.db import Database
-from lora_worker.ledger.migrate import upgrade
 from lora_worker.ledger import repository as repo
 from lora_worker.slurm.process import poller_lock_path
 from tests.helpers import Host, payload, pid_alive, set_modes, wait_for
+from tests.helpers.ledger import migrated_ledger
+
+pytestmark = pytest.mark.slow  # every test here starts a real process
 
 FAKE = Path(__file__).parent / "fake_slurm" / "slurm.py"
 
@@ -36,7 +38,7 @@ def worker(host: Host, tmp_path: Path):
 
     settings = host.settings.with_overrides(backend="slurm", slurm_bin_dir=install_fake_slurm(tmp_path / "slurm-bin"),
                                             slurm_poll_interval_s=0.2)
-    upgrade(settings.database_path)
+    migrated_ledger(settings.database_path)
     app = create_app(settings)
     db = Database.open(settings.database_path)
     yield app.test_client(), db, settings

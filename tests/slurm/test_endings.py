@@ -18,7 +18,7 @@ from lora_worker.slurm.sbatch import log_path
 from lora_worker.slurm.scheduler import Result, Scheduler, SchedulerUnavailable, SlurmJob
 from lora_worker.states import FailureClass
 from lora_worker.transcript.logfile import LogReader
-from tests.slurm.conftest import SlurmWorker, steps_bar
+from tests.slurm.fakes import SlurmWorker, steps_bar
 from tests.slurm.fakes import run_batch_script
 
 TRAINING = "loading model for process 0/1\nimport network module: networks.lora\n" + steps_bar(0) + steps_bar(50)

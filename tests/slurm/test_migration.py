@@ -2,7 +2,6 @@
 (and the highest id ever given) and 0008's count triggers; and its downgrade."""
 from __future__ import annotations
 
-import json
 import sqlite3
 from pathlib import Path
 
@@ -13,7 +12,8 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import alembic_config, upgrade
 from lora_worker.states import FailureClass, JobState
-from tests.ledger.test_ledger import columns
+from tests.helpers.ledger import columns
+from tests.helpers.ledger import old_row
 
 SLURM_CLASSES = ("out_of_memory", "time_limit", "node_fail", "slurm_lost")
 
@@ -29,23 +29,6 @@ def sql(path: Path, query: str, *params: object) -> list[tuple]:
 
 def triggers(path: Path) -> list[tuple]:
     return sql(path, "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' ORDER BY name")
-
-
-def old_row(path: Path, status: str) -> int:
-    """A row as a 0008 ledger holds it (the ORM already knows the new columns)."""
-    cols = {**columns(), "status": status, "created_at": "2026-12-01T10:00:00.000Z",
-            "updated_at": "2026-12-01T10:00:00.000Z", "finished_at": "2026-12-01T10:01:00.000Z", "step": 0,
-            "version": 1}
-    cols["argv"], cols["env"] = json.dumps(cols["argv"]), json.dumps(cols["env"])
-    conn = sqlite3.connect(path)
-    try:
-        with conn:
-            names = ", ".join(f'"{c}"' for c in cols)
-            cur = conn.execute(f"INSERT INTO jobs ({names}) VALUES ({', '.join('?' * len(cols))})",
-                               tuple(cols.values()))
-        return int(cur.lastrowid)
-    finally:
-        conn.close()
 
 
 def finished(db: Database, failure: str | None = None) -> int:

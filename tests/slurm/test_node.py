@@ -15,7 +15,7 @@ import pytest
 from lora_worker.host import sandbox
 from lora_worker.slurm.sbatch import log_path, rc_path, refusal_path, spec_path
 from tests.helpers import Host, make_dataset, set_modes
-from tests.slurm.conftest import SlurmWorker, close_worker, slurm_worker
+from tests.slurm.fakes import SlurmWorker, close_worker, slurm_worker
 from tests.slurm.fakes import run_batch_script
 
 needs_bwrap = pytest.mark.skipif(sandbox.bwrap_executable() is None, reason="bubblewrap is not installed")

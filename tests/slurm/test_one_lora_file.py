@@ -8,7 +8,7 @@ import pytest
 from alembic import command
 
 from lora_worker.ledger.migrate import alembic_config, upgrade
-from tests.slurm.conftest import SlurmWorker
+from tests.slurm.fakes import SlurmWorker
 
 
 def test_two_posts_for_one_lora_file_the_second_is_409_naming_the_first(slurm: SlurmWorker):

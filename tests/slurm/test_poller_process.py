@@ -16,7 +16,7 @@ from lora_worker.run.local import SETTINGS_ENV
 from lora_worker.slurm.backend import SlurmBackend
 from lora_worker.slurm.process import ensure_poller, poller_lock_path, poller_running
 from tests.helpers import pid_alive, wait_for
-from tests.slurm.conftest import SlurmWorker, steps_bar
+from tests.slurm.fakes import SlurmWorker, steps_bar
 
 
 @pytest.fixture
@@ -31,6 +31,7 @@ def poller_pid(slurm: SlurmWorker):
         wait_for(lambda: not pid_alive(pid), what="the poller to stop")
 
 
+@pytest.mark.slow
 def test_a_second_poller_cannot_take_the_lock_and_exits(slurm: SlurmWorker, poller_pid: int):
     env = {**os.environ, SETTINGS_ENV: settings_to_json(slurm.settings)}
     second = subprocess.run([sys.executable, "-m", "lora_worker.slurm"], env=env, timeout=30, check=False)
@@ -40,11 +41,13 @@ def test_a_second_poller_cannot_take_the_lock_and_exits(slurm: SlurmWorker, poll
     assert lock_state(poller_lock_path(slurm.settings)).holder_pid == poller_pid
 
 
+@pytest.mark.slow
 def test_the_poller_outlives_its_starter_in_a_session_of_its_own(slurm: SlurmWorker, poller_pid: int):
     assert os.getsid(poller_pid) == poller_pid
     assert os.getsid(poller_pid) != os.getsid(0)
 
 
+@pytest.mark.slow
 def test_a_dead_pollers_lock_is_free_and_reconcile_starts_a_new_one_without_failing_the_job(
         slurm: SlurmWorker, poller_pid: int):
     job = slurm.submit()

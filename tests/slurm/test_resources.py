@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lora_worker.config import ConfigError, Settings, SlurmResources, load_settings
-from tests.slurm.conftest import SlurmWorker, close_worker, slurm_worker
+from tests.slurm.fakes import SlurmWorker, close_worker, slurm_worker
 
 
 def flag(argv: list[str], name: str) -> list[str]:

@@ -13,7 +13,7 @@ import pytest
 
 from lora_worker.slurm.sbatch import job_name, log_path, rc_path, refusal_path, script_path, spec_path
 from tests.helpers import make_dataset, payload, wait_for
-from tests.slurm.conftest import SlurmWorker
+from tests.slurm.fakes import SlurmWorker
 from tests.slurm.fakes import run_batch_script, with_argv
 
 
@@ -103,12 +103,14 @@ def run_script(slurm: SlurmWorker, argv: list[str], env: dict | None = None) -> 
     return proc, job
 
 
+@pytest.mark.slow
 def test_the_script_records_exit_200_exactly(slurm: SlurmWorker):
     proc, job = run_script(slurm, ["/bin/sh", "-c", "exit 200"])
     assert proc.wait(30) == 1
     assert rc_path(slurm.settings, job.id).read_text() == "200\n"
 
 
+@pytest.mark.slow
 def test_the_script_outlives_a_term_to_the_whole_job_and_records_the_trainers_signal(slurm: SlurmWorker):
     """scancel --signal=TERM --full signals every process of the job, the script included."""
     proc, job = run_script(slurm, ["/usr/bin/python3", "-c", "import time; print('up', flush=True); time.sleep(60)"])
@@ -119,6 +121,7 @@ def test_the_script_outlives_a_term_to_the_whole_job_and_records_the_trainers_si
     assert "trainer ended with return code -15" in log_path(slurm.settings, job.id).read_text()
 
 
+@pytest.mark.slow
 def test_the_trainer_gets_the_stored_env_and_slurms_gpu(slurm: SlurmWorker):
     proc, job = run_script(slurm, ["/usr/bin/python3", "-c",
                                    "import os; print('GPU=' + os.environ['CUDA_VISIBLE_DEVICES'],"

@@ -36,12 +36,14 @@ def test_a_refused_submission_says_what_sbatch_said(tmp_path):
 def test_squeue_lines_give_state_and_pending_reason():
     out = "101|PENDING|Resources\n102|PENDING|Priority\n103|RUNNING|None\n104|COMPLETED|None\n"
     assert parse_squeue(out) == [
-        SlurmJob("101", "PENDING", "Resources", detail="PENDING"), SlurmJob("102", "PENDING", "Priority", detail="PENDING"),
+        SlurmJob("101", "PENDING", "Resources", detail="PENDING"),
+        SlurmJob("102", "PENDING", "Priority", detail="PENDING"),
         SlurmJob("103", "RUNNING", None, detail="RUNNING"), SlurmJob("104", "COMPLETED", None, detail="COMPLETED")]
 
 
 def test_squeue_is_asked_once_for_all_jobs_and_an_unknown_id_is_not_an_error():
-    run = Recorded(Result(0, "7|RUNNING|None\n", ""), Result(1, "", "slurm_load_jobs error: Invalid job id specified\n"))
+    run = Recorded(Result(0, "7|RUNNING|None\n", ""),
+                   Result(1, "", "slurm_load_jobs error: Invalid job id specified\n"))
     scheduler = Scheduler(None, run)
     assert list(scheduler.queue(["7", "8"])) == ["7"]
     assert run.argvs[0] == ["squeue", "--noheader", "--states=all", "--jobs=7,8", "--format=%i|%T|%r"]
@@ -93,6 +95,7 @@ def test_scancel_sends_a_signal_to_every_process_of_the_job_or_cancels_plainly()
     assert run.argvs == [["/usr/bin/scancel", "--signal=TERM", "--full", "5"], ["/usr/bin/scancel", "5"]]
 
 
+@pytest.mark.slow
 def test_a_missing_command_is_unavailable(tmp_path):
     with pytest.raises(SchedulerUnavailable):
         Scheduler(tmp_path).queue(["5"])  # tmp_path/squeue does not exist

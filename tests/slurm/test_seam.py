@@ -14,7 +14,7 @@ from lora_worker.run.local import LocalBackend
 from lora_worker.slurm.backend import SlurmBackend
 from lora_worker.slurm.poller import Poller
 from lora_worker.slurm.process import poller_lock_path
-from tests.slurm.conftest import SlurmWorker
+from tests.slurm.fakes import SlurmWorker
 
 STUCK_S = 3600.0  # an hour without a beat: stuck by any measure (process.STUCK_AFTER_S is 5 min)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.models import Job
 from tests.helpers import payload
-from tests.slurm.conftest import SlurmWorker
+from tests.slurm.fakes import SlurmWorker
 
 
 def test_jobs_take_the_free_slots_up_to_max_active_jobs_then_409(slurm: SlurmWorker):

@@ -11,7 +11,7 @@ import pytest
 from lora_worker.ledger import repository as repo
 from lora_worker.slurm.poller import UNKNOWN_CYCLES
 from lora_worker.slurm.sbatch import log_path, rc_path
-from tests.slurm.conftest import SlurmWorker, steps_bar
+from tests.slurm.fakes import SlurmWorker, steps_bar
 from tests.helpers import set_modes
 from tests.slurm.fakes import run_batch_script, with_argv
 
@@ -49,6 +49,7 @@ def test_running_makes_the_row_running_with_progress_from_the_log(slurm: SlurmWo
     assert (body["backend"], body["slurm_job_id"], body["queue_reason"]) == ("slurm", job.slurm_job_id, None)
 
 
+@pytest.mark.slow
 def test_completed_with_a_verified_lora_is_succeeded(slurm: SlurmWorker):
     """The batch script itself runs the job's stored argv (the fake trainer) as a node would."""
     job = slurm.submit()
@@ -76,6 +77,7 @@ def test_completed_without_a_lora_is_failed_no_output(slurm: SlurmWorker):
     assert (row.status, row.failure_class) == ("failed", "no_output")
 
 
+@pytest.mark.slow
 def test_failed_takes_its_class_from_the_log(slurm: SlurmWorker):
     """The fake trainer runs out of CUDA memory at step 2, through the batch script, as on a node."""
     set_modes(slurm.settings.sd_scripts_dir, oom_at_step=2)
@@ -98,6 +100,7 @@ def test_exit_3_is_a_trainer_crash_with_status_3(slurm: SlurmWorker):
     assert (slurm.job(job.id).failure_class, slurm.job(job.id).exit_code) == ("trainer_crashed", 3)
 
 
+@pytest.mark.slow
 def test_exit_200_is_recorded_as_200_not_saccts_truncated_72(slurm: SlurmWorker):
     job = slurm.submit()
     sid = job.slurm_job_id

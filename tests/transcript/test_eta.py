@@ -12,8 +12,8 @@ from lora_worker.ledger.models import utcnow
 from lora_worker.states import JobState, Phase
 from lora_worker.transcript.eta import DEFAULT_TAIL_S, EtaClock, estimate_duration, estimate_tail
 from tests.helpers import wait_for
-from tests.ledger.test_ledger import columns
-from tests.run.test_supervisor import TERMINAL, job, modes, submit, wait_phase, wait_state
+from tests.helpers.ledger import columns
+from tests.helpers.runs import TERMINAL, job, modes, submit, wait_phase, wait_state
 
 TRAINING = Phase.TRAINING
 
@@ -237,6 +237,7 @@ def test_a_step_written_again_keeps_its_first_time_and_takes_the_new_loss(db):
     assert point.loss == 0.8 and abs((point.at - first).total_seconds()) < 0.002
 
 
+@pytest.mark.slow
 def test_the_eta_replay_benchmark_runs_and_prints_its_tables():
     import subprocess
     import sys

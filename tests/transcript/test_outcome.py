@@ -152,7 +152,8 @@ def traceback(*frames: str, exception: str) -> list[str]:
     # fail_te_cache_combo: sd-scripts' own argument check
     (traceback("/opt/fluxgym/sd-scripts/sdxl_train_network.py:assert_extra_args",
                exception="AssertionError: network for Text Encoder cannot be trained with caching Text Encoder "
-                         "outputs / Text Encoderの出力をキャッシュしながらText Encoderのネットワークを学習することはできません"),
+                         "outputs / Text Encoderの出力をキャッシュしながら"
+                         "Text Encoderのネットワークを学習することはできません"),
      FailureClass.INVALID_ARGUMENTS, "AssertionError: network for Text Encoder cannot be trained with caching Text "
      "Encoder outputs / Text Encoderの出力をキャッシュしながらText Encoderのネットワークを学習することはできません"),
     # fail_model_repoid_offline
@@ -223,7 +224,8 @@ def test_text_that_merely_contains_a_marker_classes_nothing():
 
 def test_a_marker_quoted_inside_an_exception_message_does_not_change_its_class():
     lines = traceback("/opt/fluxgym/sd-scripts/library/train_util.py:read_caption",
-                      exception=f"AssertionError: caption file is empty / キャプションファイルが空です: {HOSTILE}/1.txt")
+                      exception="AssertionError: caption file is empty / "
+                                f"キャプションファイルが空です: {HOSTILE}/1.txt")
     assert decide(returncode=1, progress=progress(), log_tail=lines).failure_class is FailureClass.DATASET_INVALID
     quoted = traceback("/opt/fluxgym/sd-scripts/train_network.py:train",
                        exception="RuntimeError: the prompt 'caching Text Encoder outputs, CUDA out of memory' failed")

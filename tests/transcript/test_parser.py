@@ -251,7 +251,7 @@ def test_model_saved_before_its_saving_checkpoint_line_still_gives_phase_saving(
     bar = "\rsteps: 100%|██████████| 12/12 [00:47<00:00,  3.99s/it, avr_loss=0.913]"
     parser, phases = replay([
         ("stderr", bar.encode()),
-        ("stderr", "2026-11-30 03:36:26 INFO     model saved.          train_network.py:1729\n".encode()),
+        ("stderr", b"2026-11-30 03:36:26 INFO     model saved.          train_network.py:1729\n"),
         ("stderr", (bar + "\n").encode()),
         ("stdout", b"\nepoch 1/1\n\n\nsaving checkpoint: /worktank/arbo/train/t1/output/ohwx.safetensors\n"),
     ])

@@ -1,5 +1,5 @@
-"""The supervisor's output path on bytes (transcript/output.py, transcript/parser.py, transcript/logfile.py): the same progress, loss
-curve and run log however the pipe cuts the stream, and never a marker missed for speed."""
+"""The supervisor's output path on bytes (transcript/output.py, transcript/parser.py, transcript/logfile.py): the
+same progress, loss curve and run log however the pipe cuts the stream, and never a marker missed for speed."""
 from __future__ import annotations
 
 import base64

@@ -8,7 +8,7 @@ import pytest
 
 from lora_worker import create_app
 from lora_worker.config import DEFAULT_STALL_LIMITS_S
-from tests.run.test_supervisor import TERMINAL, job_processes, modes, recorded, submit, wait_state
+from tests.helpers.runs import TERMINAL, job_processes, modes, recorded, submit, wait_state
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ from lora_worker.config import LORA_DTYPE, SDXL_HPARAMS
 from lora_worker.host.safetensors import ExpectedLora, inspect_lora, read_header, verify_lora
 from lora_worker.ledger import repository as repo
 from tests.helpers import SDXL_TINY, install_fake_trainer, make_dataset, write_safetensors
-from tests.run.test_supervisor import TERMINAL, modes, submit, wait_state
-from tests.test_fakes import run
+from tests.helpers.runs import TERMINAL, modes, submit, wait_state
+from tests.helpers.fake_trainer import run
 
 EXPECTED = ExpectedLora(rank=4, output_name="ohwx", steps=3, seed=42, dtype="F16")
 METADATA = {"ss_network_dim": "4", "ss_output_name": "ohwx", "ss_max_train_steps": "3", "ss_seed": "42"}
@@ -53,6 +53,7 @@ def test_a_lora_of_another_dtype_is_a_mismatch_that_names_it(tmp_path, dtype, al
 @pytest.mark.parametrize("flag, dtype, bytes_per_value", [
     ((), "F32", 4), (("--save_precision=float",), "F32", 4), (("--save_precision=fp16",), "F16", 2),
     (("--save_precision=bf16",), "BF16", 2)])
+@pytest.mark.slow
 def test_the_fake_trainer_saves_in_the_precision_it_is_told(rig, flag, dtype, bytes_per_value):
     from safetensors.numpy import load_file  # the reference reader, not ours
 
@@ -73,6 +74,7 @@ def test_the_fake_trainer_saves_in_the_precision_it_is_told(rig, flag, dtype, by
         assert raw[data + start:data + start + 2] == b"\x00\x41"  # 8.0 in bfloat16
 
 
+@pytest.mark.slow
 def test_an_unknown_precision_is_refused_by_the_fake_as_by_argparse(rig):
     result = run(rig, "--save_precision=fp8")
     assert result.returncode == 1 and b"argument --save_precision: invalid choice" in result.stderr

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import secrets
 from pathlib import Path
 
 import pytest
@@ -14,17 +13,8 @@ from lora_worker import create_app
 from lora_worker.errors import ConfigError
 from lora_worker.ledger import repository as repo
 from tests.helpers import set_modes, wait_for
-from tests.service import Service
-
-TOKEN = "t0k3n-" + secrets.token_urlsafe(32)
-
-
-def write_token(directory: Path, token: str = TOKEN, name: str = "api_token") -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / name
-    path.write_text(token + "\n")  # as `echo` writes it
-    path.chmod(0o600)
-    return path
+from tests.helpers.service import Service
+from tests.helpers.api import TOKEN, bearer, write_token
 
 
 @pytest.fixture
@@ -45,10 +35,6 @@ def routes(app) -> list[tuple[str, str, str]]:
     urls = app.url_map.bind("localhost")
     return [(rule.endpoint, method, urls.build(rule.endpoint, {arg: 1 for arg in rule.arguments}))
             for rule in app.url_map.iter_rules() for method in sorted(rule.methods or ())]
-
-
-def bearer(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
 
 
 def assert_401(response, invalid: bool) -> None:
@@ -74,7 +60,8 @@ def test_every_route_but_healthz_answers_401_without_a_token(authed):
 
 
 @pytest.mark.parametrize("header", [f"Bearer {TOKEN[:-1]}", f"Bearer {TOKEN}x", "Bearer " + "a" * 48,
-                                    f"Basic {TOKEN}", f"bearer {TOKEN[1:]}"])
+                                    f"Basic {TOKEN}", f"bearer {TOKEN[1:]}"],
+                         ids=["short", "long", "other", "basic", "lowercase"])  # the token is random: stable ids
 def test_every_route_but_healthz_answers_401_with_a_wrong_token(authed, header):
     client = authed.test_client()
     for endpoint, method, url in routes(authed):

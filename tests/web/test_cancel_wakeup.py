@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from lora_worker.host import processes
 from lora_worker.host.locks import hold_lock, job_lock_path
 from lora_worker.ledger import repository as repo
 from lora_worker.states import JobState
-from tests.ledger.test_ledger import columns
-from tests.run.test_wakeup import heard, listener  # noqa: F401 - listener is a fixture
+from tests.helpers.ledger import columns
+from tests.helpers.wakeup import heard
+
+pytestmark = pytest.mark.slow  # every test here starts a real process
 
 
 def running_job(db, migrated, *, boot_id: str, pid: int, start_ticks: int) -> tuple[int, int]:
@@ -48,7 +52,7 @@ def test_a_cancel_of_a_job_whose_recorded_pid_is_now_another_process_signals_nob
 
 
 def test_an_operators_cancel_from_the_cli_wakes_the_recorded_supervisor_too(db, migrated, listener):
-    from tests.ops.test_jobs import jobs
+    from tests.helpers.cli import jobs
 
     me = processes.identity_of(listener.pid)
     assert me is not None

@@ -18,7 +18,7 @@ from lora_worker.errors import NvmlUnavailable
 from lora_worker.host.nvml import PynvmlBackend
 from lora_worker.host.locks import gpu_lock_path
 from tests.helpers import fake_gpus, set_modes, wait_for
-from tests.dispatch.test_dispatch import assert_refused
+from tests.helpers.api import assert_refused
 
 
 @pytest.fixture
@@ -42,6 +42,7 @@ def make_client(settings, launches=None):
     return app.test_client()
 
 
+@pytest.mark.slow
 def test_gpu_status_reports_every_field_in_pci_order(migrated, host, process_named):
     foreign = process_named("some_other_job.py")
     fake_gpus(host.gpus, free0=20_000, free1=40_000, processes1=[{"pid": foreign, "used_mib": 2048}])
@@ -53,13 +54,15 @@ def test_gpu_status_reports_every_field_in_pci_order(migrated, host, process_nam
     assert (first["index"], first["pci_bus_id"], first["name"]) == (0, "00000000:01:00.0", "NVIDIA GeForce RTX 3090")
     assert (second["index"], second["label"], second["allowed_tiers"]) == (1, "48g", ["balanced", "fast", "quality"])
     assert (first["memory_total_mib"], first["memory_used_mib"], first["memory_free_mib"]) == (24_576, 4_576, 20_000)
-    assert (first["utilization_pct"], first["temperature_c"], first["uuid"], first["error"]) == (3, 41, "GPU-3090", None)
+    assert (first["utilization_pct"], first["temperature_c"], first["uuid"], first["error"]) == (3, 41, "GPU-3090",
+                                                                                                 None)
     (proc,) = second["processes"]
     assert (proc["pid"], proc["used_mib"], proc["ours"], proc["tts"]) == (foreign, 2048, False, False)
     assert proc["name"].startswith("python")
     assert body["tts_on_3090"] is False and body["active_job_id"] is None
 
 
+@pytest.mark.slow
 def test_tts_on_3090_is_true_only_when_a_tts_process_runs_on_device_0(migrated, host, process_named):
     tts = process_named("tts_server.py", "--port", "5002")
     fake_gpus(host.gpus, processes0=[{"pid": tts, "used_mib": 3000}])
@@ -73,6 +76,7 @@ def test_tts_on_3090_is_true_only_when_a_tts_process_runs_on_device_0(migrated, 
     assert client.get("/gpu-status").get_json()["tts_on_3090"] is False
 
 
+@pytest.mark.slow
 def test_the_tts_matcher_is_configurable(migrated, host, process_named):
     voice = process_named("voicebox-daemon")
     fake_gpus(host.gpus, processes0=[{"pid": voice, "used_mib": 1}])
@@ -121,6 +125,7 @@ def test_the_vram_a_tier_needs_comes_from_the_device_profile(migrated, host, lau
     assert client.post("/train", json=host.payload(tier="fast")).status_code == 202
 
 
+@pytest.mark.slow
 def test_a_foreign_compute_process_is_a_409_naming_it(migrated, host, launches, process_named):
     stranger = process_named("stranger_training.py")
     fake_gpus(host.gpus, processes1=[{"pid": stranger, "used_mib": 9000}])
@@ -129,12 +134,14 @@ def test_a_foreign_compute_process_is_a_409_naming_it(migrated, host, launches, 
     assert body["details"]["processes"][0]["pid"] == stranger and str(stranger) in body["message"]
 
 
+@pytest.mark.slow
 def test_co_tenancy_can_be_allowed_by_configuration(migrated, host, launches, process_named):
     fake_gpus(host.gpus, processes1=[{"pid": process_named("tts_server"), "used_mib": 3000}])
     client = make_client(replace(migrated, allow_cotenancy=True), launches)
     assert client.post("/train", json=host.payload()).status_code == 202
 
 
+@pytest.mark.slow
 def test_another_trainer_holding_the_device_lock_is_a_409(migrated, host, launches):
     client = make_client(migrated, launches)  # creates the lock directory
     lock = gpu_lock_path(migrated, 1)

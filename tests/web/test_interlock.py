@@ -17,7 +17,7 @@ import pytest
 
 from lora_worker import create_app
 from lora_worker.host.locks import gpu_lock_dir_mode, gpu_lock_path, hold_lock
-from tests.dispatch.test_dispatch import assert_refused
+from tests.helpers.api import assert_refused
 from tests.helpers import set_modes, wait_for
 
 pytestmark = [

@@ -16,8 +16,8 @@ from lora_worker.host.locks import hold_lock, job_lock_path
 from lora_worker.ledger import repository as repo
 from lora_worker.states import JobState
 from tests.helpers import Launches, set_modes, wait_for
-from tests.ledger.test_ledger import columns
-from tests.ops.test_jobs import jobs
+from tests.helpers.ledger import columns
+from tests.helpers.cli import jobs
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ from lora_worker.states import JobState
 from lora_worker.web.service import retry_after_s
 from lora_worker.host.locks import hold_lock, job_lock_path
 from tests.helpers import set_modes, wait_for
-from tests.service import Service
+from tests.helpers.service import Service
 from tests.helpers import Launches
-from tests.ledger.test_ledger import columns
+from tests.helpers.ledger import columns
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from lora_worker.ledger.models import utcnow
 from lora_worker.states import JobState
 from lora_worker.host.locks import hold_lock, job_lock_path
 from tests.helpers import fake_gpus
-from tests.ledger.test_ledger import columns
+from tests.helpers.ledger import columns
 
 FAMILIES = {
     "lora_worker_jobs": "gauge",
@@ -127,11 +127,12 @@ def test_a_dead_supervisor_shows_as_a_reconcile_action_not_as_a_running_phase(ap
         ("lora_worker_reconcile_actions", (("actor", "api"), ("failure_class", "supervisor_lost"))): 1}
 
 
+@pytest.mark.slow
 def test_a_job_another_process_finished_shows_at_the_next_scrape(api, db, migrated):
     assert scrape(api)["lora_worker_jobs"][("lora_worker_jobs", (("status", "succeeded"),))] == 0
     script = (
         "import sys; from lora_worker.ledger.db import Database; from lora_worker.ledger import repository as repo\n"
-        "from lora_worker.states import JobState; from tests.ledger.test_ledger import columns\n"
+        "from lora_worker.states import JobState; from tests.helpers.ledger import columns\n"
         "db = Database.open(__import__('pathlib').Path(sys.argv[1])); job = repo.create_job(db, columns())\n"
         "repo.transition(db, job.id, JobState.RUNNING, actor='supervisor')\n"
         "repo.transition(db, job.id, JobState.SUCCEEDED, actor='supervisor'); db.dispose()\n")

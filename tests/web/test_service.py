@@ -6,7 +6,7 @@ import json
 import pytest
 
 from tests.helpers import pid_alive, set_modes, wait_for
-from tests.service import Service
+from tests.helpers.service import Service
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from lora_worker.config import REPO_ROOT
-from tests.service import settings_env
+from tests.helpers.service import settings_env
+
+pytestmark = pytest.mark.slow  # every test here starts a real process
 
 # alembic (and mako, which it loads) ~10 MiB; apispec and its YAML support ~1 MiB.
 NOT_AT_START = ("alembic", "mako", "apispec", "apispec_webframeworks", "yaml", "pygments")

@@ -3,34 +3,10 @@ pins of setup.cfg, so two installs of one commit are the same."""
 from __future__ import annotations
 
 import configparser
-import re
 import tomllib
 
 from lora_worker.config import REPO_ROOT
-
-LOCK = REPO_ROOT / "deploy" / "requirements.lock"
-ENTRY = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)==(?P<version>[^\s;\\]+)")
-
-
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def lock_entries() -> dict[str, tuple[str, list[str]]]:
-    """name → (version, its sha256 hashes)."""
-    entries: dict[str, tuple[str, list[str]]] = {}
-    current = None
-    for line in LOCK.read_text().splitlines():
-        if match := ENTRY.match(line):
-            current = canonical(match["name"])
-            entries[current] = (match["version"], [])
-        elif current and (digest := re.search(r"--hash=sha256:([0-9a-f]{64})", line)):
-            entries[current][1].append(digest[1])
-    return entries
-
-
-def locked_pins() -> dict[str, str]:
-    return {name: version for name, (version, _) in lock_entries().items()}
+from tests.helpers.deploy import LOCK, canonical, lock_entries, locked_pins
 
 
 def setup_cfg_pins() -> dict[str, str]:
@@ -52,7 +28,7 @@ def test_the_lock_pins_every_install_requires_of_setup_cfg_at_the_same_version()
 def test_every_locked_package_has_a_hash_and_nothing_is_unpinned():
     entries = lock_entries()
     assert all(hashes for _, hashes in entries.values()), [n for n, (_, h) in entries.items() if not h]
-    requirement_lines = [line for line in LOCK.read_text().splitlines() if line and not line[0] in "# "]
+    requirement_lines = [line for line in LOCK.read_text().splitlines() if line and line[0] not in "# "]
     assert len(requirement_lines) == len(entries)  # every requirement line is a name==version entry
 
 

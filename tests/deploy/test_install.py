@@ -15,8 +15,8 @@ import pytest
 
 from lora_worker.config import REPO_ROOT, load_settings
 from tests.helpers import install_script
-from tests.ops.test_lock import locked_pins
-from tests.service import Service, free_port
+from tests.helpers.deploy import locked_pins
+from tests.helpers.service import Service, free_port
 
 pytestmark = pytest.mark.slow
 SCRIPT = REPO_ROOT / "systemd" / "install.py"

@@ -30,6 +30,7 @@ def install_task() -> dict:
 
 @pytest.mark.skipif(not Path(ANSIBLE).exists(), reason="ansible-playbook is not installed (pip: ansible-core, "
                                                         "in the test extras)")
+@pytest.mark.slow
 def test_ansible_playbook_accepts_the_playbook(tmp_path):
     env = {**os.environ, "ANSIBLE_HOME": str(tmp_path), "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp"),
            "ANSIBLE_NOCOLOR": "1"}

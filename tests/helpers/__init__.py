@@ -1,6 +1,7 @@
 """Builders for what the tests need on disk: a fake trainer installation, datasets, models, fake GPUs."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import math
@@ -21,8 +22,9 @@ from lora_worker.config import Settings
 from lora_worker.ops.simulated import clip_tokenizer_files, install_simulated_trainer, sdxl_checkpoint_tensors  # noqa: F401
 from lora_worker.ops.simulated import write_tokenizer  # noqa: F401
 
-FAKES = Path(__file__).parent / "fakes"
-DATA = Path(__file__).parent / "data"
+TESTS = Path(__file__).parent.parent
+FAKES = TESTS / "fakes"
+DATA = TESTS / "data"
 TOKENIZER_DIRS = ("openai_clip-vit-large-patch14", "laion_CLIP-ViT-bigG-14-laion2B-39B-b160k")
 DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8}
 TRAINER_VERSIONS = {"torch": "2.7.0", "accelerate": "1.6.0", "diffusers": "0.32.1", "transformers": "4.54.1",
@@ -180,7 +182,7 @@ def job_rows(settings: Any) -> int:
 
 def install_script() -> ModuleType:
     """systemd/install.py as a module (it is a script, outside the package)."""
-    spec = importlib.util.spec_from_file_location("lora_worker_install", Path(__file__).parent.parent / "systemd"
+    spec = importlib.util.spec_from_file_location("lora_worker_install", TESTS.parent / "systemd"
                                                   / "install.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from lora_worker.config import REPO_ROOT
-from tests.service import free_port, settings_env
+from tests.helpers.service import free_port, settings_env
 
-pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+pytestmark = [pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed"),
+              pytest.mark.slow]  # every test here runs make
 
 
 def recipe(target: str, venv: Path, **variables: str) -> list[str]:
@@ -41,6 +42,20 @@ def test_make_run_installs_the_locked_runtime_only_and_make_test_adds_the_test_e
     assert any("pip install" in line and "'.[test]'" in line for line in test), test
     assert any("--require-hashes" in line for line in test)  # the same locked runtime underneath
 
+
+
+def test_make_test_lints_and_types_the_code_before_the_suite_and_runs_it_on_workers(tmp_path):
+    test = recipe("test", tmp_path / "venv")
+    steps = [i for i, line in enumerate(test) if "/ruff check" in line or "/mypy" in line or "-m pytest" in line]
+    assert [test[i].split()[0].rsplit("/", 1)[-1] for i in steps] == ["ruff", "mypy", "python", "python"], test
+    assert "-n 4 --dist loadgroup" in test[steps[2]] and "--ignore=tests/cluster" in test[steps[2]]
+    assert test[steps[3]].endswith("-m pytest tests/cluster tests/test_bench_smoke.py")  # one cluster at a time
+
+
+def test_make_test_fast_leaves_out_the_slow_tests_and_refuses_a_process_in_the_rest(tmp_path):
+    (line,) = [line for line in recipe("test-fast", tmp_path / "venv") if "-m pytest" in line]
+    assert line.startswith("LW_TEST_FAST=1 ") and '-m "not slow"' in line
+    assert "ruff" not in line and "mypy" not in line
 
 def test_make_run_leaves_bind_to_the_settings_unless_bind_is_given(tmp_path):
     assert "--bind" not in gunicorn_line(recipe("run", tmp_path / "venv"))

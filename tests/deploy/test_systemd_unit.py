@@ -154,6 +154,7 @@ def test_gunicorn_is_one_gthread_worker_without_preload_that_stops_before_system
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed")
+@pytest.mark.slow
 def test_systemd_accepts_every_line_of_the_units(tmp_path):
     # The timer is verified with its service beside it: systemd checks that the unit it starts exists.
     paths = [str(rendered(name, tmp_path)) for name in (UNIT, CHECK_UNIT, CHECK_TIMER)]

@@ -1,0 +1,29 @@
+"""The fake trainer (tests/fakes/) run directly, as accelerate would start it."""
+from __future__ import annotations
+
+import subprocess
+
+from tests.helpers import set_modes
+
+ENV = {"PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "250"}
+
+
+def argv(rig: dict, *extra: str, steps: int = 3) -> list[str]:
+    """The real-run reference's command (run1), pointed at the rig."""
+    return [str(rig["accelerate"]), "launch", "--num_processes", "1", "--num_machines", "1", "--mixed_precision",
+            "no", "--dynamo_backend", "no", "--num_cpu_threads_per_process", "2", "sdxl_train_network.py",
+            f"--pretrained_model_name_or_path={rig['model']}", f"--tokenizer_cache_dir={rig['tokenizer_cache_dir']}",
+            f"--train_data_dir={rig['dataset']}", f"--output_dir={rig['out']}", "--output_name=ohwx",
+            "--save_model_as=safetensors", "--caption_extension=.txt", "--resolution=256",
+            "--network_module=networks.lora", "--network_dim=4", "--network_alpha=4", "--network_train_unet_only",
+            "--cache_latents", "--cache_text_encoder_outputs", "--gradient_checkpointing", "--learning_rate=1e-4",
+            "--lr_scheduler=cosine", "--seed=42", "--min_snr_gamma=5", "--noise_offset=0.1", "--max_grad_norm=1.0",
+            "--sdpa", "--max_data_loader_n_workers=0", "--optimizer_type=AdamW", f"--max_train_steps={steps}",
+            "--train_batch_size=1", "--console_log_simple", *extra]
+
+
+def run(rig: dict, *extra: str, steps: int = 3, **modes: object) -> subprocess.CompletedProcess[bytes]:
+    set_modes(rig["sd_scripts_dir"], **modes)
+    return subprocess.run(argv(rig, *extra, steps=steps), cwd=rig["sd_scripts_dir"], env=ENV, capture_output=True,
+                          timeout=60, start_new_session=True)
+

@@ -12,7 +12,6 @@ The seam:
     None if that cannot be made sure now, and the row is left for a later reconcile;
   - `places_here`: whether the job runs on this host's GPUs (so dispatch admits it by NVML, the GPU lock and
     the sandbox here) or the scheduler's;
-  - `admit`: what else a new job must pass before its row is written (one job at a time locally);
   - `slots`: the one-active-job index's slots a new row may take, tried in order;
   - `cancels_queued_at_once`: whether a cancel of a queued row ends it at once (nothing has started it) or only
     flags it (it may start on a node any moment).
@@ -29,7 +28,6 @@ from lora_worker.config import Settings
 from lora_worker.run.local import Launch, LaunchOnly, LocalBackend
 
 if TYPE_CHECKING:
-    from lora_worker.ledger.db import Database
     from lora_worker.ledger.models import Job
 
 
@@ -52,9 +50,6 @@ class Backend(Protocol):
 
     def abandon(self, job: Job, settings: Settings) -> tuple[int, ...] | None:
         """Stop whatever of the unattended `job` still runs; the pids killed, or None if not sure now."""
-
-    def admit(self, settings: Settings, db: Database) -> None:
-        """Raise JobActive (or another WorkerError) if no new job can be accepted now."""
 
     def slots(self, settings: Settings) -> list[str]:
         """The slots a new row may take, tried in order."""

@@ -6,7 +6,8 @@ touches an active row.
 the supervisor's flock, which the kernel drops when it dies (zombie or not). Before the row is failed, the
 backend stops what of the job may still run (`abandon`): a local leftover trainer is killed only if its
 identity matches the row (run/leftovers.py), a Slurm job is scancelled; a row whose job cannot be made sure
-to be stopped is left for a later reconcile. The failed row quotes the end of the job's run log, as a failure the supervisor wrote would.
+to be stopped is left for a later reconcile. The failed row quotes the end of the job's run log, as a failure
+the supervisor wrote would.
 """
 from __future__ import annotations
 

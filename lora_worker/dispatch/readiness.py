@@ -83,7 +83,8 @@ def deep_checks(settings: Settings, nvml: Nvml, *, trainer: bool = True,
 
 def sandbox_check(settings: Settings, namespaces: Callable[[Settings], str | None]) -> Check:
     problem, described = namespaces(settings), sandbox.describe(settings)
-    return Check("sandbox", problem is None, described + (f"; {problem}" if problem and problem not in described else ""))
+    said = f"; {problem}" if problem and problem not in described else ""
+    return Check("sandbox", problem is None, described + said)
 
 
 def process_list_checks(settings: Settings, readings: list[GpuReading] | None,
@@ -102,7 +103,7 @@ def process_list_checks(settings: Settings, readings: list[GpuReading] | None,
         elif reading.error or reading.processes_error:
             yield Check(name, False, f"unreadable: {reading.error or reading.processes_error}")
         else:
-            yield Check(name, True, f"readable ({len(reading.processes)} compute process(es))",
+            yield Check(name, True, f"readable ({len(reading.processes or ())} compute process(es))",
                         simulated=settings.nvml_fake_file is not None)
 
 

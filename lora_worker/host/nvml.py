@@ -177,8 +177,9 @@ class PynvmlBackend:
 @dataclass
 class FakeNvml:
     """GPUs described in data. `absent` plays a host without a driver; a device dict with "error" plays
-    one whose query raises, one with "processes_error" one whose process query fails (processes unknown). Built from a file, it re-reads the file at every read, so a test can change
-    what the GPUs show while the service runs."""
+    one whose query raises, one with "processes_error" one whose process query fails (processes unknown).
+    Built from a file, it re-reads the file at every read, so a test can change what the GPUs show while the
+    service runs."""
 
     devices: list[dict[str, Any]] = field(default_factory=list)
     absent: bool = False

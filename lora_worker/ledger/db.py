@@ -11,7 +11,6 @@ with the one the Database first saw (one stat, ~1 µs). A ledger deleted or repl
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -146,7 +145,7 @@ class Driver:
         return self.conn.exec_driver_sql(statement, tuple(params))
 
     def executemany(self, statement: str, rows: Iterable[Sequence[Any]]) -> CursorResult[Any]:
-        return self.conn.exec_driver_sql(statement, [tuple(r) for r in rows])  # type: ignore[arg-type]
+        return self.conn.exec_driver_sql(statement, [tuple(r) for r in rows])
 
 
 @contextmanager

@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any, cast
 
 import sqlalchemy.exc
-from sqlalchemy import Connection, delete, func, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.engine import CursorResult, Result
 from sqlalchemy.orm import Session, defer
 

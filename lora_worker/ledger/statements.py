@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from lora_worker.ledger import outbox
 # The ledger's clock and its text, re-exported: models and callers take them from here.
-from lora_worker.ledger.timestamps import iso_utc, parse_utc, utcnow  # noqa: F401
+from lora_worker.ledger.timestamps import iso_utc as iso_utc, parse_utc as parse_utc, utcnow as utcnow
 from lora_worker.states import TERMINAL_STATES, TRANSITIONS, FailureClass, JobState
 
 

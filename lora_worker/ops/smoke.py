@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.request
 import zlib
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -66,7 +66,7 @@ def run(settings: Settings, args: argparse.Namespace, out: TextIO | None = None)
 
 def _one(settings: Settings, url: str, token: str | None, model: Path, index: int, nvml: Nvml,
          timeout_s: float, out: TextIO) -> bool:
-    train_dir = settings.train_root / f"smoke-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-d{index}"
+    train_dir = settings.train_root / f"smoke-{datetime.now(UTC):%Y%m%dT%H%M%S}-d{index}"
     dataset = write_dataset(train_dir)
     body = {"dataset_dir": str(dataset), "base_model_path": str(model), "output_dir": str(train_dir / "output"),
             "output_name": "smoke", "trigger": TRIGGER, "subject_class": SUBJECT, "repeats": 1, "tier": TIER,

@@ -4,9 +4,9 @@
   directory taken by a file) fails the job from `queued` with the reason, instead of leaving a `running` row
   that nothing supervises until someone reads it;
 - what a failed or cancelled run of ours leaves at the LoRA's path: a partial file (a save cut by ENOSPC, a kill
-  or a cancel during `saving`), a whole one that did not verify, or one the trainer finished as the cancel came
-  (a cancel answered 202 ends the job `cancelled`, ledger/statements.py `transition_in`). It is no finished LoRA, and left there it
-  would make every retry of the same request a 422 `output_exists`. So it is moved aside, in the same
+  or a cancel during `saving`), a whole one that did not verify, or one the trainer finished as the cancel stopped
+  it (that job ends `cancelled`: states.CANCEL_RULE). It is no finished LoRA, and left there it would make every
+  retry of the same request a 422 `output_exists`. So it is moved aside, in the same
   directory, to `<name>.partial-<job_id>` (never deleted: the operator may want it; `jobs prune` removes it
   with the job), and the move is said in the run log and in the job's events. Only after a trainer of this job
   ran: the pre-exec check (run/prelaunch.py) found nothing at the path then, so what is there now is the

@@ -2,8 +2,8 @@
 reaped before we return; it attends the job while it holds the job's lock.
 
 The ready pipe the web's POST waits on is host/starter.py's (`start_detached`, shared with the Slurm poller);
-here is the wake-up the web's cancel sends the running supervisor (`wake_supervisor`, `listen_for_wakeups`). The supervisor
-imports this module before it takes the job lock, so it imports nothing heavy at the top.
+here is the wake-up the web's cancel sends the running supervisor (`wake_supervisor`, `listen_for_wakeups`). The
+supervisor imports this module before it takes the job lock, so it imports nothing heavy at the top.
 """
 from __future__ import annotations
 

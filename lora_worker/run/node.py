@@ -121,6 +121,7 @@ def start(spec: Spec) -> int:
     finally:
         checked.close()  # bwrap has its own copies by now
     rc = sandbox.wait_status(trainer.wait(), settings)
+    assert rc is not None  # noqa: S101 - wait() returned: the trainer has a return code
     try:
         record_rc(spec.rc_file, rc)
     except OSError as exc:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Protocol
 
 from lora_worker.host import sandbox
-from lora_worker.host.process_host import ProcessHost
+from lora_worker.host.process_host import ProcessHost, TrainerProcess
 from lora_worker.host.processes import Identity
 from lora_worker.ledger.supervisor import JobRecord
 from lora_worker.config import Settings
@@ -112,7 +112,7 @@ class SupervisorHost(ProcessHost):
             raise OSError(f"the sandbox refuses to start: {exc}") from exc
 
     def spawn(self, argv: list[str], *, cwd: Path, env: Mapping[str, str],
-              pass_fds: tuple[int, ...] = ()) -> Trainer:
+              pass_fds: tuple[int, ...] = ()) -> TrainerProcess:
         held = tuple(self._checked.held.values()) if self._checked is not None else ()
         try:
             return super().spawn(argv, cwd=cwd, env=env, pass_fds=pass_fds + held)

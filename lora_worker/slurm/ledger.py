@@ -43,4 +43,4 @@ class SlurmLedger:
     def fail_job(self, job_id: int, *, failure_class: FailureClass, sentence: str, log_lines: Iterable[str] = (),
                  **values: object) -> bool:
         return repo.fail_job(self.db, job_id, actor=ACTOR, failure_class=failure_class, sentence=sentence,
-                             log_lines=log_lines, queue_reason=None, **values)
+                             log_lines=tuple(log_lines), queue_reason=None, **values)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Protocol
 
@@ -25,7 +25,8 @@ Point = tuple[int, float | None, datetime]
 
 
 class ProgressLedger(Protocol):
-    def update_running(self, job_id: int, *, points: Iterable[Point] = (), **values: object) -> bool:
+    def update_running(self, job_id: int, *, points: Iterable[Point] = (), phases: Sequence[Phase] = (),
+                       **values: object) -> bool:
         """Write progress of a running job; False once it is no longer running."""
 
 

@@ -163,7 +163,7 @@ def register_error_handlers(app: Flask) -> None:
         # werkzeug's own sentences are written for a browser ("The browser (or proxy) sent …"): the catalogue's
         # advice instead, unless the raise site wrote its own.
         own = exc.description is not None and exc.description != type(exc).description
-        response = error_response(status, code, exc.description if own else BY_CODE[code].advice)
+        response = error_response(status, code, exc.description if own and exc.description else BY_CODE[code].advice)
         if exc.code == 405 and exc.valid_methods:  # type: ignore[attr-defined]
             response.headers["Allow"] = ", ".join(exc.valid_methods)  # type: ignore[attr-defined]
         return response

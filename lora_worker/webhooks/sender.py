@@ -21,6 +21,7 @@ from datetime import timedelta
 from lora_worker.config import Settings
 from lora_worker.ledger import outbox
 from lora_worker.ledger.db import Database
+from lora_worker.ledger.statements import Statements
 from lora_worker.ledger.timestamps import utcnow
 from lora_worker.webhooks import delivery, signing
 
@@ -36,7 +37,7 @@ Post = Callable[..., delivery.Answer]
 def backoff_s(attempts: int, rng: Callable[[], float] = random.random) -> float:
     """The wait before attempt `attempts + 1`: full jitter over an exponential ceiling (never 0, so a receiver
     that fails at once is not hammered)."""
-    ceiling = min(MAX_DELAY_S, BASE_DELAY_S * 2 ** max(0, attempts - 1))
+    ceiling = min(MAX_DELAY_S, BASE_DELAY_S * 2.0 ** max(0, attempts - 1))
     return max(BASE_DELAY_S / 10, ceiling * rng())
 
 
@@ -88,7 +89,7 @@ class Sender:
                                   error=answer.error)
             self._settle(db, event, answer)
 
-    def _settle(self, db: outbox.Statements, event: outbox.Due, answer: delivery.Answer) -> None:
+    def _settle(self, db: Statements, event: outbox.Due, answer: delivery.Answer) -> None:
         if answer.delivered:
             outbox.delivered(db, event.pk)
         elif answer.status == GONE:

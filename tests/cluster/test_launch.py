@@ -12,7 +12,7 @@ import pytest
 from lora_worker.host import sandbox
 from lora_worker.slurm.sbatch import job_name
 from tests.cluster.cluster import Cluster
-from tests.cluster.test_scenarios import fill_node
+from tests.cluster.worker import fill_node
 from tests.cluster.worker import Worker, start_worker
 from tests.helpers import make_dataset
 

@@ -24,8 +24,7 @@ from tests.helpers import make_host, pid_alive, wait_for
 from tests.helpers.ledger import migrated_ledger
 from tests.helpers.service import Service
 from tests.cluster.cluster import Cluster
-from tests.cluster.worker import (TERMINAL, Worker, gpus_in_use, slurm_settings, start_worker, stop_poller,
-                                wait_gpus_in_use)
+from tests.cluster.worker import (TERMINAL, fill_node, Worker, slurm_settings, start_worker, stop_poller)
 
 pytestmark = pytest.mark.slow
 
@@ -193,16 +192,6 @@ def test_a_cancel_in_each_phase_ends_cancelled_and_leaves_no_process_on_the_node
     # trainer, records how it ended and exits 1, so Slurm's record is FAILED while the row says cancelled.
     assert sacct(cluster, sid) == "FAILED|1:0"
     assert_no_process_left(worker, sid)
-
-
-def fill_node(cluster: Cluster, tmp_path: Path) -> list[str]:
-    """Jobs that hold every free GPU of the node (not the worker's): what else comes must wait."""
-    blockers = []
-    for _ in range(2 - gpus_in_use(cluster)):
-        blockers.append(cluster.run("sbatch", "--parsable", "--gres=gpu:1", "--mem=10", f"--output={tmp_path}/b.log",
-                                    "--wrap=sleep 300").stdout.strip())
-    wait_gpus_in_use(cluster, 2)
-    return blockers
 
 
 def test_with_both_gpus_taken_a_job_is_queued_with_slurms_reason_and_cancels_without_ever_running(

@@ -191,3 +191,13 @@ def wait_gpus_in_use(cluster: Cluster, count: int, timeout: float = 30) -> None:
 
 def elapsed(since: float) -> float:
     return time.monotonic() - since
+
+
+def fill_node(cluster: Cluster, tmp_path: Path) -> list[str]:
+    """Jobs that hold every free GPU of the node (not the worker's): what else comes must wait."""
+    blockers = []
+    for _ in range(2 - gpus_in_use(cluster)):
+        blockers.append(cluster.run("sbatch", "--parsable", "--gres=gpu:1", "--mem=10", f"--output={tmp_path}/b.log",
+                                    "--wrap=sleep 300").stdout.strip())
+    wait_gpus_in_use(cluster, 2)
+    return blockers

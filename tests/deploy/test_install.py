@@ -2,14 +2,10 @@
 are never overwritten, the code is mirrored, and the health gate waits for a real 200."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import stat
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -17,53 +13,9 @@ from lora_worker.config import REPO_ROOT, load_settings
 from tests.helpers import install_script
 from tests.helpers.deploy import locked_pins
 from tests.helpers.service import Service, free_port
+from tests.helpers.deploy import copy_of, install, snapshot
 
 pytestmark = pytest.mark.slow
-SCRIPT = REPO_ROOT / "systemd" / "install.py"
-
-
-def install(root: Path, *flags: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    # The real thing: the venv is built from deploy/requirements.lock with --require-hashes.
-    result = subprocess.run([sys.executable, str(SCRIPT), "--root", str(root), "--no-systemctl", *flags],
-                            capture_output=True, text=True, timeout=600)
-    if check:
-        assert result.returncode == 0, result.stdout + result.stderr
-    return result
-
-
-def snapshot(root: Path) -> dict[str, tuple[str, int, str]]:
-    """Every path under root: kind, mode bits, and a content hash (or a link's target)."""
-    tree = {}
-    for directory, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = Path(directory) / name
-            st = path.lstat()
-            if stat.S_ISLNK(st.st_mode):
-                tree[str(path.relative_to(root))] = ("link", 0, os.readlink(path))
-            elif stat.S_ISDIR(st.st_mode):
-                tree[str(path.relative_to(root))] = ("dir", stat.S_IMODE(st.st_mode), "")
-            else:
-                digest = hashlib.sha256(path.read_bytes()).hexdigest()
-                tree[str(path.relative_to(root))] = ("file", stat.S_IMODE(st.st_mode), digest)
-    return tree
-
-
-@pytest.fixture(scope="module")
-def staged(tmp_path_factory) -> tuple[Path, str, str, dict]:
-    """One root installed twice: (root, first output, second output, snapshot after the first)."""
-    root = tmp_path_factory.mktemp("stage") / "root"
-    root.mkdir()
-    first = install(root).stdout
-    after_first = snapshot(root)
-    second = install(root).stdout
-    return root, first, second, after_first
-
-
-def copy_of(staged_root: Path, tmp_path: Path) -> Path:
-    # The venv's absolute paths still point into the original root, so a copy re-runs without pip.
-    root = tmp_path / "root"
-    shutil.copytree(staged_root, root, symlinks=True)
-    return root
 
 
 def test_a_second_install_into_the_same_root_changes_nothing(staged):

@@ -15,17 +15,10 @@ import pytest
 
 from lora_worker.config import REPO_ROOT
 from tests.helpers.service import free_port, settings_env
+from tests.helpers.deploy import recipe
 
 pytestmark = [pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed"),
               pytest.mark.slow]  # every test here runs make
-
-
-def recipe(target: str, venv: Path, **variables: str) -> list[str]:
-    """The commands `make <target>` would run (a dry run: nothing is executed)."""
-    extra = [f"{key}={value}" for key, value in variables.items()]
-    result = subprocess.run(["make", "--no-print-directory", "-n", target, f"VENV={venv}", *extra], cwd=REPO_ROOT,
-                            capture_output=True, text=True, check=True)
-    return result.stdout.splitlines()
 
 
 def gunicorn_line(lines: list[str]) -> str:

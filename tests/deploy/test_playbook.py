@@ -3,19 +3,15 @@ flag, the seed's values by default) and ending with a health gate on GET /health
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from lora_worker.config import REPO_ROOT
 from tests.helpers import install_script
+from tests.helpers.deploy import ANSIBLE, PLAYBOOK
 
-PLAYBOOK = REPO_ROOT / "deploy" / "lora-worker.yml"
-ANSIBLE = shutil.which("ansible-playbook") or str(Path(sys.executable).parent / "ansible-playbook")
 
 
 def play() -> dict:

@@ -1,7 +1,6 @@
 """Builders for what the tests need on disk: a fake trainer installation, datasets, models, fake GPUs."""
 from __future__ import annotations
 
-import functools
 import importlib.util
 import json
 import math

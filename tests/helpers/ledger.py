@@ -58,3 +58,15 @@ def columns(**overrides: object) -> dict:
     cols.update(overrides)
     return cols
 
+
+def sql(path: Path, query: str, *params: object) -> list[tuple]:
+    conn = sqlite3.connect(path)
+    try:
+        with conn:
+            return conn.execute(query, params).fetchall()
+    finally:
+        conn.close()
+
+
+def triggers(path: Path) -> list[tuple]:
+    return sql(path, "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' ORDER BY name")

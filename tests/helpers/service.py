@@ -109,3 +109,9 @@ class Service:
             except ValueError:
                 parsed = raw.decode(errors="replace")
             return err.code, parsed, dict(err.headers)
+
+
+def timed(svc: Service, method: str, path: str, **kwargs) -> tuple[int, float]:
+    started = time.monotonic()
+    code, _, _ = svc.request(method, path, timeout=10, **kwargs)
+    return code, time.monotonic() - started

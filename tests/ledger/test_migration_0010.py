@@ -11,8 +11,8 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import alembic_config, upgrade
 from lora_worker.states import FailureClass
-from tests.ledger.test_ledger import columns
-from tests.slurm.test_migration import sql, triggers
+from tests.helpers.ledger import columns
+from tests.helpers.ledger import sql, triggers
 
 DOWNGRADED = {"supervisor_signalled": "killed_by_signal", "nan_loss": "trainer_crashed"}
 

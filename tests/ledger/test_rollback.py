@@ -17,7 +17,8 @@ from tests.service import settings_env
 
 # The previous release: the same package, its migrations one revision short.
 OLDER_CODE = ("import sys; from pathlib import Path; import lora_worker.ledger.migrate as m; "
-              "m.MIGRATIONS_DIR = Path(sys.argv[1]); from lora_worker.ops.cli import main; sys.exit(main(sys.argv[2:]))")
+              "m.MIGRATIONS_DIR = Path(sys.argv[1]); from lora_worker.ops.cli import main; "
+              "sys.exit(main(sys.argv[2:]))")
 
 
 def previous_migrations(tmp_path: Path) -> tuple[Path, str]:

@@ -8,7 +8,6 @@ import os
 import pty
 import select
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import psutil
 import pytest
 
 from lora_worker.config import REPO_ROOT
-from tests.ops.test_makefile import recipe
+from tests.helpers.deploy import recipe
 from tests.service import free_port
 
 LORA_WORKER = str(Path(sys.executable).parent / "lora-worker")

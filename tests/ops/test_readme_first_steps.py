@@ -9,7 +9,6 @@ import re
 import shlex
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 

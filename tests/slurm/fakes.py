@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
+from collections.abc import Iterable
 
 from lora_worker.config import Settings
 from lora_worker.slurm.scheduler import Scheduler, SchedulerUnavailable, SlurmJob
@@ -190,3 +191,23 @@ def close_worker(worker: SlurmWorker, app: object) -> None:
 
 def steps_bar(step: int, total: int = 400, loss: float = 0.1) -> str:
     return f"\rsteps: {100 * step // total:3d}%|#####     | {step}/{total} [00:10<00:12,  2.00it/s, avr_loss={loss}]"
+
+
+def cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+FAKE_TOOLS = Path(__file__).parent / "fake_slurm" / "slurm.py"
+
+
+def install_fake_slurm(bin_dir: Path) -> Path:
+    bin_dir.mkdir(parents=True)
+    tool = bin_dir / "slurm.py"
+    tool.write_text(f"#!{sys.executable}\n" + FAKE_TOOLS.read_text())
+    tool.chmod(0o755)
+    for name in ("sbatch", "squeue", "sacct", "scancel"):
+        (bin_dir / name).symlink_to(tool)
+    return bin_dir

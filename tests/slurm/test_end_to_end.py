@@ -3,51 +3,18 @@ batch script runs the fake trainer → the real detached poller process follows 
 tests (a single-node Slurm) exercise the same path against Slurm itself."""
 from __future__ import annotations
 
-import os
-import signal
-import sys
 from pathlib import Path
 
 import pytest
 
 from lora_worker.host.locks import lock_state
-from lora_worker.ledger.db import Database
 from lora_worker.ledger import repository as repo
 from lora_worker.slurm.process import poller_lock_path
-from tests.helpers import Host, payload, pid_alive, set_modes, wait_for
-from tests.helpers.ledger import migrated_ledger
+from tests.helpers import payload, set_modes, wait_for
+from tests.slurm.fakes import cmdline as _cmdline
 
 pytestmark = pytest.mark.slow  # every test here starts a real process
 
-FAKE = Path(__file__).parent / "fake_slurm" / "slurm.py"
-
-
-def install_fake_slurm(bin_dir: Path) -> Path:
-    bin_dir.mkdir(parents=True)
-    tool = bin_dir / "slurm.py"
-    tool.write_text(f"#!{sys.executable}\n" + FAKE.read_text())
-    tool.chmod(0o755)
-    for name in ("sbatch", "squeue", "sacct", "scancel"):
-        (bin_dir / name).symlink_to(tool)
-    return bin_dir
-
-
-@pytest.fixture
-def worker(host: Host, tmp_path: Path):
-    from lora_worker import create_app
-
-    settings = host.settings.with_overrides(backend="slurm", slurm_bin_dir=install_fake_slurm(tmp_path / "slurm-bin"),
-                                            slurm_poll_interval_s=0.2)
-    migrated_ledger(settings.database_path)
-    app = create_app(settings)
-    db = Database.open(settings.database_path)
-    yield app.test_client(), db, settings
-    holder = lock_state(poller_lock_path(settings)).holder_pid
-    if holder and pid_alive(holder):
-        os.kill(holder, signal.SIGTERM)
-        wait_for(lambda: not pid_alive(holder), what="the poller to stop")
-    db.dispose()
-    app.extensions["lora_worker"].db.dispose()
 
 
 def test_a_job_dispatched_over_http_ends_succeeded_with_a_verified_lora(worker, host):
@@ -80,8 +47,3 @@ def test_a_cancel_in_training_ends_cancelled_with_no_process_of_the_job_left(wor
     assert left == []
 
 
-def _cmdline(proc: Path) -> bytes:
-    try:
-        return (proc / "cmdline").read_bytes()
-    except OSError:
-        return b""

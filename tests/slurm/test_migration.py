@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sqlite3
-from pathlib import Path
 
 import pytest
 from alembic import command
@@ -13,22 +12,9 @@ from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import alembic_config, upgrade
 from lora_worker.states import FailureClass, JobState
 from tests.helpers.ledger import columns
-from tests.helpers.ledger import old_row
+from tests.helpers.ledger import old_row, sql, triggers
 
 SLURM_CLASSES = ("out_of_memory", "time_limit", "node_fail", "slurm_lost")
-
-
-def sql(path: Path, query: str, *params: object) -> list[tuple]:
-    conn = sqlite3.connect(path)
-    try:
-        with conn:
-            return conn.execute(query, params).fetchall()
-    finally:
-        conn.close()
-
-
-def triggers(path: Path) -> list[tuple]:
-    return sql(path, "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' ORDER BY name")
 
 
 def finished(db: Database, failure: str | None = None) -> int:

@@ -73,7 +73,7 @@ def test_the_index_refuses_a_second_active_row_for_one_lora_file(tmp_path, statu
     from lora_worker.errors import JobActive
     from lora_worker.ledger import repository as repo
     from lora_worker.ledger.db import Database
-    from tests.ledger.test_ledger import columns
+    from tests.helpers.ledger import columns
 
     path = tmp_path / "ledger.sqlite3"
     upgrade(path)

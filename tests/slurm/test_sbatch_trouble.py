@@ -11,7 +11,7 @@ from lora_worker.slurm import scheduler as scheduler_module
 from lora_worker.slurm.sbatch import job_name
 from tests.helpers import wait_for
 from tests.slurm.fakes import SlurmWorker
-from tests.slurm.test_end_to_end import _cmdline, worker  # noqa: F401 - worker: the fixture
+from tests.slurm.fakes import cmdline as _cmdline
 
 
 @pytest.mark.parametrize("trouble", ["queue-then-fail", "queue-then-timeout"])

@@ -8,7 +8,7 @@ import pytest
 from lora_worker.ledger import repository as repo
 from lora_worker.states import JobState, Phase
 from lora_worker.transcript.parser import Parser
-from tests.ledger.test_ledger import columns
+from tests.helpers.ledger import columns
 from tests.transcript.test_stream import CAPTURES, stream
 
 P = Phase

@@ -8,7 +8,7 @@ from pathlib import Path
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.supervisor import SupervisorLedger
 from lora_worker.states import CANCEL_RULE, JobState
-from tests.ledger.test_ledger import columns
+from tests.helpers.ledger import columns
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

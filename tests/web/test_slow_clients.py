@@ -2,42 +2,19 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import threading
 import time
 
 import pytest
 
-from lora_worker.host.locks import hold_lock, job_lock_path
-from lora_worker.ledger import repository as repo
-from lora_worker.states import JobState
 from lora_worker.web.buffered_worker import REQUEST_DEADLINE_S
-from tests.helpers.ledger import columns
-from tests.helpers.service import Service
-from tests.helpers.api import TOKEN, bearer, write_token
+from tests.helpers.api import TOKEN, bearer
+from tests.helpers.service import timed
 
 pytestmark = pytest.mark.slow
 DRIPPERS = 16  # of each kind: twice gunicorn's threads in all
 DRIP_EVERY_S = 0.25
-
-
-@pytest.fixture
-def service(migrated, host):
-    token = write_token(host.root / "etc")
-    svc = Service(migrated.with_overrides(api_token_file=token), host.root / "gunicorn.log").start()
-    yield svc
-    svc.stop()
-
-
-@pytest.fixture
-def running_job(migrated, db):
-    """A running job whose "supervisor" (this test) holds the job lock, so reconcile leaves it alone."""
-    job = repo.create_job(db, columns())
-    repo.transition(db, job.id, JobState.RUNNING, actor="supervisor")
-    fd = hold_lock(job_lock_path(migrated, job.id))
-    yield job.id
-    os.close(fd)
 
 
 class Dripper(threading.Thread):
@@ -63,12 +40,6 @@ class Dripper(threading.Thread):
 HEADERS = b"POST /train HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nX-Padding: " + b"x" * 400
 BODY = (b"POST /train HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 2000\r\n\r\n"
         + b" " * 2000)
-
-
-def timed(svc: Service, method: str, path: str, **kwargs) -> tuple[int, float]:
-    started = time.monotonic()
-    code, _, _ = svc.request(method, path, timeout=10, **kwargs)
-    return code, time.monotonic() - started
 
 
 def test_sixteen_drippers_of_headers_and_of_bodies_do_not_delay_a_cancel(service, running_job):

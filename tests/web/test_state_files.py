@@ -12,9 +12,9 @@ import pytest
 from lora_worker.ledger import repository as repo
 from lora_worker.transcript.logfile import append_note, log_paths
 from lora_worker.states import FailureClass, JobState
-from tests.ledger.test_ledger import columns
-from tests.web.test_auth import TOKEN, bearer
-from tests.web.test_slow_clients import running_job, service, timed  # noqa: F401 - fixtures
+from tests.helpers.ledger import columns
+from tests.helpers.api import TOKEN, bearer
+from tests.helpers.service import timed
 
 READERS = 10  # more than gunicorn's 8 threads
 

@@ -3,7 +3,6 @@ that is known travels as Retry-After, and the README's table is the OpenAPI docu
 from __future__ import annotations
 
 import re
-import sqlite3
 from dataclasses import replace
 
 import pytest

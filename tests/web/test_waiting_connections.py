@@ -10,8 +10,10 @@ import time
 
 import pytest
 
-from tests.web.test_auth import TOKEN, bearer
-from tests.web.test_slow_clients import DRIP_EVERY_S, running_job, service, timed  # noqa: F401 - fixtures
+from tests.helpers.api import TOKEN, bearer
+from tests.helpers.service import timed
+
+DRIP_EVERY_S = 0.25  # as tests/web/test_slow_clients.py drips
 
 pytestmark = pytest.mark.slow
 PIPELINERS = 10  # more than gunicorn's 8 threads

@@ -8,7 +8,7 @@ from typing import Any
 from lora_worker.ledger import outbox
 from lora_worker.ledger import repository as repo
 from lora_worker.states import JobState
-from tests.ledger.test_ledger import columns
+from tests.helpers.ledger import columns
 
 ALL = outbox.Subscription(frozenset(outbox.EVENT_TYPES), progress_interval_s=0.5)
 

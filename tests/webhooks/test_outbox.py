@@ -11,7 +11,7 @@ from lora_worker.ledger import outbox
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.supervisor import SupervisorLedger
 from lora_worker.states import FailureClass, JobState
-from tests.ledger.test_ledger import columns
+from tests.helpers.ledger import columns
 from tests.webhooks.jobs import deliver_all, events, subscribed
 
 

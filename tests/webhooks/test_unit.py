@@ -35,7 +35,7 @@ def test_the_sender_runs_in_place_under_its_own_unit_restarted_always_as_the_ser
 
 def test_the_installer_installs_and_enables_the_sender(monkeypatch):
     script = install_script()
-    assert script.WEBHOOKS_UNIT == Path("/etc/systemd/system/lora-worker-webhooks.service")
+    assert Path("/etc/systemd/system/lora-worker-webhooks.service") == script.WEBHOOKS_UNIT
     ran: list[list[str]] = []
     monkeypatch.setattr(script.Installer, "command", lambda self, argv, what, **kw: ran.append(argv))
     script.Installer(Path("/"), script.Identities(), systemctl=True, accounts=False, pip_args=[]).start_service()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import install_script
-from tests.ops.test_install import copy_of, install, snapshot, staged  # noqa: F401 - `staged` is a fixture
+from tests.helpers.deploy import copy_of, install, snapshot
 
 pytestmark = pytest.mark.slow
 PREFIX = Path("opt/lora-training-worker")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ops.test_playbook import ANSIBLE, PLAYBOOK
+from tests.helpers.deploy import ANSIBLE, PLAYBOOK
 
 pytestmark = [
     pytest.mark.slow,

@@ -11,11 +11,11 @@ import pytest
 
 from lora_worker.ledger import repository as repo
 from lora_worker.reconcile import reconcile
-from lora_worker.states import JobState
 from lora_worker.host import processes
 from lora_worker.host.locks import hold_lock, job_lock_path
 from tests.helpers import pid_alive
 from tests.helpers.ledger import columns
+from tests.helpers.ledger import running_job
 
 
 @pytest.fixture
@@ -25,12 +25,6 @@ def stranger():
     yield proc
     proc.kill()
     proc.wait()
-
-
-def running_job(db, **identity: object) -> int:
-    job = repo.create_job(db, columns())
-    repo.transition(db, job.id, JobState.RUNNING, actor="supervisor", **identity)
-    return job.id
 
 
 def test_a_running_row_whose_supervisor_is_gone_becomes_failed(db, migrated):

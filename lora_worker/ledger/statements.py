@@ -190,15 +190,21 @@ def update_running_in(db: Statements, job_id: int, points: Iterable[tuple[int, f
     rows = [(job_id, step, loss, iso_utc(at)) for step, loss, at in points]
     if rows:
         db.executemany(PROGRESS_POINT_SQL, rows)
+    entered = _record_phases(db, job_id, phases, actor)
+    if before is not None and (subscription := outbox.Subscription.from_json(before[0])) is not None:
+        outbox.emit_running(db, job_id, old_phase=before[1], values=values, subscription=subscription,
+                            entered=entered)
+    return True
+
+
+def _record_phases(db: Statements, job_id: int, phases: Sequence[Any], actor: str) -> list[str]:
+    """The phases past those already recorded, each an event (running → running, "phase <name>"); their names."""
     entered: list[str] = []
     if phases and (recorded := db.execute(PHASES_RECORDED_SQL, (job_id,)).fetchone()[0]) < len(phases):
         for phase in phases[recorded:]:  # a few per run: one event each, as every other event is written
             entered.append(name := str(getattr(phase, "value", phase)))
             record_event(db, job_id, JobState.RUNNING, JobState.RUNNING, actor, f"phase {name}")
-    if before is not None and (subscription := outbox.Subscription.from_json(before[0])) is not None:
-        outbox.emit_running(db, job_id, old_phase=before[1], values=values, subscription=subscription,
-                            entered=entered)
-    return True
+    return entered
 
 
 CANCEL_STATE_SQL = "SELECT status, cancel_requested_at IS NOT NULL FROM jobs WHERE id = ?"

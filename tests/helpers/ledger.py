@@ -9,6 +9,8 @@ import tempfile
 from pathlib import Path
 
 from lora_worker.ledger.migrate import upgrade
+from lora_worker.ledger import repository as repo
+from lora_worker.states import JobState
 
 _template: list[Path] = []  # the one ledger this process migrated, once
 
@@ -70,3 +72,10 @@ def sql(path: Path, query: str, *params: object) -> list[tuple]:
 
 def triggers(path: Path) -> list[tuple]:
     return sql(path, "SELECT name, sql FROM sqlite_master WHERE type = 'trigger' ORDER BY name")
+
+
+def running_job(db, **identity: object) -> int:
+    """A job the supervisor marked running (with `identity`), written straight to the ledger."""
+    job = repo.create_job(db, columns())
+    repo.transition(db, job.id, JobState.RUNNING, actor="supervisor", **identity)
+    return job.id

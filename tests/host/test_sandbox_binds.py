@@ -12,7 +12,7 @@ from lora_worker.config import Settings, load_settings
 from lora_worker.errors import ConfigError
 from lora_worker.host import sandbox
 from tests.helpers import make_host
-from tests.host.test_sandbox import hostile_trainer, needs_bwrap, submit, wait_state
+from tests.helpers.sandbox import hostile_trainer, needs_bwrap, submit, wait_state
 
 
 @pytest.fixture

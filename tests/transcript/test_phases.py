@@ -9,7 +9,7 @@ from lora_worker.ledger import repository as repo
 from lora_worker.states import JobState, Phase
 from lora_worker.transcript.parser import Parser
 from tests.helpers.ledger import columns
-from tests.transcript.test_stream import CAPTURES, stream
+from tests.helpers.captures import CAPTURES, stream
 
 P = Phase
 RUN1 = [P.LOADING_MODEL, P.CACHING_LATENTS, P.CACHING_TEXT_ENCODER_OUTPUTS, P.PREPARING_TRAINING, P.TRAINING, P.SAVING]

@@ -2,8 +2,6 @@
 same progress, loss curve and run log however the pipe cuts the stream, and never a marker missed for speed."""
 from __future__ import annotations
 
-import base64
-import json
 import random
 import re
 import re._constants as sre_constants
@@ -15,15 +13,8 @@ import pytest
 from lora_worker.transcript.logfile import JobLog
 from lora_worker.transcript.output import TrainerOutput
 from lora_worker.transcript.parser import BAR, INNER_LITERALS, LOSS, MARKERS, MESSAGE_STARTS, Parser, _message_starts
-from tests.helpers import DATA
+from tests.helpers.captures import CAPTURES, stream
 
-CAPTURES = sorted(p.stem for p in DATA.glob("*.jsonl"))
-
-
-def stream(name: str) -> bytes:
-    """A capture's bytes as the supervisor's one pipe gives them: every chunk, in arrival order."""
-    lines = (DATA / f"{name}.jsonl").read_text().splitlines()[1:]
-    return b"".join(base64.b64decode(json.loads(line)["b64"]) for line in lines)
 
 
 def read(data: bytes, cuts: list[int], tmp_path: Path) -> tuple[object, ...]:

@@ -13,7 +13,7 @@ from lora_worker.config import REPO_ROOT
 from lora_worker.web.buffered_worker import BufferingThreadWorker
 from lora_worker.web.errors import BY_CODE, CATALOGUE
 from lora_worker.web.openapi import _entry
-from tests.web.test_status_codes import readme_table
+from tests.helpers.docs import readme_table
 
 PACKAGE = REPO_ROOT / "lora_worker"
 EMITTED = (re.compile(r'error_response\(\s*(\d{3}),\s*"([a-z_]+)"'),  # the web layer's own answers

@@ -18,7 +18,7 @@ from lora_worker.ledger import repository as repo
 from lora_worker.web import service
 from lora_worker.web.app import start_reconcile_timer
 from tests.helpers import pid_alive, wait_for
-from tests.test_reconcile import running_job
+from tests.helpers.ledger import running_job
 
 
 @pytest.fixture

@@ -2,15 +2,14 @@
 that is known travels as Retry-After, and the README's table is the OpenAPI document's."""
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 import pytest
 
 from lora_worker import create_app
-from lora_worker.config import REPO_ROOT
 from lora_worker.web.errors import BY_CODE, CATALOGUE, answered_errors, status_of
 from tests.helpers import fake_gpus, hold_exclusive
+from tests.helpers.docs import readme_table
 
 BUSY_NOW = {"job_active", "gpu_busy", "gpu_locked", "insufficient_vram"}
 
@@ -18,22 +17,6 @@ BUSY_NOW = {"job_active", "gpu_busy", "gpu_locked", "insufficient_vram"}
 @pytest.fixture
 def document(api):
     return api.get("/openapi.json").get_json()
-
-
-def readme_table() -> list[dict[str, object]]:
-    """The rows of the README's 'Status codes and errors' table."""
-    text = (REPO_ROOT / "README.md").read_text()
-    section = text.split("### Status codes and errors", 1)[1]
-    rows = []
-    for line in section.splitlines():
-        if not re.match(r"^\| \d{3} \|", line):
-            if rows:
-                break
-            continue
-        status, error, retryable, retry_after, advice = [cell.strip() for cell in line.strip("|").split(" | ")]
-        rows.append({"status": int(status), "error": error.strip("`"), "retryable": retryable == "yes",
-                     "retry_after": "" if retry_after == "—" else retry_after, "advice": advice})
-    return rows
 
 
 def assert_error(response, status: int, code: str) -> dict:

@@ -64,6 +64,7 @@ def with_interpreter(settings, python: Path):
 
 # -- bwrap's namespaces ------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_bwrap_that_cannot_unshare_fails_the_sandbox_check_with_its_own_words(migrated, tmp_path):
     settings = migrated.with_overrides(sandbox="bwrap", bwrap_path=broken_bwrap(tmp_path))
     check = by_name(deep_checks(settings, FakeNvml.from_file(settings.nvml_fake_file), trainer=False))["sandbox"]
@@ -76,6 +77,7 @@ def test_without_bwrap_at_its_setting_the_sandbox_check_says_install_it(migrated
     assert check.failed and "apt-get install bubblewrap" in check.detail
 
 
+@pytest.mark.slow
 def test_dispatch_refuses_503_sandbox_unavailable_when_the_start_up_probe_failed(migrated, tmp_path, launches):
     from lora_worker import create_app
     from tests.helpers import payload
@@ -95,6 +97,7 @@ def test_dispatch_refuses_503_sandbox_unavailable_when_the_start_up_probe_failed
         app.extensions["lora_worker"].db.dispose()
 
 
+@pytest.mark.slow
 def test_the_probe_is_made_once_and_kept(migrated, tmp_path):
     script = broken_bwrap(tmp_path)
     counter = tmp_path / "calls"
@@ -171,6 +174,7 @@ def test_a_venv_python_linked_into_home_fails_by_where_it_resolves(migrated, mon
 
 # -- the trainer in its sandbox ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sandboxed", ["none", "bwrap"])
 def test_an_interpreter_without_torch_fails_the_trainer_check(migrated, tmp_path, sandboxed):
     if sandboxed == "bwrap" and sandbox.bwrap_executable() is None:
@@ -186,6 +190,7 @@ def test_an_interpreter_without_torch_fails_the_trainer_check(migrated, tmp_path
     ({"torch": "2.7.0", "devices": 1}, "sees 1 CUDA device(s), NVML 2"),
     ({"torch": "2.7.0", "bitsandbytes": False}, "bitsandbytes does not load: ModuleNotFoundError"),
 ])
+@pytest.mark.slow
 def test_the_trainer_check_fails_for_each_reason(migrated, fake, says):
     venv = migrated.accelerate.parent.parent
     settings = with_interpreter(migrated, fake_interpreter(venv, **fake))
@@ -193,6 +198,7 @@ def test_the_trainer_check_fails_for_each_reason(migrated, fake, says):
     assert check.failed and says in check.detail
 
 
+@pytest.mark.slow
 def test_through_bwrap_a_good_trainer_passes_with_the_jobs_environment(migrated):
     if sandbox.bwrap_executable() is None:
         pytest.skip("bubblewrap is not installed")
@@ -203,6 +209,7 @@ def test_through_bwrap_a_good_trainer_passes_with_the_jobs_environment(migrated)
     assert re.search(r"torch 2\.7\.0, CUDA with 2 device\(s\), bitsandbytes 0\.45\.0", check.detail)
 
 
+@pytest.mark.slow
 def test_on_a_host_without_a_gpu_the_trainer_check_says_so(migrated):
     venv = migrated.accelerate.parent.parent
     settings = with_interpreter(migrated, fake_interpreter(venv, torch="2.7.0+cpu", cuda=False))
@@ -210,6 +217,7 @@ def test_on_a_host_without_a_gpu_the_trainer_check_says_so(migrated):
     assert check.failed and "no GPU on this host" in check.detail
 
 
+@pytest.mark.slow
 def test_the_simulated_trainer_passes_only_what_it_can_and_says_what_it_simulated(migrated):
     settings = migrated.with_overrides(trainer_kind="simulated")
     checks = by_name(deep_checks(settings, FakeNvml.from_file(settings.nvml_fake_file)))
@@ -221,6 +229,7 @@ def test_the_simulated_trainer_passes_only_what_it_can_and_says_what_it_simulate
 
 # -- the service keeps the result --------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_healthz_deep_serves_the_start_up_result_and_never_runs_the_checks_itself(migrated, monkeypatch):
     from lora_worker import create_app
 
@@ -258,6 +267,7 @@ def test_healthz_deep_serves_the_start_up_result_and_never_runs_the_checks_itsel
         app.extensions["lora_worker"].db.dispose()
 
 
+@pytest.mark.slow
 def test_healthz_deep_is_503_naming_what_failed(migrated):
     health = DeepHealth(migrated.with_overrides(dev_root=migrated.state_dir), FakeNvml(absent=True))
     result = health.run()

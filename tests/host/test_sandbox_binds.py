@@ -121,6 +121,7 @@ def test_a_trainer_started_by_root_is_not_root_and_cannot_write_proc_sys(client,
     assert found["proc_sys"] != "written", found
 
 
+@pytest.mark.slow
 @needs_bwrap
 def test_doctor_and_healthz_say_that_a_trainer_started_by_root_is_uid_65534(migrated, monkeypatch):
     from lora_worker.host.nvml import FakeNvml

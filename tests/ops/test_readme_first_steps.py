@@ -50,6 +50,7 @@ def test_every_cli_command_of_the_first_steps_is_spelled_as_it_works_in_a_checko
     assert bare == [], f"these only work with the venv on PATH; write .venv/bin/lora-worker: {bare}"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 def test_the_first_steps_commands_run_in_a_fresh_checkout(tmp_path):
     checkout = tmp_path / "checkout"

@@ -171,6 +171,7 @@ def other_train_id(host) -> Path:
     return other
 
 
+@pytest.mark.slow
 @needs_bwrap
 @pytest.mark.parametrize("how", ["symlink", "rename"])
 def test_a_dataset_swapped_after_the_check_is_not_what_the_sandbox_mounts(accepted, host, how):
@@ -189,6 +190,7 @@ def test_a_dataset_swapped_after_the_check_is_not_what_the_sandbox_mounts(accept
     assert FOLDER in out, out  # the dataset the check saw, wherever it was moved to
 
 
+@pytest.mark.slow
 @needs_bwrap
 @pytest.mark.parametrize("how", ["symlink", "rename"])
 def test_an_output_dir_swapped_after_the_check_is_not_mounted_read_write(accepted, host, how):

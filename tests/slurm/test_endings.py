@@ -153,6 +153,7 @@ def test_reconcile_scancels_an_unattended_slurm_job_before_failing_its_row(slurm
 
 # -- a job that completed before its cancel was delivered keeps its own outcome ---------------------------
 
+@pytest.mark.slow
 def test_a_job_that_completed_before_its_cancel_reached_it_keeps_its_success(slurm: SlurmWorker):
     job = slurm.submit()
     sid = job.slurm_job_id

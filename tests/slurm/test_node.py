@@ -34,6 +34,7 @@ def ends_launch_error(slurm: SlurmWorker, job) -> str:
     return row.error
 
 
+@pytest.mark.slow
 def test_a_dataset_swapped_for_a_link_while_the_job_pends_ends_launch_error_and_the_trainer_never_runs(
         slurm: SlurmWorker):
     record = slurm.host.root / "record.json"
@@ -49,6 +50,7 @@ def test_a_dataset_swapped_for_a_link_while_the_job_pends_ends_launch_error_and_
     assert "dataset_dir" in error and "without following links" in error, error
 
 
+@pytest.mark.slow
 def test_a_link_planted_at_the_lora_path_while_the_job_pends_is_never_written_through(slurm: SlurmWorker):
     job = slurm.submit()
     victim = slurm.settings.state_dir / "victim.safetensors"
@@ -67,6 +69,7 @@ def boxed(host: Host):
     close_worker(worker, app)
 
 
+@pytest.mark.slow
 def test_without_bubblewrap_on_the_node_the_trainer_does_not_start(boxed: SlurmWorker):
     record = boxed.host.root / "record.json"
     set_modes(boxed.settings.sd_scripts_dir, record=str(record))
@@ -81,6 +84,7 @@ def test_without_bubblewrap_on_the_node_the_trainer_does_not_start(boxed: SlurmW
     assert "bwrap" in error and "not installed" in error and "apt-get install bubblewrap" in error, error
 
 
+@pytest.mark.slow
 @needs_bwrap
 def test_on_the_node_the_trainer_runs_in_the_jobs_sandbox(boxed: SlurmWorker):
     token = boxed.settings.state_dir / "api_token"

@@ -58,6 +58,7 @@ def test_a_link_at_the_next_jobs_file_refuses_the_launch_and_writes_nothing_thro
     assert slurm.scheduler.scripts == {}  # nothing was submitted
 
 
+@pytest.mark.slow
 def test_a_link_at_the_rc_name_is_not_written_through(slurm: SlurmWorker):
     job = slurm.submit()
     victim = slurm.settings.state_dir / "victim"
@@ -69,6 +70,7 @@ def test_a_link_at_the_rc_name_is_not_written_through(slurm: SlurmWorker):
     assert "cannot record the return code" in log_path(slurm.settings, job.id).read_text()
 
 
+@pytest.mark.slow
 def test_a_node_whose_output_is_not_the_workers_log_file_refuses_to_start_the_trainer(slurm: SlurmWorker,
                                                                                       tmp_path):
     job = slurm.submit()
@@ -79,6 +81,7 @@ def test_a_node_whose_output_is_not_the_workers_log_file_refuses_to_start_the_tr
     assert not rc_path(slurm.settings, job.id).exists() and not os.path.exists(job.lora_file)
 
 
+@pytest.mark.slow
 def test_a_train_id_outside_the_bmp_runs_on_slurm_as_locally(slurm: SlurmWorker):
     dataset = make_dataset(slurm.settings.train_root, train_id="t\U0001f600")
     answer = slurm.client.post("/train", json=payload(dataset, slurm.host.model))
@@ -133,6 +136,7 @@ def test_the_trainer_gets_the_stored_env_and_slurms_gpu(slurm: SlurmWorker):
     assert f"GPU=0 TOKEN=- CWD={slurm.settings.sd_scripts_dir}" in text
 
 
+@pytest.mark.slow
 def test_without_a_gpu_from_slurm_the_requests_device_is_not_what_the_trainer_sees(slurm: SlurmWorker):
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     job = slurm.submit()

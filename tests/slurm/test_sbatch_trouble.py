@@ -62,6 +62,7 @@ def _trouble(settings, what: str) -> None:
     (Path(settings.slurm_bin_dir) / "trouble").write_text(what)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trouble", ["fail", "hang"])
 def test_on_the_tools_an_sbatch_that_queued_then_failed_or_hung_leaves_the_job_followed(
         worker, host, trouble: str, monkeypatch: pytest.MonkeyPatch):
@@ -76,6 +77,7 @@ def test_on_the_tools_an_sbatch_that_queued_then_failed_or_hung_leaves_the_job_f
     assert (row.status, row.slurm_job_id) == ("succeeded", "100"), row.error
 
 
+@pytest.mark.slow
 def test_on_the_tools_a_job_nobody_can_see_after_a_failed_sbatch_is_scancelled(worker, host):
     from tests.helpers import set_modes
 

@@ -2,6 +2,8 @@
 And the poller's heartbeat: one stuck holding its lock is noticed by `attended` and replaced."""
 from __future__ import annotations
 
+import pytest
+
 import os
 import subprocess
 import sys
@@ -62,6 +64,7 @@ def _end(holder: subprocess.Popen[str]) -> None:
         holder.stdout.close()
 
 
+@pytest.mark.slow
 def test_a_poller_stuck_holding_its_lock_is_noticed_by_its_heartbeat_and_replaced(slurm: SlurmWorker):
     job = slurm.submit()
     holder = _stuck_poller(slurm, STUCK_S)
@@ -74,6 +77,7 @@ def test_a_poller_stuck_holding_its_lock_is_noticed_by_its_heartbeat_and_replace
         _end(holder)
 
 
+@pytest.mark.slow
 def test_a_poller_that_beats_is_left_alone(slurm: SlurmWorker):
     job = slurm.submit()
     holder = _stuck_poller(slurm, 1.0)

@@ -47,6 +47,7 @@ def ledger_state(path: Path) -> tuple[str, ...]:
                  for p in (path, Path(f"{path}-wal")))
 
 
+@pytest.mark.slow
 def test_healthz_writes_nothing_and_signals_nothing(orphaned, migrated, ours, monkeypatch):
     app, job_id = orphaned
     signals: list[tuple] = []
@@ -69,6 +70,7 @@ def test_healthz_writes_nothing_and_signals_nothing(orphaned, migrated, ours, mo
         assert repo.get_job(app.extensions["lora_worker"].db, job_id).status == "running"
 
 
+@pytest.mark.slow
 def test_an_authenticated_request_reconciles_at_most_every_few_seconds(orphaned, ours, monkeypatch):
     app, job_id = orphaned
     worker = app.extensions["lora_worker"]
@@ -83,6 +85,7 @@ def test_an_authenticated_request_reconciles_at_most_every_few_seconds(orphaned,
     assert len(runs) == 2
 
 
+@pytest.mark.slow
 def test_the_timer_reconciles_without_any_request(orphaned, ours):
     app, job_id = orphaned
     stop = start_reconcile_timer(app, every_s=0.1)

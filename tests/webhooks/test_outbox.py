@@ -3,6 +3,7 @@ through either ledger path; no change without its event, no event without its ch
 from __future__ import annotations
 
 import sqlite3
+from dataclasses import replace
 import time
 
 import pytest
@@ -89,7 +90,7 @@ def test_progress_is_coalesced_while_untried_and_written_at_most_once_per_interv
 
 
 def test_the_terminal_events_data_is_what_get_answers(hooked, hooked_db, client_for):
-    client = client_for(hooked)
+    client = client_for(replace(hooked, webhook_url=None))  # a reader only: no sender of its own
     job = repo.create_job(hooked_db, subscribed())
     repo.transition(hooked_db, job.id, JobState.RUNNING, actor="supervisor", phase="training")
     repo.update_running(hooked_db, job.id, step=400, loss=0.05)

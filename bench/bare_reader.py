@@ -4,7 +4,9 @@ The same pipe and loop shape as the supervisor's (host/process_host.py `TrainerP
 run/runner.py `JobRun._supervise`): stdout and stderr merged into one pipe, enlarged to 1 MiB, a selector on
 it, reads of 64 KiB into one reused buffer until the pipe is empty (1 MiB at most per wake-up), a 0.2 s select
 timeout. Nothing is copied out of the buffer, decoded, parsed, logged or written, and it never pauses to let
-output gather: the floor any reader of the pipe pays.
+output gather: the floor any reader of the pipe pays. It leaves as the supervisor does, by `os._exit` (no
+interpreter teardown: issue #22 found the old baseline paying one the supervisor skips, which flattered the
+ratio).
 Usage: python bench/bare_reader.py <command> [args…]
 """
 from __future__ import annotations
@@ -53,4 +55,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    status = main(sys.argv[1:])
+    sys.stdout.flush()
+    os._exit(status)  # as run/main.py leaves: the same work as the supervisor, and no more

@@ -1,5 +1,5 @@
 """Status codes a client can act on: 409 only for busy-now, every error says whether a retry can help, a wait
-that is known travels as Retry-After, and the README's table is the OpenAPI document's."""
+that is known travels as Retry-After, and docs/errors.md's table is the OpenAPI document's."""
 from __future__ import annotations
 
 import re
@@ -21,10 +21,10 @@ def document(api):
     return api.get("/openapi.json").get_json()
 
 
-def readme_table() -> list[dict[str, object]]:
-    """The rows of the README's 'Status codes and errors' table."""
-    text = (REPO_ROOT / "README.md").read_text()
-    section = text.split("### Status codes and errors", 1)[1]
+def errors_doc_table() -> list[dict[str, object]]:
+    """The rows of docs/errors.md's 'Status codes and errors' table."""
+    text = (REPO_ROOT / "docs" / "errors.md").read_text()
+    section = text.split("## Status codes and errors", 1)[1]
     rows = []
     for line in section.splitlines():
         if not re.match(r"^\| \d{3} \|", line):
@@ -44,8 +44,8 @@ def assert_error(response, status: int, code: str) -> dict:
     return body
 
 
-def test_the_readme_table_is_the_documents_error_catalogue(document):
-    assert readme_table() == document["x-errors"]
+def test_the_errors_doc_table_is_the_documents_error_catalogue(document):
+    assert errors_doc_table() == document["x-errors"]
     assert len(document["x-errors"]) == len(CATALOGUE) >= 20
 
 

@@ -58,7 +58,8 @@ class FailureClass(str, Enum):
     SLURM_LOST = "slurm_lost"  # Slurm no longer knows the job and it left no exit status of its own
 
 
-# The one rule of a cancel, as the 202 body, the README and the OpenAPI document state it (a test holds them to it).
+# The one rule of a cancel, as the 202 body, the README ('First steps') and the OpenAPI document state it (a test
+# holds them to it).
 # Why `cancelled` even in `saving`: arbo reads `cancelled` as "ended as asked, nothing to do", and a client
 # that cancelled does not want the LoRA; a rule without a timing window ("unless the save had begun") is what it
 # can act on. The ledger enforces it (ledger/statements.py `transition_in`), on both backends.

@@ -123,7 +123,7 @@ def test_a_job_dispatched_over_http_ends_succeeded_with_a_verified_lora(cluster:
 
 def test_a_job_that_saves_and_ends_between_two_polls_keeps_saving_as_the_phase_it_ended_in(
         new_worker: Callable[..., Worker]) -> None:
-    # As a local job does (README: "saving after a success"): the row's phase is the one the log ended in, not
+    # As a local job does (README, API: "saving after a success"): the row's phase is the one the log ended in, not
     # the one the last poll before the end happened to see.
     worker = new_worker(slurm_poll_interval_s=3.0)
     release = worker.host.root / "release"

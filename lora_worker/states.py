@@ -51,7 +51,7 @@ class FailureClass(str, Enum):
     SUPERVISOR_SIGNALLED = "supervisor_signalled"
     HOST_REBOOTED = "host_rebooted"
     LAUNCH_ERROR = "launch_error"
-    # What Slurm (slurm/) reports of a job it ended itself (the state table of shared/reference/slurm.md).
+    # What Slurm (slurm/) reports of a job it ended itself (the state table of docs/reference/slurm.md).
     OUT_OF_MEMORY = "out_of_memory"  # OUT_OF_MEMORY: the job's cgroup hit its --mem (host RAM, not CUDA)
     TIME_LIMIT = "time_limit"  # TIMEOUT: the job ran past its --time
     NODE_FAIL = "node_fail"  # NODE_FAIL: the node was lost under the job (never requeued: --no-requeue)

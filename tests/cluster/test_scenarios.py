@@ -1,5 +1,5 @@
 """The worker with backend = "slurm" against the real single-node cluster (tests/cluster/cluster.py), through its
-HTTP API, running the fake trainer: each row of ../shared/reference/slurm.md's state table that a worker can
+HTTP API, running the fake trainer: each row of docs/reference/slurm.md's state table that a worker can
 meet, as it happens for real. The poller, sbatch, squeue, sacct, scancel and the batch script are all real.
 
 One job runs into its 1-minute time limit in the background from the start of the module (Slurm enforces

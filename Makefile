@@ -11,7 +11,7 @@ LOCK := deploy/requirements.lock
 
 .PHONY: run test test-fast lint demo demo-slurm chaos bench install lock clean
 
-# The trainer's sandbox is bubblewrap (`sandbox` setting, README "The sandbox"). Without it, say so first.
+# The trainer's sandbox is bubblewrap (`sandbox` setting, docs/sandbox.md). Without it, say so first.
 NO_BWRAP_NOTICE = command -v bwrap >/dev/null || [ -n "$$LORA_WORKER_SANDBOX" ] || printf '%s %s\n%s\n' \
 	"lora-worker: bubblewrap (bwrap) is not installed:" "$(1)" \
 	"lora-worker: install it with: sudo apt-get install bubblewrap"
@@ -82,7 +82,7 @@ demo: $(VENV)/.demo-installed
 # The same demo with backend = slurm, each job an sbatch to a single-node Slurm of its own (tests/cluster/cluster.py:
 # munge, MariaDB + slurmdbd, slurmctld, slurmd, two fake GPUs), stopped at the end. Needs root and the Debian
 # packages slurmctld slurmd slurm-client slurmdbd munge mariadb-server. Against a cluster of your own instead:
-# LORA_WORKER_BACKEND=slurm SLURM_CONF=... make demo (README, "On a Slurm cluster").
+# LORA_WORKER_BACKEND=slurm SLURM_CONF=... make demo (docs/slurm.md).
 demo-slurm: $(VENV)/.demo-installed
 	$(BIN)/python -m tests.cluster.cluster $(BIN)/lora-worker demo
 

@@ -42,7 +42,7 @@ def probe(imports: str) -> dict:
 
 def web_worker(host: Host, requests: int, pollers: int) -> tuple[float, float]:
     """(peak RSS just after start-up, peak RSS after the load) of the gunicorn worker, MiB. The load: `pollers`
-    clients long-polling the running job as the README says (all at once, then as Retry-After tells them),
+    clients long-polling the running job as docs/jobs.md says (all at once, then as Retry-After tells them),
     and meanwhile `requests` requests over every route, /metrics and /openapi.json included, and a cancel."""
     with running_service(host) as svc:
         worker = svc.workers()[0]

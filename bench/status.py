@@ -7,7 +7,7 @@ generator is wrk (Debian package `wrk`), with keep-alive connections, each route
 1, 8 and 32 connections, the two routes alternating so drift on a noisy machine hits both alike (skipped,
 and said so, where wrk is not installed).
 
-Long pollers (Python threads, no wrk needed): 256 clients long-polling the job as the README says, honouring
+Long pollers (Python threads, no wrk needed): 256 clients long-polling the job as docs/jobs.md says, honouring
 `Retry-After`, and how much they delay another client's `GET /train/<id>` (its latency percentiles with them
 against without them, over a window longer than the longest Retry-After).
 """
@@ -72,7 +72,7 @@ def measure(svc: Service, job_id: int, levels: list[int], seconds: float) -> tup
 
 
 class Pollers:
-    """`count` clients long-polling one job as the README says: `?since=<version>&wait=<wait>`, and, when an
+    """`count` clients long-polling one job as docs/jobs.md says: `?since=<version>&wait=<wait>`, and, when an
     answer carries `Retry-After` (no long-poll slot was free), waiting that long before the next poll. Each
     request on its own connection, as a client that sleeps for seconds between polls would open one."""
 

@@ -51,14 +51,15 @@ class FailureClass(str, Enum):
     SUPERVISOR_SIGNALLED = "supervisor_signalled"
     HOST_REBOOTED = "host_rebooted"
     LAUNCH_ERROR = "launch_error"
-    # What Slurm (slurm/) reports of a job it ended itself (the state table of shared/reference/slurm.md).
+    # What Slurm (slurm/) reports of a job it ended itself (the state table of docs/reference/slurm.md).
     OUT_OF_MEMORY = "out_of_memory"  # OUT_OF_MEMORY: the job's cgroup hit its --mem (host RAM, not CUDA)
     TIME_LIMIT = "time_limit"  # TIMEOUT: the job ran past its --time
     NODE_FAIL = "node_fail"  # NODE_FAIL: the node was lost under the job (never requeued: --no-requeue)
     SLURM_LOST = "slurm_lost"  # Slurm no longer knows the job and it left no exit status of its own
 
 
-# The one rule of a cancel, as the 202 body, the README and the OpenAPI document state it (a test holds them to it).
+# The one rule of a cancel, as the 202 body, the README ('First steps') and the OpenAPI document state it (a test
+# holds them to it).
 # Why `cancelled` even in `saving`: arbo reads `cancelled` as "ended as asked, nothing to do", and a client
 # that cancelled does not want the LoRA; a rule without a timing window ("unless the save had begun") is what it
 # can act on. The ledger enforces it (ledger/statements.py `transition_in`), on both backends.

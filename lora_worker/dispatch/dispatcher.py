@@ -88,7 +88,7 @@ class Dispatcher:
             active = repo.active_job(self.db)
             if active is not None:
                 # No Retry-After: the ETA is an estimate, and a client told to wait that long would be told a
-                # guess as if it were known (README, "Status codes and errors").
+                # guess as if it were known (docs/errors.md, "Status codes and errors").
                 raise JobActive(f"Job {active.id} is already active; one training runs at a time.",
                                 active_job_id=active.id)
         require_trainer(self.settings)

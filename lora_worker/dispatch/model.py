@@ -9,8 +9,8 @@ read gigabytes; this check refuses them from the header, in milliseconds.
 
 The expected key set (`sdxl_keys.json.gz`, next to this file) is the full tensor list, with shapes, of the real
 SDXL checkpoint the sd-scripts captures loaded ("U-Net / text encoder 1 / text encoder 2 / VAE: <All keys
-matched successfully>"): all 2514 tensors of `sdxl-checkpoint-header.json` in ../shared/fixtures/sd-scripts/
-(a copy is in tests/data/). It was derived with
+matched successfully>"): all 2514 tensors of tests/data/sdxl-checkpoint-header.json (where it came from:
+docs/reference/sd-scripts.md, "The SDXL checkpoint's key set"). It was derived with
 
     shapes = {k: v["shape"] for k, v in sorted(json.load(open(FIXTURE))["tensors"].items())}
     gzip.compress(json.dumps({"source": …, "tensor_count": 2514, "shapes": shapes},

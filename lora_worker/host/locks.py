@@ -35,7 +35,7 @@ def job_lock_path(settings: Settings, job_id: int) -> Path:
 
 
 def gpu_lock_path(settings: Settings, device_index: int) -> Path:
-    """The host-wide per-GPU interlock: whoever holds it trains on that card (README, "GPU interlock")."""
+    """The host-wide per-GPU interlock: whoever holds it trains on that card (docs/gpus.md, "GPU interlock")."""
     return settings.gpu_locks / f"gpu-{device_index}.lock"
 
 
@@ -77,7 +77,7 @@ class LockState:
 def lock_state(path: Path) -> LockState:
     """Whether the lock is held and by which process: /proc/locks names the pid that took each flock, by
     device and inode. The pid is what the kernel recorded when the lock was taken; a holder that handed its fd
-    to a child and exited still shows its own pid (the README says so)."""
+    to a child and exited still shows its own pid (docs/gpus.md says so)."""
     if not is_locked(path):
         return LockState(False, None)
     try:

@@ -9,7 +9,7 @@ process follows every such job from the scheduler's answers and the job's own lo
 - `process.py` + `__main__.py`: the detached poller process, held by `<state>/locks/slurm-poller.lock`;
 - `backend.py`: `SlurmBackend`, what dispatch and reconcile see (backends.py picks it).
 
-The interface others rely on (the real-cluster tests, doctor, the README):
+The interface others rely on (the real-cluster tests, doctor, docs/slurm.md):
 - settings (config.py, each also `LORA_WORKER_<NAME>`; the two tables as JSON there): `backend`
   ("local" | "slurm"), `max_active_jobs` (8), `slurm_partition` ("gpu"), `slurm_log_dir` (<state>/slurm),
   `slurm_bin_dir` (unset: PATH), `slurm_time_limit_min` and `slurm_mem_mb` (tier -> minutes / MB),

@@ -12,8 +12,8 @@ That line says nothing the exit status does not, and its argv fills any message 
 - the log lines quoted after it leave the launcher's traceback out and shorten the very long lines (sd-scripts
   prints a 90 KB list of missing keys on one line).
 
-Every rule comes from a real run: tests/data/*.jsonl, tests/data/*.log, or ../shared/reference/
-sd-scripts-real-run.md §7 (the failure table), and tests/transcript/test_outcome.py replays each.
+Every rule comes from a real run: tests/data/*.jsonl, tests/data/*.log, or the failure table of
+docs/reference/sd-scripts-failures.md, and tests/transcript/test_outcome.py replays each.
 """
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ RULES = (
     Rule(FailureClass.CUDA_OOM, "The GPU ran out of memory",
          _rx(r"(?:torch\.(?:cuda\.)?OutOfMemoryError|RuntimeError): (?:CUDA out of memory|CUDA error: out of memory)"
              r"|RuntimeError: CUDA error: CUBLAS_STATUS_ALLOC_FAILED")),
-    # transformers offline with no tokenizer files: vocab_file is None (real-run §7, fail_no_tokenizer_offline)
+    # transformers offline with no tokenizer files: vocab_file is None (fail_no_tokenizer_offline in
+    # docs/reference/sd-scripts-failures.md)
     Rule(FailureClass.TOKENIZER_MISSING,
          "The CLIP tokenizers could not be loaded offline: their files are missing from the tokenizer cache",
          _rx(r"TypeError: expected str, bytes or os\.PathLike object, not NoneType"),
@@ -90,7 +91,7 @@ RULES = (
     Rule(FailureClass.TOKENIZER_INVALID,
          "The CLIP tokenizers are broken: check vocab.json, merges.txt and tokenizer_config.json in the "
          "tokenizer cache", None, frozenset({"_load_tokenizer", "tokenize", "_get_input_ids"}), ("tokenization_",)),
-    # fail_model_missing_keys.log, fail_missing_model.jsonl, and the repo-id/offline case of real-run §7
+    # fail_model_missing_keys.log, fail_missing_model.jsonl, and the repo-id/offline case of the failure table
     Rule(FailureClass.MODEL_LOAD_ERROR, "sd-scripts could not load the base model", None,
          frozenset({"load_target_model", "_load_target_model", "load_models_from_sdxl_checkpoint"})),
     Rule(FailureClass.MODEL_LOAD_ERROR, "sd-scripts could not load the base model",
@@ -99,7 +100,7 @@ RULES = (
     # fail_empty_caption.jsonl; a non-UTF-8 caption raises UnicodeDecodeError in the same function
     Rule(FailureClass.DATASET_INVALID, "A caption file is empty or not UTF-8", None,
          frozenset({"read_caption"})),
-    # real-run §7 fail_te_cache_combo: an argument combination sd-scripts' own checks refuse
+    # the failure table's fail_te_cache_combo: an argument combination sd-scripts' own checks refuse
     Rule(FailureClass.INVALID_ARGUMENTS, "sd-scripts refused its arguments",
          _rx(r"AssertionError: network for Text Encoder cannot be trained with caching Text Encoder outputs")),
 )
@@ -151,7 +152,7 @@ def explain(lines: list[str]) -> Explanation | None:
 
 def tracebacks(lines: list[str]) -> list[Traceback]:
     """Every traceback in `lines`, in order. A traceback may start glued to a bar redraw (`…]Traceback …`):
-    the redraw has no newline of its own (real-run §7, fail_bad_output_dir)."""
+    the redraw has no newline of its own (docs/reference/sd-scripts-failures.md, fail_bad_output_dir)."""
     found = []
     i = 0
     while i < len(lines):

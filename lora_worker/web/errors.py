@@ -2,7 +2,7 @@
 
 `CATALOGUE` is every error a client can meet: its status, whether the same request may succeed later by
 waiting alone (`retryable`), what `Retry-After` says, and what a client should do. The OpenAPI document and
-the README's table are both drawn from it (a test holds the README to the document).
+docs/errors.md's table are both drawn from it (a test holds docs/errors.md to the document).
 """
 from __future__ import annotations
 

@@ -109,7 +109,7 @@ DOCS: dict[str, Doc] = {
 
 
 WEBHOOKS: dict[str, Any] = {
-    "description": "With `webhook_url` configured, the worker POSTs each job's events there (README, Webhooks), "
+    "description": "With `webhook_url` configured, the worker POSTs each job's events there (docs/webhooks.md), "
                    "signed by the Standard Webhooks spec: `webhook-id` (stable across attempts: drop repeats), "
                    "`webhook-timestamp` (Unix seconds of the attempt), `webhook-signature` (`v1,` + base64 "
                    "HMAC-SHA256 of `{id}.{timestamp}.{body}` with each active secret, space-separated). Verify "
@@ -144,11 +144,11 @@ def build_document(app: Flask) -> dict[str, Any]:
 
     spec = APISpec(title="lora-worker", version=_package_version(), openapi_version=OPENAPI_VERSION,
                    plugins=[FlaskPlugin(), MarshmallowPlugin()],
-                   info={"description": "Runs SDXL LoRA training on demand; see the README."},
+                   info={"description": "Runs SDXL LoRA training on demand; see the README and docs/."},
                    security=[{"bearer": []}])
     spec.components.security_scheme("bearer", {"type": "http", "scheme": "bearer"})
     spec.components.schema("Error", schema=ErrorSchema)
-    # Every error a client can meet and what to do about it; the README's table says the same.
+    # Every error a client can meet and what to do about it; docs/errors.md's table says the same.
     spec.options["x-errors"] = [_entry(entry) for entry in CATALOGUE]
     # OpenAPI 3.0 has no `webhooks` (3.1 does): what the worker POSTs to `webhook_url` goes under x-webhooks.
     spec.options["x-webhooks"] = WEBHOOKS

@@ -1,6 +1,6 @@
 """A single-node Slurm for the tests: munge, MariaDB + slurmdbd (sacct needs accounting), slurmctld and slurmd,
 one partition `gpu` with two fake GPUs (empty files stand in for their device nodes), configured as
-../shared/reference/slurm.md records it working on a machine like ours.
+docs/reference/slurm.md records it working on a machine like ours.
 
 Everything lives under one directory (`root`) and talks over a munge socket and loopback ports of its own, so
 it never meets the machine's own munged or a real cluster's configuration: `SLURM_CONF` points every client at

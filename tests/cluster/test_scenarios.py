@@ -1,5 +1,5 @@
 """The worker with backend = "slurm" against the real single-node cluster (tests/cluster/cluster.py), through its
-HTTP API, running the fake trainer: each row of ../shared/reference/slurm.md's state table that a worker can
+HTTP API, running the fake trainer: each row of docs/reference/slurm.md's state table that a worker can
 meet, as it happens for real. The poller, sbatch, squeue, sacct, scancel and the batch script are all real.
 
 One job runs into its 1-minute time limit in the background from the start of the module (Slurm enforces
@@ -122,7 +122,7 @@ def test_a_job_dispatched_over_http_ends_succeeded_with_a_verified_lora(cluster:
 
 def test_a_job_that_saves_and_ends_between_two_polls_keeps_saving_as_the_phase_it_ended_in(
         new_worker: Callable[..., Worker]) -> None:
-    # As a local job does (README: "saving after a success"): the row's phase is the one the log ended in, not
+    # As a local job does (README, API: "saving after a success"): the row's phase is the one the log ended in, not
     # the one the last poll before the end happened to see.
     worker = new_worker(slurm_poll_interval_s=3.0)
     release = worker.host.root / "release"

@@ -1,6 +1,6 @@
 """Datasets as sd-scripts reads them: what it accepts is accepted, what it would silently skip or misread is a
 422 that says so. Each rule is held to sd-scripts' source at the pinned commit (kohya-ss/sd-scripts main
-48d368fa, the same tree as the sd3 branch 3265f2ed that fluxgym clones; /work/shared/reference/sd-scripts.md).
+48d368fa, the same tree as the sd3 branch 3265f2ed that fluxgym clones; docs/reference/sd-scripts.md).
 `TU` is library/train_util.py there."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Test double of kohya-ss sd-scripts `sdxl_train_network.py` (main @ 48d368fa), for runs without torch or a GPU.
 
-It behaves as ../shared/reference/sd-scripts.md and sd-scripts-real-run.md document, and prints what the
+It behaves as docs/reference/sd-scripts.md and sd-scripts-failures.md document, and prints what the
 captures in tests/data/*.jsonl show:
 - argparse with the real flag names and defaults: an unknown flag exits 2 with `error: unrecognized arguments`;
 - the dataset scan of `<train_data_dir>/<n>_<name>/` (non-recursive, `--caption_extension`, default
@@ -329,7 +329,8 @@ def _load_tokenizer(model_id: str, tokenizer_cache_dir: str | None) -> CLIPToken
     if tokenizer_cache_dir and os.path.exists(local):
         log(f"load tokenizer from cache: {local}")
         return CLIPTokenizer.from_pretrained(local)
-    # offline with nothing cached: transformers gets no vocab_file (real-run §7, fail_no_tokenizer_offline)
+    # offline with nothing cached: transformers gets no vocab_file (fail_no_tokenizer_offline
+    # in docs/reference/sd-scripts-failures.md)
     return CLIPTokenizer.from_pretrained(os.path.join(os.sep, "nonexistent", model_id))
 
 

@@ -7,9 +7,9 @@ from lora_worker.config import REPO_ROOT
 
 
 def readme_table() -> list[dict[str, object]]:
-    """The rows of the README's 'Status codes and errors' table."""
-    text = (REPO_ROOT / "README.md").read_text()
-    section = text.split("### Status codes and errors", 1)[1]
+    """The rows of docs/errors.md's 'Status codes and errors' table."""
+    text = (REPO_ROOT / "docs" / "errors.md").read_text()
+    section = text.split("## Status codes and errors", 1)[1]
     rows = []
     for line in section.splitlines():
         if not re.match(r"^\| \d{3} \|", line):

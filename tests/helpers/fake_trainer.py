@@ -9,7 +9,7 @@ ENV = {"PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", 
 
 
 def argv(rig: dict, *extra: str, steps: int = 3) -> list[str]:
-    """The real-run reference's command (run1), pointed at the rig."""
+    """The command of the real run run1 (tests/data/run1_simple.jsonl), pointed at the rig."""
     return [str(rig["accelerate"]), "launch", "--num_processes", "1", "--num_machines", "1", "--mixed_precision",
             "no", "--dynamo_backend", "no", "--num_cpu_threads_per_process", "2", "sdxl_train_network.py",
             f"--pretrained_model_name_or_path={rig['model']}", f"--tokenizer_cache_dir={rig['tokenizer_cache_dir']}",

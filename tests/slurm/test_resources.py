@@ -1,7 +1,7 @@
 """Per-tier Slurm resources: the GPU a tier asks Slurm for (`--gres=gpu:<type>:1`, `--constraint`), and the
 batch size and precision the trainer is told, which must fit every GPU those allow. Under Slurm `device_index`
-is accepted and has no effect: it names a card of this host, and Slurm picks the GPU (documented in the
-README). /healthz lists every active job."""
+is accepted and has no effect: it names a card of this host, and Slurm picks the GPU (documented in
+docs/slurm.md). /healthz lists every active job."""
 from __future__ import annotations
 
 import pytest

@@ -1,7 +1,7 @@
 """How a run ended: `succeeded` needs exit 0, `model saved.` and a verified LoRA; a failure names its cause first.
 
 The failures are the real ones: the captures and run logs in tests/data, replayed as the supervisor keeps their
-last lines, and the failure table of ../shared/reference/sd-scripts-real-run.md §7 for the runs not captured.
+last lines, and the failure table of docs/reference/sd-scripts-failures.md for the runs not captured.
 """
 from __future__ import annotations
 

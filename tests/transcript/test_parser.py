@@ -247,7 +247,7 @@ def test_a_whole_marker_line_still_counts_plain_indented_glued_or_rich():
 
 def test_model_saved_before_its_saving_checkpoint_line_still_gives_phase_saving():
     # Rich logging without PYTHONUNBUFFERED: the logger's line (stderr, unbuffered) reaches the pipe before the
-    # block-buffered `saving checkpoint:` print, which only comes out at exit (sd-scripts-real-run.md).
+    # block-buffered `saving checkpoint:` print, which only comes out at exit (docs/reference/sd-scripts.md).
     bar = "\rsteps: 100%|██████████| 12/12 [00:47<00:00,  3.99s/it, avr_loss=0.913]"
     parser, phases = replay([
         ("stderr", bar.encode()),

@@ -115,7 +115,7 @@ def test_a_crlf_model_saved_cut_between_its_cr_and_lf_is_not_lost(tmp_path):
 
 
 def test_an_ansi_escape_cut_between_two_chunks_is_not_left_in_the_log(tmp_path):
-    # A rich console with FORCE_COLOR (sd-scripts.md) colours its lines: the real capture's `model saved.` so
+    # A rich console with FORCE_COLOR (docs/reference/sd-scripts.md) colours its lines: the real capture's `model saved.` so
     # coloured, the pipe cut inside each escape.
     data = stream("run1_simple").replace(b"model saved.\n", b"\x1b[1mmodel saved.\x1b[0m\n")
     for escape in (b"\x1b[1m", b"\x1b[0m"):

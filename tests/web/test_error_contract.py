@@ -80,21 +80,21 @@ def test_job_active_sends_no_retry_after_from_a_guessed_eta(api, host, launches)
     second = api.post("/train", json=host.payload(output_name="other"))
     assert second.status_code == 409 and second.get_json()["error"] == "job_active"
     assert "Retry-After" not in second.headers
-    assert BY_CODE["job_active"].retry_after == ""  # the catalogue (and so the README) says so
+    assert BY_CODE["job_active"].retry_after == ""  # the catalogue (and so docs/errors.md) says so
 
 
-def test_the_readme_client_table_is_the_catalogue():
+def test_the_errors_doc_table_is_the_catalogue():
     assert readme_table() == [_entry(entry) for entry in CATALOGUE]
 
 
 def client_flow_rows() -> list[str]:
-    """The first cells of the README's client table ("The client flow"): what arbo does on each answer."""
-    text = (REPO_ROOT / "README.md").read_text()
+    """The first cells of docs/errors.md's client table ("The client flow"): what arbo does on each answer."""
+    text = (REPO_ROOT / "docs" / "errors.md").read_text()
     section = text.split("**The client flow.**", 1)[1].split("The worker itself never retries", 1)[0]
     return [line.split(" | ")[0].strip("| ") for line in section.splitlines() if re.match(r"^\| \d{3}", line)]
 
 
-def test_the_readme_client_table_names_only_catalogued_codes_and_covers_every_one():
+def test_the_errors_doc_client_table_names_only_catalogued_codes_and_covers_every_one():
     cells = client_flow_rows()
     named = {code for cell in cells for code in re.findall(r"`([a-z_]+)`", cell)} - {"fields"}  # a body field
     statuses = {int(n) for cell in cells for n in re.findall(r"\b(\d{3})\b", cell)}

@@ -1,5 +1,5 @@
 """Status codes a client can act on: 409 only for busy-now, every error says whether a retry can help, a wait
-that is known travels as Retry-After, and the README's table is the OpenAPI document's."""
+that is known travels as Retry-After, and docs/errors.md's table is the OpenAPI document's."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -26,7 +26,7 @@ def assert_error(response, status: int, code: str) -> dict:
     return body
 
 
-def test_the_readme_table_is_the_documents_error_catalogue(document):
+def test_the_errors_doc_table_is_the_documents_error_catalogue(document):
     assert readme_table() == document["x-errors"]
     assert len(document["x-errors"]) == len(CATALOGUE) >= 20
 

@@ -6,7 +6,7 @@ import re
 from lora_worker.config import REPO_ROOT
 
 
-def readme_table() -> list[dict[str, object]]:
+def errors_doc_table() -> list[dict[str, object]]:
     """The rows of docs/errors.md's 'Status codes and errors' table."""
     text = (REPO_ROOT / "docs" / "errors.md").read_text()
     section = text.split("## Status codes and errors", 1)[1]

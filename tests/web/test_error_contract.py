@@ -13,7 +13,7 @@ from lora_worker.config import REPO_ROOT
 from lora_worker.web.buffered_worker import BufferingThreadWorker
 from lora_worker.web.errors import BY_CODE, CATALOGUE
 from lora_worker.web.openapi import _entry
-from tests.helpers.docs import readme_table
+from tests.helpers.docs import errors_doc_table
 
 PACKAGE = REPO_ROOT / "lora_worker"
 EMITTED = (re.compile(r'error_response\(\s*(\d{3}),\s*"([a-z_]+)"'),  # the web layer's own answers
@@ -84,7 +84,7 @@ def test_job_active_sends_no_retry_after_from_a_guessed_eta(api, host, launches)
 
 
 def test_the_errors_doc_table_is_the_catalogue():
-    assert readme_table() == [_entry(entry) for entry in CATALOGUE]
+    assert errors_doc_table() == [_entry(entry) for entry in CATALOGUE]
 
 
 def client_flow_rows() -> list[str]:

@@ -9,7 +9,7 @@ import pytest
 from lora_worker import create_app
 from lora_worker.web.errors import BY_CODE, CATALOGUE, answered_errors, status_of
 from tests.helpers import fake_gpus, hold_exclusive
-from tests.helpers.docs import readme_table
+from tests.helpers.docs import errors_doc_table
 
 BUSY_NOW = {"job_active", "gpu_busy", "gpu_locked", "insufficient_vram"}
 
@@ -27,7 +27,7 @@ def assert_error(response, status: int, code: str) -> dict:
 
 
 def test_the_errors_doc_table_is_the_documents_error_catalogue(document):
-    assert readme_table() == document["x-errors"]
+    assert errors_doc_table() == document["x-errors"]
     assert len(document["x-errors"]) == len(CATALOGUE) >= 20
 
 

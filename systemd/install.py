@@ -58,7 +58,7 @@ COMMAND = Path("/usr/local/bin/lora-worker")
 STATE_DIR = Path("/var/lib/lora-worker")
 HEALTH_URL = "http://127.0.0.1:8203/healthz?deep=1"  # 200 only once the deep checks found the host can train
 # What the service needs of the repository: the package, the migrations (found next to it), the unit files.
-CODE = ("lora_worker", "migrations", "systemd", "setup.cfg", "pyproject.toml", "README.md")
+CODE = ("lora_worker", "migrations", "systemd", "setup.cfg", "pyproject.toml", "README.md", "docs")  # docs: the README links there
 # The GPU lock directory's mode, as lora_worker.host.locks wants it (a test holds the two together).
 GPU_LOCK_DIR_MODE = {"group": 0o3770, "everyone": 0o1777}
 PLACEHOLDER = re.compile(r"@[A-Z_]+@")

@@ -57,8 +57,9 @@ TMPFILES = Path("/etc/tmpfiles.d/lora-worker.conf")
 COMMAND = Path("/usr/local/bin/lora-worker")
 STATE_DIR = Path("/var/lib/lora-worker")
 HEALTH_URL = "http://127.0.0.1:8203/healthz?deep=1"  # 200 only once the deep checks found the host can train
-# What the service needs of the repository: the package, the migrations (found next to it), the unit files.
-CODE = ("lora_worker", "migrations", "systemd", "setup.cfg", "pyproject.toml", "README.md", "docs")  # docs: the README links there
+# What the service needs of the repository: the package, the migrations (found next to it), the unit files, and
+# the docs the README and the units point to.
+CODE = ("lora_worker", "migrations", "systemd", "setup.cfg", "pyproject.toml", "README.md", "docs")
 # The GPU lock directory's mode, as lora_worker.host.locks wants it (a test holds the two together).
 GPU_LOCK_DIR_MODE = {"group": 0o3770, "everyone": 0o1777}
 PLACEHOLDER = re.compile(r"@[A-Z_]+@")

@@ -7,6 +7,7 @@ The worker never imports torch; this runs torch's interpreter in a child and rea
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import tempfile
@@ -81,18 +82,22 @@ def _run_sandboxed(argv: list[str], settings: Settings, timeout_s: float) -> sub
     """`argv` in a job's sandbox (an empty scratch folder for its dataset, model and output) with a job's
     environment, every configured device visible; or why it could not run."""
     scratch = Path(tempfile.mkdtemp(prefix="lw-probe-"))
+    # The sandbox binds a job's directories only by the descriptors a check opened (host/sandbox.py): the scratch
+    # folder is held open the same way, as the job's dataset and output both.
+    held = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         job = sandbox.JobPaths(dataset_dir=scratch, base_model_path=scratch, output_dir=scratch)
-        wrapped = sandbox.wrap(argv, job, settings, sandbox.host_facts(settings))
+        wrapped = sandbox.wrap(argv, job, settings, sandbox.host_facts(settings), {scratch: held})
         visible = ",".join(str(i) for i in sorted(settings.devices))
         return subprocess.run(wrapped, env=trainer_env(settings, visible), cwd=settings.sd_scripts_dir,  # noqa: S603
                               capture_output=True, text=True, errors="replace", timeout=timeout_s,
-                              stdin=subprocess.DEVNULL, check=False)
+                              stdin=subprocess.DEVNULL, check=False, pass_fds=(held,))
     except subprocess.TimeoutExpired:
         return f"{argv[0]} did not answer in {timeout_s:g}s"
     except OSError as exc:
         return f"{argv[0]} cannot be started: {exc.strerror or exc}"
     finally:
+        os.close(held)
         shutil.rmtree(scratch, ignore_errors=True)
 
 

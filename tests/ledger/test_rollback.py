@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from lora_worker.ledger.migrate import MIGRATIONS_DIR, current_revision, head_revision
-from tests.service import settings_env
+from tests.helpers.service import settings_env
 
 # The previous release: the same package, its migrations one revision short.
 OLDER_CODE = ("import sys; from pathlib import Path; import lora_worker.ledger.migrate as m; "

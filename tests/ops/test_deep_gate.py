@@ -12,7 +12,7 @@ import yaml
 
 from lora_worker.config import REPO_ROOT
 from tests.helpers import install_script
-from tests.service import Service
+from tests.helpers.service import Service
 
 
 def deep(url: str) -> tuple[int, dict]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from lora_worker.ops.doctor import node_sandbox_check
+from lora_worker.ops.doctor_slurm import node_sandbox_check
 from tests.helpers import Host
 
 NO_BWRAP = ("import sys; from lora_worker.host import sandbox; sandbox.bwrap_executable = lambda: None; "

@@ -19,7 +19,7 @@ import pytest
 
 from lora_worker.config import REPO_ROOT
 from tests.helpers.deploy import recipe
-from tests.service import free_port
+from tests.helpers.service import free_port
 
 LORA_WORKER = str(Path(sys.executable).parent / "lora-worker")
 UP = b"the server stays up"

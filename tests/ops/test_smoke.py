@@ -12,7 +12,7 @@ import pytest
 from lora_worker.host import sandbox
 from lora_worker.ops import cli, smoke
 from tests.helpers import fake_gpus, make_host
-from tests.service import Service
+from tests.helpers.service import Service
 
 
 @pytest.fixture

@@ -21,7 +21,6 @@ LONG_MODULES = {
     "web/schemas.py": 375,
     "ops/demo.py": 374,
     "ops/doctor.py": 372,
-    "transcript/logfile.py": 363,
     "slurm/poller.py": 347,
     "ledger/repository.py": 309,
 }

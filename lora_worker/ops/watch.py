@@ -28,7 +28,7 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job
 from lora_worker.reconcile import current_job
-from lora_worker.transcript.logfile import LogReader
+from lora_worker.transcript.logreader import LogReader
 from lora_worker.states import ACTIVE_STATES, JobState
 
 POLL_S = 0.5

@@ -18,7 +18,6 @@ MAX_COMPLEXITY = 12
 
 # Today's modules over 300 lines: split in issue #23's re-cut (item 3).
 LONG_MODULES = {
-    "web/schemas.py": 375,
     "ops/demo.py": 374,
     "ops/doctor.py": 372,
     "slurm/poller.py": 347,

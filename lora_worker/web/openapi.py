@@ -22,10 +22,19 @@ from lora_worker.states import CANCEL_RULE
 from lora_worker.web.auth import OPEN_ENDPOINTS
 from lora_worker.web.deliveries import DeliveriesSchema, DeliverySchema
 from lora_worker.web.errors import BY_CODE, CATALOGUE, ErrorEntry
-from lora_worker.web.schemas import (AcceptedSchema, CancelAnswerSchema, CancelQuerySchema, ErrorSchema,
-                                     GpuStatusSchema, HealthSchema, JobListQuerySchema, JobListSchema, JobSchema,
-                                     LogQuerySchema, LogSchema, ProgressQuerySchema, ProgressSeriesSchema,
-                                     StatusQuerySchema, TrainRequestSchema)
+from lora_worker.web.schemas.errors import ErrorSchema
+from lora_worker.web.schemas.gpu import GpuStatusSchema, HealthSchema
+from lora_worker.web.schemas.job import (
+    AcceptedSchema,
+    CancelAnswerSchema,
+    CancelQuerySchema,
+    JobListQuerySchema,
+    JobListSchema,
+    JobSchema,
+    StatusQuerySchema,
+    TrainRequestSchema,
+)
+from lora_worker.web.schemas.log import LogQuerySchema, LogSchema, ProgressQuerySchema, ProgressSeriesSchema
 
 bp = Blueprint("openapi", __name__)
 

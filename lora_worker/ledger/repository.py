@@ -9,21 +9,21 @@ written once in `statements.py` and run here on the Session's own connection (`_
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
 import sqlalchemy.exc
-from sqlalchemy import Connection, delete, func, select, update
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.engine import CursorResult, Result
 from sqlalchemy.orm import Session, defer
 
 from lora_worker.errors import JobActive, JobFinished, JobNotFound
 from lora_worker.ledger import outbox
+from lora_worker.ledger.counts import Counts as Counts, counts as counts  # the ledger's API
 from lora_worker.ledger import statements as sql
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.db import Driver as _Driver
-from lora_worker.ledger.models import Job, JobCount, JobEvent, ProgressPoint, utcnow
+from lora_worker.ledger.models import Job, JobEvent, ProgressPoint, utcnow
 # The failure text's shape and the progress SQL live with the statements both ledger paths share.
 from lora_worker.ledger.statements import (FAILURE_MAX_CHARS, FAILURE_TAIL_LINES as FAILURE_TAIL_LINES,  # noqa: F401
                                            PROGRESS_POINT_SQL,
@@ -255,44 +255,7 @@ def delete_jobs(db: Database, job_ids: Sequence[int]) -> int:
         return _rowcount(result)
 
 
-# -- for operators: metrics and retention ---------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Counts:
-    """What /metrics serves, read from `job_counts` (kept by triggers; migration 0008): constant work per
-    scrape, however long the history."""
-
-    by_status: dict[str, int]
-    failures_by_class: dict[str, int]
-    # status -> ([(upper bound in seconds, jobs in that bucket alone)], jobs, seconds in all); +Inf last
-    durations: dict[str, tuple[list[tuple[float, int]], int, float]]
-    reconcile_actions: dict[tuple[str, str], int]  # (actor, failure class) -> jobs
-    webhook_events: dict[str, int]  # pending | retrying | delivered | given_up -> events (migration 0012)
-
-
-def counts(db: Database) -> Counts:
-    with db.read() as s:
-        rows = [(metric, label, n) for metric, label, n in s.execute(select(JobCount.metric, JobCount.label,
-                                                                            JobCount.n)) if n]
-    buckets: dict[str, list[tuple[float, int]]] = {}
-    sums: dict[str, float] = {}
-    for metric, label, n in rows:
-        if metric == "duration_bucket":
-            status, bound = label.rsplit("|", 1)
-            buckets.setdefault(status, []).append((float(bound), int(n)))
-        elif metric == "duration_sum":
-            sums[label] = n
-    durations = {status: (sorted(pairs), sum(c for _, c in pairs), sums.get(status, 0.0))
-                 for status, pairs in buckets.items()}
-    return Counts(
-        by_status={label: int(n) for metric, label, n in rows if metric == "status"},
-        failures_by_class={label: int(n) for metric, label, n in rows if metric == "failure"},
-        durations=durations,
-        reconcile_actions={tuple(label.split("|", 1)): int(n)  # type: ignore[misc]
-                           for metric, label, n in rows if metric == "reconcile"},
-        webhook_events={label: int(n) for metric, label, n in rows if metric == "webhook"},
-    )
-
+# -- for operators: retention (the metrics' counts: counts.py, re-exported above) -----------------------------
 
 def finished_before(db: Database, cutoff: datetime) -> list[int]:
     """Ids of jobs that ended before `cutoff` (ISO text compares in time order)."""

@@ -177,11 +177,7 @@ def update_running_in(db: Statements, job_id: int, points: Iterable[tuple[int, f
     the ones already recorded become events (running → running, "phase <name>"). A write that failed, or a
     Slurm poller that re-read the log from its start, records none twice and misses none."""
     columns = _checked(values)
-    sql = _RUNNING_UPDATE_SQL.get(columns)
-    if sql is None:
-        assignments = "".join(f"{c} = ?, " for c in columns)
-        sql = _RUNNING_UPDATE_SQL[columns] = (f"UPDATE jobs SET {assignments}updated_at = ?, version = version + 1 "
-                                              f"WHERE id = ? AND status = '{JobState.RUNNING.value}'")
+    sql = _running_update_sql(columns)
     # Only a step or a phase makes a webhook event; the job's subscription and old phase are read first.
     wanted = phases or {"step", "phase"} & values.keys()
     before = db.execute(_EVENTS_BEFORE_SQL, (job_id,)).fetchone() if wanted else None
@@ -190,15 +186,31 @@ def update_running_in(db: Statements, job_id: int, points: Iterable[tuple[int, f
     rows = [(job_id, step, loss, iso_utc(at)) for step, loss, at in points]
     if rows:
         db.executemany(PROGRESS_POINT_SQL, rows)
-    entered: list[str] = []
-    if phases and (recorded := db.execute(PHASES_RECORDED_SQL, (job_id,)).fetchone()[0]) < len(phases):
-        for phase in phases[recorded:]:  # a few per run: one event each, as every other event is written
-            entered.append(name := str(getattr(phase, "value", phase)))
-            record_event(db, job_id, JobState.RUNNING, JobState.RUNNING, actor, f"phase {name}")
+    entered = _record_phases(db, job_id, phases, actor) if phases else []
     if before is not None and (subscription := outbox.Subscription.from_json(before[0])) is not None:
         outbox.emit_running(db, job_id, old_phase=before[1], values=values, subscription=subscription,
                             entered=entered)
     return True
+
+
+def _running_update_sql(columns: tuple[str, ...]) -> str:
+    """The UPDATE of these columns of a running job, made once per set of columns."""
+    sql = _RUNNING_UPDATE_SQL.get(columns)
+    if sql is None:
+        assignments = "".join(f"{c} = ?, " for c in columns)
+        sql = _RUNNING_UPDATE_SQL[columns] = (f"UPDATE jobs SET {assignments}updated_at = ?, version = version + 1 "
+                                              f"WHERE id = ? AND status = '{JobState.RUNNING.value}'")
+    return sql
+
+
+def _record_phases(db: Statements, job_id: int, phases: Sequence[Any], actor: str) -> list[str]:
+    """An event for each phase past those already recorded; their names, in order."""
+    entered: list[str] = []
+    if (recorded := db.execute(PHASES_RECORDED_SQL, (job_id,)).fetchone()[0]) < len(phases):
+        for phase in phases[recorded:]:  # a few per run: one event each, as every other event is written
+            entered.append(name := str(getattr(phase, "value", phase)))
+            record_event(db, job_id, JobState.RUNNING, JobState.RUNNING, actor, f"phase {name}")
+    return entered
 
 
 CANCEL_STATE_SQL = "SELECT status, cancel_requested_at IS NOT NULL FROM jobs WHERE id = ?"

@@ -128,17 +128,23 @@ def _read_folder(folder_fd: int, folder_name: str) -> tuple[DatasetImage, ...]:
             f"{folder_name!r} holds no images ({', '.join(kohya.IMAGE_EXTENSIONS)}, or the same in upper case)."]})
     manifest = []
     for name in images:
-        size, problem = _check_image(folder_fd, name, entries[name])
-        # sd-scripts reads the first candidate that exists (`os.path.isfile`, which follows a link; the worker
-        # refuses the link below instead)
-        caption_file = next((c for c in kohya.caption_candidates(name) if c in entries), kohya.caption_name(name))
-        caption, caption_problem = _read_caption(folder_fd, caption_file, entries.get(caption_file))
-        problems += [f"{folder_name}/{p}" for p in (problem, caption_problem) if p]
-        manifest.append(DatasetImage(name, size, caption))
+        image, found = _read_image(folder_fd, name, entries)
+        problems += [f"{folder_name}/{p}" for p in found]
+        manifest.append(image)
     if problems:
         shown = problems[:10] + ([f"… and {len(problems) - 10} more"] if len(problems) > 10 else [])
         raise DatasetInvalid({"dataset_dir": shown})
     return tuple(manifest)
+
+
+def _read_image(folder_fd: int, name: str, entries: dict[str, os.stat_result]) -> tuple[DatasetImage, list[str]]:
+    """One image and its caption, and what is wrong with either."""
+    size, problem = _check_image(folder_fd, name, entries[name])
+    # sd-scripts reads the first candidate that exists (`os.path.isfile`, which follows a link; the worker
+    # refuses the link below instead)
+    caption_file = next((c for c in kohya.caption_candidates(name) if c in entries), kohya.caption_name(name))
+    caption, caption_problem = _read_caption(folder_fd, caption_file, entries.get(caption_file))
+    return DatasetImage(name, size, caption), [p for p in (problem, caption_problem) if p]
 
 
 def _entries(dir_fd: int, shown: Path) -> list[tuple[str, os.stat_result]]:

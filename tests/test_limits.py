@@ -24,8 +24,6 @@ LONG_MODULES = {
 COMPLEX_FUNCTIONS = {
     "transcript/outcome.py:_classify": 15,
     "web/openapi.py:_operation": 15,
-    "ops/watch.py:sparkline": 14,
-    "host/fingerprint.py:sd_scripts_commit": 13,
 }
 
 

@@ -22,7 +22,6 @@ LONG_MODULES = {
 
 # Today's functions over complexity 12: split in issue #23's re-cut (item 3).
 COMPLEX_FUNCTIONS = {
-    "web/openapi.py:_operation": 15,
 }
 
 

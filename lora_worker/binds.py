@@ -7,8 +7,9 @@ read-only, but with the ledger, the token, other train ids and every host proces
 bind is refused (config load, doctor, dispatch and the supervisor all ask `too_wide`), never narrowed by
 guess. A directory inside the state dir may be bound (the demo keeps its trainer there), not one of its own.
 
-Anything under /usr is already in the sandbox, read-only, and is not bound again. Pure path logic and one
-realpath: no import of the project, so config.py can use it at load.
+Anything under /usr is already in the sandbox, read-only, and is not bound again. Pure path logic, one
+realpath, and the launcher's `#!` line and pyvenv.cfg read (`interpreter_dirs`): no import of the project, so
+the settings can use it at load.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ SYSTEM_DIRS = frozenset(Path(p) for p in (
     "/media", "/mnt", "/opt", "/proc", "/root", "/run", "/sbin", "/snap", "/srv", "/sys", "/tmp", "/var",
     "/var/lib", "/var/log", "/var/run", "/var/tmp", "/var/cache", "/var/spool", "/var/mail", "/var/opt"))
 USR = Path("/usr")
+# /lib, /bin, … are symlinks into /usr on merged-/usr distributions (Debian 12); real directories elsewhere.
+USR_ALIASES = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 
 
 def already_present(path: Path) -> bool:
@@ -66,3 +69,34 @@ def _forms(path: Path) -> list[tuple[str, Path]]:
     if real != written:
         forms.append((f"{written} (which resolves to {real})", real))
     return forms
+
+
+def interpreter_dirs(launcher: Path) -> tuple[Path, ...]:
+    """The venv and installation prefix of the interpreter on the launcher's `#!` line, when outside /usr.
+
+    A venv's python is a symlink to its base interpreter (`home` in pyvenv.cfg), whose standard library lives
+    beside it; both must exist in the sandbox or the launcher cannot start."""
+    try:
+        with open(launcher, "rb") as fh:
+            first = fh.readline(4096)
+    except OSError:
+        return ()
+    if not first.startswith(b"#!"):
+        return ()
+    parts = first[2:].decode(errors="replace").split()
+    if not parts:
+        return ()
+    interpreter = Path(parts[0])
+    venv = interpreter.parent.parent
+    cfg = venv / "pyvenv.cfg"
+    found: list[Path] = [venv] if cfg.is_file() else []
+    bin_dirs = [Path(os.path.realpath(interpreter)).parent]
+    if found:
+        for line in cfg.read_text(errors="replace").splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "home" and value.strip():
+                bin_dirs.append(Path(value.strip()))
+    # Each bin directory's prefix; /bin, /sbin … are in the sandbox already (a link into /usr, or bound).
+    aliases = {Path("/", name) for name in USR_ALIASES}
+    found += [d.parent for d in bin_dirs if d not in aliases]
+    return tuple(dict.fromkeys(found))  # `/` or a system directory among them: refused by bind_problem

@@ -20,7 +20,8 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, utcnow
 from lora_worker.transcript.explain import quotable
-from lora_worker.transcript.logfile import LogReader, append_note
+from lora_worker.transcript.logfile import append_note
+from lora_worker.transcript.logreader import LogReader
 from lora_worker.states import ACTIVE_STATES, FailureClass, JobState
 from lora_worker.host import processes
 from lora_worker.backends import Backend, backend_of

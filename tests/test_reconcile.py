@@ -194,7 +194,8 @@ def _cmdline(pid: int) -> list[str]:
 
 
 def test_reconcile_closes_the_run_log_with_what_it_found_and_did(db, migrated):
-    from lora_worker.transcript.logfile import JobLog, LogReader
+    from lora_worker.transcript.logfile import JobLog
+    from lora_worker.transcript.logreader import LogReader
 
     job_id = running_job(db, boot_id=processes.boot_id(), supervisor_pid=999_999)
     log = JobLog(migrated.log_dir, job_id, head_bytes=migrated.log_head_bytes, tail_bytes=migrated.log_tail_bytes)
@@ -210,7 +211,7 @@ def test_reconcile_closes_the_run_log_with_what_it_found_and_did(db, migrated):
 
 
 def test_a_job_whose_supervisor_never_started_gets_a_run_log_saying_so(db, migrated):
-    from lora_worker.transcript.logfile import LogReader
+    from lora_worker.transcript.logreader import LogReader
 
     from datetime import timedelta
 

@@ -50,13 +50,20 @@ def sd_scripts_commit(checkout: Path) -> str | None:
             return value if SHA.match(value) else None
         except OSError:
             pass
-        try:
-            for line in (directory / "packed-refs").read_text().splitlines():
-                sha, _, name = line.partition(" ")
-                if name == ref and SHA.match(sha):
-                    return sha
-        except OSError:
-            continue
+        if (sha := _packed_ref(directory, ref)) is not None:
+            return sha
+    return None
+
+
+def _packed_ref(directory: Path, ref: str) -> str | None:
+    """The commit `ref` names in the git dir's packed-refs, or None."""
+    try:
+        for line in (directory / "packed-refs").read_text().splitlines():
+            sha, _, name = line.partition(" ")
+            if name == ref and SHA.match(sha):
+                return sha
+    except OSError:
+        pass
     return None
 
 

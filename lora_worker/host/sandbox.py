@@ -35,14 +35,13 @@ from pathlib import Path
 from lora_worker.config import Settings
 from lora_worker.errors import SandboxUnavailable
 from lora_worker import binds
+from lora_worker.binds import USR_ALIASES
 
 BWRAP = "bwrap"
 NONE = "none"
 SANDBOXES = (BWRAP, NONE)  # the values of the `sandbox` setting
 INSTALL_HINT = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap)"
 
-# /lib, /bin, … are symlinks into /usr on merged-/usr distributions (Debian 12); real directories elsewhere.
-USR_ALIASES = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # Read by the dynamic loader (libcuda.so.1 is found through ld.so.cache: /usr/lib/<triplet> is not a default
 # path), by Python's pwd/locale/time modules, and by /usr/bin links that go through /etc/alternatives.
 ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "passwd", "group", "nsswitch.conf",
@@ -130,7 +129,7 @@ def describe(settings: Settings) -> str:
 def host_facts(settings: Settings) -> HostFacts:
     return HostFacts(
         bwrap=bwrap_for(settings),
-        interpreter_dirs=_interpreter_dirs(settings.accelerate),
+        interpreter_dirs=binds.interpreter_dirs(settings.accelerate),
         device_nodes=tuple(Path(p) for pattern in DEVICE_GLOBS for p in sorted(glob.glob(pattern))),
         usr_aliases=tuple(_usr_alias(name) for name in USR_ALIASES if os.path.lexists(f"/{name}")),
         etc_files=tuple(Path("/etc", name) for name in ETC_FILES if os.path.exists(f"/etc/{name}")),
@@ -261,37 +260,6 @@ def _operator_binds(settings: Settings, facts: HostFacts) -> list[Path]:
 def _venv_of(launcher: Path) -> Path:
     """`<venv>/bin/accelerate` → `<venv>`."""
     return launcher.parent.parent
-
-
-def _interpreter_dirs(launcher: Path) -> tuple[Path, ...]:
-    """The venv and installation prefix of the interpreter on the launcher's `#!` line, when outside /usr.
-
-    A venv's python is a symlink to its base interpreter (`home` in pyvenv.cfg), whose standard library lives
-    beside it; both must exist in the sandbox or the launcher cannot start."""
-    try:
-        with open(launcher, "rb") as fh:
-            first = fh.readline(4096)
-    except OSError:
-        return ()
-    if not first.startswith(b"#!"):
-        return ()
-    parts = first[2:].decode(errors="replace").split()
-    if not parts:
-        return ()
-    interpreter = Path(parts[0])
-    venv = interpreter.parent.parent
-    cfg = venv / "pyvenv.cfg"
-    found: list[Path] = [venv] if cfg.is_file() else []
-    bin_dirs = [Path(os.path.realpath(interpreter)).parent]
-    if found:
-        for line in cfg.read_text(errors="replace").splitlines():
-            key, _, value = line.partition("=")
-            if key.strip() == "home" and value.strip():
-                bin_dirs.append(Path(value.strip()))
-    # Each bin directory's prefix; /bin, /sbin … are in the sandbox already (a link into /usr, or bound).
-    aliases = {Path("/", name) for name in USR_ALIASES}
-    found += [d.parent for d in bin_dirs if d not in aliases]
-    return tuple(_unique(found))  # `/` or a system directory among them: refused by bind_problem
 
 
 def _usr_alias(name: str) -> tuple[str, str | None]:

@@ -26,7 +26,7 @@ from lora_worker.ledger.models import Job
 from lora_worker.reconcile import current_job, reconcile
 from lora_worker.states import ACTIVE_STATES, JobState
 from lora_worker.backends import backend_of
-from lora_worker.transcript.logfile import LogReader
+from lora_worker.transcript.logreader import LogReader
 from lora_worker.ops.retention import prune
 from lora_worker.ops.watch import describe_curve, watch
 

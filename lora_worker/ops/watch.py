@@ -28,7 +28,7 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job
 from lora_worker.reconcile import current_job
-from lora_worker.transcript.logfile import LogReader
+from lora_worker.transcript.logreader import LogReader
 from lora_worker.states import ACTIVE_STATES, JobState
 
 POLL_S = 0.5
@@ -55,12 +55,7 @@ def sparkline(values: Sequence[float | None], width: int = SPARK_WIDTH) -> str:
     a share with no finite value (NaN losses) is a blank."""
     if not values or width < 1:
         return ""
-    buckets: list[float | None] = []
-    n = len(values)
-    for i in range(min(width, n)):
-        share = [v for v in values[i * n // min(width, n):(i + 1) * n // min(width, n)]
-                 if v is not None and math.isfinite(v)]
-        buckets.append(sum(share) / len(share) if share else None)
+    buckets = _bucket_means(values, min(width, len(values)))
     finite = [b for b in buckets if b is not None]
     if not finite:
         return " " * len(buckets)
@@ -68,6 +63,16 @@ def sparkline(values: Sequence[float | None], width: int = SPARK_WIDTH) -> str:
     span = high - low
     return "".join(" " if b is None else BLOCKS[round((b - low) / span * (len(BLOCKS) - 1)) if span else 0]
                    for b in buckets)
+
+
+def _bucket_means(values: Sequence[float | None], count: int) -> list[float | None]:
+    """The mean of the finite values in each of `count` equal shares of `values`; None for a share without."""
+    n = len(values)
+    buckets: list[float | None] = []
+    for i in range(count):
+        share = [v for v in values[i * n // count:(i + 1) * n // count] if v is not None and math.isfinite(v)]
+        buckets.append(sum(share) / len(share) if share else None)
+    return buckets
 
 
 def describe_curve(losses: Sequence[float | None], width: int = SPARK_WIDTH) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -36,7 +35,7 @@ def _create_new(head: Path, tail: Path):  # type: ignore[no-untyped-def]
     anyway, it belongs to another run and is moved aside with its tail, kept, and never written again."""
     while True:
         try:
-            return os.fdopen(_open(head, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND), "ab")
+            return os.fdopen(open_log(head, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND), "ab")
         except FileExistsError:
             suffix = f".replaced-{time.time_ns()}"
             for path in (head, tail):
@@ -56,13 +55,13 @@ def append_note(log_dir: Path, job_id: int, message: str, *, head_bytes: int) ->
     append = os.O_WRONLY | os.O_APPEND
     if os.path.lexists(tail):
         path, flags, prefix = tail, append, b""
-    elif (size := _size(head)) and size + len(data) <= head_bytes:
+    elif (size := log_size(head)) and size + len(data) <= head_bytes:
         path, flags, prefix = head, append, b""
     elif size:
         path, flags, prefix = tail, append | os.O_CREAT | os.O_EXCL, _tail_header(size)
     else:  # the supervisor never opened it: the closing line is the whole log
         path, flags, prefix = head, append | os.O_CREAT | os.O_EXCL, b""
-    fd = _open(path, flags)
+    fd = open_log(path, flags)
     try:
         os.write(fd, prefix + data)
     finally:
@@ -169,7 +168,7 @@ class JobLog:
 
     def _open_tail(self) -> None:
         self._tail_start = self._head_size
-        self._tail = os.fdopen(_open(self.tail_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb")
+        self._tail = os.fdopen(open_log(self.tail_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb")
         self._tail.write(_tail_header(self._tail_start))
         self._tail.flush()
 
@@ -178,7 +177,7 @@ class JobLog:
         self._tail.close()
         tmp = self.tail_path.with_suffix(".tmp")
         try:
-            with os.fdopen(_open(self.tail_path), "rb") as fh:
+            with os.fdopen(open_log(self.tail_path), "rb") as fh:
                 header = fh.readline()
                 fh.seek(len(header) + self._tail_size - self.tail_bytes)
                 body = fh.read()
@@ -186,7 +185,7 @@ class JobLog:
             newline = body.find(b"\n")
             body = body[newline + 1:] if 0 <= newline < len(body) - 1 else body
             start = self._tail_start + self._tail_size - len(body)
-            with os.fdopen(_open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as out:
+            with os.fdopen(open_log(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as out:
                 out.write(_tail_header(start) + body)
             os.replace(tmp, self.tail_path)
             self._tail_start, self._tail_size = start, len(body)
@@ -195,85 +194,7 @@ class JobLog:
             raise
         finally:
             # Whatever happened above, the log stays writable.
-            self._tail = os.fdopen(_open(self.tail_path, os.O_WRONLY | os.O_APPEND), "ab")
-
-
-@dataclass(frozen=True)
-class LogChunk:
-    text: str
-    offset: int  # the logical offset just past `text`; pass it back to continue
-    skipped: int = 0  # bytes a follower missed because the tail was rewritten past its offset
-
-
-class LogReader:
-    """Reads a job log by logical offset or as its last lines; works while the supervisor writes."""
-
-    def __init__(self, log_dir: Path, job_id: int) -> None:
-        self.head_path, self.tail_path = log_paths(log_dir, job_id)
-
-    def exists(self) -> bool:
-        return os.path.lexists(self.head_path)
-
-    def size(self) -> int:
-        with _TailView(self.tail_path) as tail:
-            return tail.start + tail.body_size if tail.present else _size(self.head_path)
-
-    def read_from(self, offset: int, limit: int) -> LogChunk:
-        offset, out, skipped = max(0, offset), b"", 0
-        head_size = _size(self.head_path)
-        if offset < head_size:
-            out = _read_range(self.head_path, offset, min(limit, head_size - offset))
-            offset += len(out)
-        # One open file for the tail's layout and its bytes: a rewrite by rename cannot mix two versions.
-        with _TailView(self.tail_path) as tail:
-            if tail.present and len(out) < limit and offset >= head_size:
-                if offset < tail.start:
-                    skipped, offset = tail.start - offset, tail.start
-                data = tail.read(offset - tail.start, limit - len(out))
-                out += data
-                offset += len(data)
-        whole = _whole_characters(out)  # a limit can fall inside a character: leave it to the next read
-        return LogChunk(text=whole.decode("utf-8", "replace"), offset=offset - (len(out) - len(whole)),
-                        skipped=skipped)
-
-    def tail_lines(self, lines: int, max_bytes: int = 1 << 20) -> LogChunk:
-        size = self.size()
-        begin = max(0, size - max_bytes)
-        chunk = self.read_from(begin, size - begin)
-        kept = chunk.text.splitlines()[-lines:] if lines > 0 else []
-        return LogChunk(text="\n".join(kept) + ("\n" if kept else ""), offset=chunk.offset)
-
-
-class _TailView:
-    """The tail file opened once: its logical start, body size, and reads relative to the body."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.present, self.start, self.body_size, self._header_len = False, 0, 0, 0
-        self._fh: BinaryIO | None = None
-
-    def __enter__(self) -> _TailView:
-        try:
-            self._fh = os.fdopen(_open(self.path), "rb")
-        except FileNotFoundError:
-            return self
-        header = self._fh.readline()
-        m = TAIL_HEADER.match(header)
-        if m:
-            self._fh.seek(0, 2)
-            self.present, self.start = True, int(m[1])
-            self._header_len, self.body_size = len(header), self._fh.tell() - len(header)
-        return self
-
-    def read(self, body_offset: int, length: int) -> bytes:
-        if self._fh is None or length <= 0:
-            return b""
-        self._fh.seek(self._header_len + body_offset)
-        return self._fh.read(length)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._fh is not None:
-            self._fh.close()
+            self._tail = os.fdopen(open_log(self.tail_path, os.O_WRONLY | os.O_APPEND), "ab")
 
 
 def collapse_redraws(line: str) -> str:
@@ -338,39 +259,21 @@ def _valid_utf8(data: bytes) -> bytes:
         return data.decode("utf-8", "replace").encode()
 
 
-def _whole_characters(data: bytes) -> bytes:
-    """`data` less a UTF-8 sequence cut short at its end."""
-    for back in range(1, min(4, len(data)) + 1):
-        lead = data[-back]
-        if lead & 0xC0 != 0x80:  # not a continuation byte: where the last character starts
-            length = 1 if lead < 0xC0 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4
-            return data if length <= back else data[:-back]
-    return data
-
-
 def _tail_header(start: int) -> bytes:
     return f"# lora-worker log tail from byte {start}\n".encode()
 
 
-def _open(path: Path, flags: int = os.O_RDONLY) -> int:
+def open_log(path: Path, flags: int = os.O_RDONLY) -> int:
     """A file of the log dir: never through a link, never blocking, a regular file or OSError."""
     return fs.open_in(path.parent, path.name, flags)
 
 
-def _size(path: Path) -> int:
+def log_size(path: Path) -> int:
     try:
-        fd = _open(path)
+        fd = open_log(path)
     except FileNotFoundError:
         return 0
     try:
         return os.fstat(fd).st_size
     finally:
         os.close(fd)
-
-
-def _read_range(path: Path, offset: int, length: int) -> bytes:
-    if length <= 0:
-        return b""
-    with os.fdopen(_open(path), "rb") as fh:
-        fh.seek(offset)
-        return fh.read(length)

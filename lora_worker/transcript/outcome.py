@@ -125,7 +125,12 @@ def _classify(returncode: int | None, signal: int | None, saved: bool, artifact:
     why = explain(log_tail) if not (returncode == 0 and saved) else None
     if why is not None and why.failure is not None and why.summary is not None:
         return why.failure, f"{why.summary} ({decode_wait_status(returncode)})", why.line
-    cause = why.line if why is not None else None
+    return _by_exit(returncode, signal, saved, artifact, why.line if why is not None else None)
+
+
+def _by_exit(returncode: int | None, signal: int | None, saved: bool, artifact: ArtifactCheck | None,
+             cause: str | None) -> Ending:
+    """The ending the trainer's exit, its save and the LoRA's verification say, when no line explains it."""
     if signal is not None:
         return FailureClass.KILLED_BY_SIGNAL, f"The trainer was killed by {signal_name(signal)}", cause
     if returncode != 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from flask import Blueprint, Response, jsonify
 
 from lora_worker.web import worker
-from lora_worker.web.schemas import GpuStatusSchema
+from lora_worker.web.schemas.gpu import GpuStatusSchema
 
 bp = Blueprint("gpu", __name__)
 

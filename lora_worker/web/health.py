@@ -18,7 +18,7 @@ from flask import Blueprint, Response, jsonify, request
 
 from lora_worker.web import worker
 from lora_worker.web.errors import error_response
-from lora_worker.web.schemas import HealthSchema
+from lora_worker.web.schemas.gpu import HealthSchema
 
 bp = Blueprint("health", __name__)
 

@@ -22,10 +22,19 @@ from lora_worker.states import CANCEL_RULE
 from lora_worker.web.auth import OPEN_ENDPOINTS
 from lora_worker.web.deliveries import DeliveriesSchema, DeliverySchema
 from lora_worker.web.errors import BY_CODE, CATALOGUE, ErrorEntry
-from lora_worker.web.schemas import (AcceptedSchema, CancelAnswerSchema, CancelQuerySchema, ErrorSchema,
-                                     GpuStatusSchema, HealthSchema, JobListQuerySchema, JobListSchema, JobSchema,
-                                     LogQuerySchema, LogSchema, ProgressQuerySchema, ProgressSeriesSchema,
-                                     StatusQuerySchema, TrainRequestSchema)
+from lora_worker.web.schemas.errors import ErrorSchema
+from lora_worker.web.schemas.gpu import GpuStatusSchema, HealthSchema
+from lora_worker.web.schemas.job import (
+    AcceptedSchema,
+    CancelAnswerSchema,
+    CancelQuerySchema,
+    JobListQuerySchema,
+    JobListSchema,
+    JobSchema,
+    StatusQuerySchema,
+    TrainRequestSchema,
+)
+from lora_worker.web.schemas.log import LogQuerySchema, LogSchema, ProgressQuerySchema, ProgressSeriesSchema
 
 bp = Blueprint("openapi", __name__)
 
@@ -173,19 +182,7 @@ def _operation(rule: Rule, doc: Doc) -> dict[str, Any]:
         responses[doc.status]["headers"] = doc.headers
     for status, when in (doc.also or {}).items():
         responses[status] = {"description": when, "content": {doc.media_type: {"schema": doc.response}}}
-    codes = doc.errors if rule.endpoint in OPEN_ENDPOINTS else ("unauthorized", *doc.errors)
-    by_status: dict[int, list[ErrorEntry]] = {}
-    for code in codes:
-        by_status.setdefault(BY_CODE[code].status, []).append(BY_CODE[code])
-    for status, entries in sorted(by_status.items()):
-        responses[status] = {"description": " ".join(f"`{e.error}`: {e.advice}" for e in entries),
-                             "content": {JSON: {"schema": ErrorSchema}},
-                             "x-errors": [e.error for e in entries]}
-        if any(e.retry_after for e in entries):
-            responses[status]["headers"] = {"Retry-After": {
-                "description": "Seconds to wait, where the wait is known", "schema": {"type": "integer"}}}
-    if 401 in by_status:
-        responses[401]["headers"] = {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}}
+    responses.update(_error_responses(rule, doc))
     operation: dict[str, Any] = {"operationId": rule.endpoint, "summary": doc.summary, "responses": responses,
                                  "parameters": _path_parameters(rule)}
     if doc.query is not None:
@@ -196,6 +193,25 @@ def _operation(rule: Rule, doc: Doc) -> dict[str, Any]:
     if rule.endpoint in OPEN_ENDPOINTS:
         operation["security"] = []
     return operation
+
+
+def _error_responses(rule: Rule, doc: Doc) -> dict[int, Any]:
+    """The operation's error responses, one per status, each naming its errors (401 on every guarded route)."""
+    answers: dict[int, Any] = {}
+    codes = doc.errors if rule.endpoint in OPEN_ENDPOINTS else ("unauthorized", *doc.errors)
+    by_status: dict[int, list[ErrorEntry]] = {}
+    for code in codes:
+        by_status.setdefault(BY_CODE[code].status, []).append(BY_CODE[code])
+    for status, entries in sorted(by_status.items()):
+        answers[status] = {"description": " ".join(f"`{e.error}`: {e.advice}" for e in entries),
+                           "content": {JSON: {"schema": ErrorSchema}},
+                           "x-errors": [e.error for e in entries]}
+        if any(e.retry_after for e in entries):
+            answers[status]["headers"] = {"Retry-After": {
+                "description": "Seconds to wait, where the wait is known", "schema": {"type": "integer"}}}
+    if 401 in by_status:
+        answers[401]["headers"] = {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}}
+    return answers
 
 
 def _entry(entry: ErrorEntry) -> dict[str, Any]:

@@ -27,7 +27,8 @@ from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, ProgressPoint
 from lora_worker.reconcile import current_job, reconcile
 from lora_worker.backends import Backend, backend_of
-from lora_worker.transcript.logfile import LogChunk, LogReader, log_paths
+from lora_worker.transcript.logfile import log_paths
+from lora_worker.transcript.logreader import LogChunk, LogReader
 from lora_worker.webhooks.process import ensure_sender
 from lora_worker.states import TERMINAL_STATES, JobState
 

@@ -8,9 +8,18 @@ from flask import Blueprint, Response, jsonify, request
 from werkzeug.exceptions import BadRequest
 
 from lora_worker.web import worker
-from lora_worker.web.schemas import (IDEMPOTENCY_KEY, AcceptedSchema, CancelAnswerSchema, CancelQuerySchema,
-                                     JobListQuerySchema, JobListSchema, JobSchema, LogQuerySchema, LogSchema,
-                                     ProgressQuerySchema, ProgressSeriesSchema, StatusQuerySchema, TrainRequestSchema)
+from lora_worker.web.schemas.job import (
+    IDEMPOTENCY_KEY,
+    AcceptedSchema,
+    CancelAnswerSchema,
+    CancelQuerySchema,
+    JobListQuerySchema,
+    JobListSchema,
+    JobSchema,
+    StatusQuerySchema,
+    TrainRequestSchema,
+)
+from lora_worker.web.schemas.log import LogQuerySchema, LogSchema, ProgressQuerySchema, ProgressSeriesSchema
 from lora_worker.errors import InvalidRequest
 from lora_worker.states import TERMINAL_STATES, JobState
 

@@ -17,7 +17,7 @@ from lora_worker import create_app
 from lora_worker.config import DEFAULT_STALL_LIMITS_S, REPO_ROOT, Settings, settings_to_json
 from lora_worker.errors import LedgerCorrupt
 from lora_worker.ledger.migrate import verify_integrity
-from lora_worker.transcript.logfile import LogReader
+from lora_worker.transcript.logreader import LogReader
 from lora_worker.run.local import SETTINGS_ENV
 from tests.helpers import hold_exclusive, pid_alive, set_modes, wait_for
 from tests.helpers.service import Service

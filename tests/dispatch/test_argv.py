@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings as hsettings, strategies as st
 
-from lora_worker.web.schemas import OUTPUT_NAME, SUBJECT_CLASS, TRIGGER
+from lora_worker.web.schemas.job import OUTPUT_NAME, SUBJECT_CLASS, TRIGGER
 from lora_worker.config import DEFAULT_DEVICES, LORA_TARGET_PRESETS, TIERS, Settings
 from lora_worker.dispatch.argv import ENV_KEYS, SCRIPT_FLAGS, SCRIPT_KEYS, build_argv, build_env
 from lora_worker.dispatch.request import ResolvedRequest, TrainRequest, resolve_request

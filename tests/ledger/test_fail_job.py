@@ -19,7 +19,8 @@ from lora_worker.ledger.repository import (FAILURE_MAX_CHARS, FAILURE_TAIL_LINES
                                            failure_text)
 from lora_worker.reconcile import reconcile
 from lora_worker.run.local import launch_supervisor
-from lora_worker.transcript.logfile import JobLog, LogReader
+from lora_worker.transcript.logfile import JobLog
+from lora_worker.transcript.logreader import LogReader
 from lora_worker.states import FailureClass, JobState
 from tests.helpers import set_modes, wait_for
 from tests.helpers.ledger import columns

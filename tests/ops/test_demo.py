@@ -26,7 +26,7 @@ from lora_worker.errors import ConfigError
 from lora_worker.ops.banner import describe
 from lora_worker.ops.doctor import run_checks
 from lora_worker.host.nvml import FakeNvml
-from lora_worker.transcript.logfile import LogReader
+from lora_worker.transcript.logreader import LogReader
 from tests.helpers import install_script, wait_for
 from tests.helpers.service import free_port
 

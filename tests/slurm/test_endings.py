@@ -17,7 +17,7 @@ from lora_worker.slurm.poller import UNKNOWN_CYCLES
 from lora_worker.slurm.sbatch import log_path
 from lora_worker.slurm.scheduler import Result, Scheduler, SchedulerUnavailable, SlurmJob
 from lora_worker.states import FailureClass
-from lora_worker.transcript.logfile import LogReader
+from lora_worker.transcript.logreader import LogReader
 from tests.slurm.fakes import SlurmWorker, steps_bar
 from tests.slurm.fakes import run_batch_script
 

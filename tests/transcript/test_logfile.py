@@ -1,7 +1,8 @@
 """The run log: redraws collapsed, bounded with head and tail, followed by logical offset without loss."""
 from __future__ import annotations
 
-from lora_worker.transcript.logfile import JobLog, LogReader
+from lora_worker.transcript.logfile import JobLog
+from lora_worker.transcript.logreader import LogReader
 
 
 def test_redraws_collapse_to_what_a_terminal_would_show(tmp_path):
@@ -102,14 +103,14 @@ def test_a_compaction_that_fails_on_a_full_disk_leaves_the_log_writable(tmp_path
     from lora_worker.transcript import logfile
 
     log = JobLog(tmp_path, 4, head_bytes=100, tail_bytes=200)
-    real_open = logfile._open  # every file of the log dir is opened there (no link followed, never blocking)
+    real_open = logfile.open_log  # every file of the log dir is opened there (no link followed, never blocking)
 
     def full_for_the_copy(path, flags=0):  # 0: O_RDONLY
         if path.suffix == ".tmp":
             raise OSError(28, "No space left on device")
         return real_open(path, flags)
 
-    monkeypatch.setattr(logfile, "_open", full_for_the_copy)
+    monkeypatch.setattr(logfile, "open_log", full_for_the_copy)
     written = [f"line {i:04d}\n" for i in range(100)]  # 10 bytes each: compaction is due many times over
     for line in written:
         log.feed(line)

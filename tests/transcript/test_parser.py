@@ -11,7 +11,8 @@ import re._parser as sre_parse
 import pytest
 
 from lora_worker.states import Phase
-from lora_worker.transcript.parser import MARKER_GUARD, MARKERS, Decoder, Parser
+from lora_worker.transcript.markers import MARKER_GUARD, MARKERS
+from lora_worker.transcript.parser import Decoder, Parser
 from tests.helpers import DATA
 
 

@@ -12,6 +12,10 @@ import pytest
 
 from lora_worker.transcript.logfile import JobLog
 from lora_worker.transcript.output import TrainerOutput
+from lora_worker.transcript.markers import INNER_LITERALS, MARKERS, MESSAGE_STARTS, message_starts
+from lora_worker.transcript.parser import Parser
+from lora_worker.transcript.redraws import BAR, LOSS
+from tests.helpers import DATA
 from lora_worker.transcript.parser import BAR, INNER_LITERALS, LOSS, MARKERS, MESSAGE_STARTS, Parser, _message_starts
 from tests.helpers.captures import CAPTURES, stream
 
@@ -181,7 +185,7 @@ def test_a_marker_line_is_a_candidate_and_counts_in_a_run_of_log_lines(line):
     filler = "".join(f"create LoRA for U-Net: {i} modules.\n" for i in range(100))
     for text in (line + "\n" + filler, filler + line + "\n" + filler):  # first in the run, or inside a long one
         data = text.encode()
-        starts = _message_starts(data, 0, len(data))
+        starts = message_starts(data, 0, len(data))
         at = data.index(line.encode())
         assert at in starts
         parser, alone = Parser(), Parser()

@@ -203,7 +203,7 @@ def test_a_real_run_cancelled_with_wait_answers_cancelled_with_every_process_gon
 def test_the_document_describes_the_echo_the_ending_and_the_waiting_cancel(migrated, db, running):
     from openapi_schema_validator import OAS30Validator
 
-    from lora_worker.web.schemas import AcceptedRequestSchema
+    from lora_worker.web.schemas.job import AcceptedRequestSchema
 
     app = create_app(migrated, launch=Launches())
     client = app.test_client()

@@ -11,7 +11,8 @@ from openapi_spec_validator import validate
 
 from lora_worker import create_app
 from lora_worker.web.openapi import documented_methods
-from lora_worker.web.schemas import JobListQuerySchema, LogQuerySchema, TrainRequestSchema
+from lora_worker.web.schemas.job import JobListQuerySchema, TrainRequestSchema
+from lora_worker.web.schemas.log import LogQuerySchema
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Request and response shapes. Load schemas refuse anything unknown; dump schemas say exactly what goes out."""
+"""The shapes of POST /train (the request, and the answer that accepts it), GET /train/<id> (the job, and its
+long-poll query), POST /train/<id>/cancel and GET /train (the list)."""
 from __future__ import annotations
 
 import math
@@ -6,15 +7,16 @@ import re
 import unicodedata
 from typing import Any
 
-from marshmallow import RAISE, Schema, ValidationError, fields, missing, post_load, validate, validates
+from marshmallow import RAISE, Schema, ValidationError, fields, post_load, validate, validates
 
 from lora_worker.config import (BACKENDS, DEFAULT_LORA_TARGETS, LORA_TARGET_PRESETS, SDXL_HPARAMS, TIERS,
                                 WEBHOOK_EVENT_TYPES)
 from lora_worker.dispatch import paths
 from lora_worker.dispatch.request import TrainRequest
-from lora_worker.states import ACTIVE_STATES, CANCEL_RULE, TERMINAL_STATES, JobState, Phase
+from lora_worker.states import CANCEL_RULE, JobState, Phase
+from lora_worker.web.schemas.common import (EndedInPhase, FiniteFloat, FullMatch, InEffect, JsonNumber, SameObject,
+                                            WhileActive, WhileActiveString, path_field)
 
-MAX_PATH = 4096
 # Names that become a file name, a folder name or a caption token: ASCII, no separators, no leading '-'
 # (a value must never look like a flag), no control characters, bounded.
 # Written so they mean the same in Python and in ECMA-262 (the OpenAPI document's dialect), and matched whole
@@ -27,38 +29,15 @@ SEED = (0, 2**31 - 1)
 MAX_GRAD_NORM = (0.0, 10.0)
 
 
-class FullMatch(validate.Regexp):
-    """A Regexp validator that must match the whole value (re.fullmatch), documented by its pattern."""
-
-    def __call__(self, value: str) -> str:  # type: ignore[override]  # a request's values are text, never bytes
-        if self.regex.fullmatch(value) is None:  # type: ignore[call-overload]  # a str pattern (above)
-            raise ValidationError(self._format_error(value))
-        return value
-
-
-def _path_field() -> fields.String:
-    return fields.String(required=True, validate=validate.Length(min=1, max=MAX_PATH))
-
-
-class JsonNumber(fields.Float):
-    """A JSON number and nothing else: marshmallow's Float would take "0.5" or true, which the OpenAPI
-    document (type: number) and the strict integer fields refuse."""
-
-    def _deserialize(self, value: Any, attr: str | None, data: Any, **kwargs: Any) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.make_error("invalid")
-        return super()._deserialize(value, attr, data, **kwargs)
-
-
 class TrainRequestSchema(Schema):
     """POST /train body. Every field is bounded; anything out of bounds is a 422, never a downgrade."""
 
     class Meta:
         unknown = RAISE
 
-    dataset_dir = _path_field()
-    base_model_path = _path_field()
-    output_dir = _path_field()
+    dataset_dir = path_field()
+    base_model_path = path_field()
+    output_dir = path_field()
     output_name = fields.String(required=True, validate=FullMatch(
         OUTPUT_NAME, error="1-64 of A-Z a-z 0-9 . _ -, starting with a letter or digit."))
     trigger = fields.String(required=True, validate=FullMatch(
@@ -107,63 +86,6 @@ class TrainRequestSchema(Schema):
         if data.get("webhook_events") is not None:
             data["webhook_events"] = tuple(dict.fromkeys(data["webhook_events"]))
         return TrainRequest(**data)
-
-
-class FiniteFloat(fields.Float):
-    """A float that goes out as null when it is nan or infinite: JSON has no such numbers."""
-
-    def _serialize(self, value: Any, attr: str | None, obj: Any, **kwargs: Any) -> float | None:
-        if value is None or not math.isfinite(value):
-            return None
-        return super()._serialize(value, attr, obj, **kwargs)  # type: ignore[return-value]  # no as_string here
-
-
-class _InStates:
-    """A field shown only while the job is in one of `states`; null otherwise, whatever the row holds."""
-
-    states: frozenset[JobState]
-
-    def _serialize(self, value: Any, attr: str | None, obj: Any, **kwargs: Any) -> Any:
-        if JobState(obj.status) not in self.states:
-            return None
-        return super()._serialize(value, attr, obj, **kwargs)  # type: ignore[misc]
-
-
-class WhileActive(_InStates, fields.Float):
-    """The time left: a queued or running job's only. Null on a finished job, even in a row written before
-    terminal writes cleared it."""
-
-    states = ACTIVE_STATES
-
-
-class WhileActiveString(_InStates, fields.String):
-    """What a `WhileActive` number rests on: null on a finished job, like the number."""
-
-    states = ACTIVE_STATES
-
-
-class EndedInPhase(_InStates, fields.String):
-    """The phase a finished job was in when it ended; null while it is active."""
-
-    states = TERMINAL_STATES
-
-
-class InEffect(fields.Field[Any]):
-    """An optional request value as it took effect: the recipe's default where the request left it out."""
-
-    def __init__(self, inner: fields.Field[Any], default: object, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.inner, self.default = inner, default
-
-    def _serialize(self, value: Any, attr: str | None, obj: Any, **kwargs: Any) -> Any:
-        return self.inner._serialize(self.default if value is None else value, attr, obj, **kwargs)
-
-
-class SameObject(fields.Nested):
-    """A nested object read from the object being dumped itself: a group of its columns under one key."""
-
-    def get_value(self, obj: Any, attr: str, accessor: Any = None, default: Any = missing) -> Any:
-        return obj
 
 
 class AcceptedRequestSchema(Schema):
@@ -249,11 +171,11 @@ class JobSchema(Schema):
         "description": "why Slurm keeps the queued job waiting (Resources, Priority, …); null otherwise"})
 
 
-
 class CancelAnswerSchema(JobSchema):
     """POST /train/<id>/cancel's answer: the job, and the rule of how it will end."""
 
     cancel_rule = fields.Constant(CANCEL_RULE, metadata={"description": "how a cancelled job ends"})
+
 
 class AcceptedSchema(Schema):
     worker_job_id = fields.Integer(attribute="id")
@@ -285,25 +207,6 @@ class StatusQuerySchema(Schema):
     since = fields.Integer(load_default=None, validate=validate.Range(0, 2**62))
 
 
-class ProgressQuerySchema(Schema):
-    class Meta:
-        unknown = RAISE
-
-    points = fields.Integer(load_default=200, validate=validate.Range(1, 5000))
-
-
-class ProgressPointSchema(Schema):
-    step = fields.Integer()
-    loss = FiniteFloat(allow_none=True)
-    t = fields.Float(metadata={"description": "seconds since the job started"})
-
-
-class ProgressSeriesSchema(Schema):
-    worker_job_id = fields.Integer()
-    total_steps = fields.Integer()
-    points = fields.List(fields.Nested(ProgressPointSchema))
-
-
 class JobListSchema(Schema):
     jobs = fields.List(fields.Nested(JobSchema))
     next_before_id = fields.Integer(allow_none=True)
@@ -316,94 +219,3 @@ class JobListQuerySchema(Schema):
     status = fields.List(fields.String(validate=validate.OneOf([s.value for s in JobState])), load_default=list)
     limit = fields.Integer(load_default=50, validate=validate.Range(1, 500))
     before_id = fields.Integer(load_default=None, validate=validate.Range(1, 2**63 - 1))
-
-
-class LogQuerySchema(Schema):
-    class Meta:
-        unknown = RAISE
-
-    lines = fields.Integer(load_default=None, validate=validate.Range(0, 10_000))
-    offset = fields.Integer(load_default=None, validate=validate.Range(0, 2**62))
-    limit = fields.Integer(load_default=256 * 1024, validate=validate.Range(1, 1 << 20))
-
-
-class LogSchema(Schema):
-    worker_job_id = fields.Integer()
-    text = fields.String()
-    offset = fields.Integer(metadata={"description": "logical offset just past `text`; pass it back as ?offset="})
-    skipped = fields.Integer(metadata={"description": "bytes dropped from the middle of a huge log"})
-
-
-class GpuProcessSchema(Schema):
-    pid = fields.Integer()
-    name = fields.String(allow_none=True)
-    used_mib = fields.Integer(allow_none=True)
-    ours = fields.Boolean()
-    tts = fields.Boolean()
-
-
-class GpuLockSchema(Schema):
-    """The device's host-wide interlock (`<gpu_lock_dir>/gpu-<index>.lock`)."""
-
-    held = fields.Boolean(metadata={"description": "some trainer holds the lock: a POST for this device is a 409 "
-                                                   "`gpu_locked` unless it is ours"})
-    holder_pid = fields.Integer(allow_none=True, metadata={
-        "description": "the pid that took the lock (/proc/locks); null when free or not visible"})
-    holder_name = fields.String(allow_none=True)
-    ours = fields.Boolean(metadata={"description": "the holder is the active job's supervisor"})
-
-
-class GpuDeviceSchema(Schema):
-    index = fields.Integer()
-    label = fields.String(allow_none=True)
-    allowed_tiers = fields.List(fields.String())
-    name = fields.String(allow_none=True)
-    uuid = fields.String(allow_none=True)
-    pci_bus_id = fields.String(allow_none=True)
-    memory_total_mib = fields.Integer(allow_none=True)
-    memory_used_mib = fields.Integer(allow_none=True)
-    memory_free_mib = fields.Integer(allow_none=True)
-    utilization_pct = fields.Integer(allow_none=True)
-    temperature_c = fields.Integer(allow_none=True)
-    processes = fields.List(fields.Nested(GpuProcessSchema), allow_none=True, metadata={
-        "description": "null when NVML's process query failed: unknown, never empty (POST /train then refuses "
-                       "the device with a 503 `nvml_unavailable`)"})
-    processes_error = fields.String(allow_none=True, metadata={"description": "why `processes` is null"})
-    lock = fields.Nested(GpuLockSchema)
-    error = fields.String(allow_none=True)
-
-
-class GpuStatusSchema(Schema):
-    devices = fields.List(fields.Nested(GpuDeviceSchema))
-    tts_on_3090 = fields.Boolean(allow_none=True, metadata={
-        "description": "null when the TTS device's processes cannot be read: unknown, not false"})
-    active_job_id = fields.Integer(allow_none=True)
-
-
-class HealthSchema(Schema):
-    status = fields.String(metadata={"description": "`ok`; when the ledger is not the file the service opened, the "
-                                                    "answer is a 503 `ledger_replaced` error instead"})
-    ledger = fields.String(metadata={"description": "`ok`, or why the ledger file is not the one opened"})
-    active_job_id = fields.Integer(allow_none=True, metadata={
-        "description": "the oldest queued or running job (the only one on the local backend)"})
-    active_job_ids = fields.List(fields.Integer(), metadata={
-        "description": "every queued or running job, oldest first (several under Slurm, max_active_jobs)"})
-    nvml = fields.String()
-    trainer = fields.String(metadata={"description": "sd-scripts, or simulated: the test double, which trains nothing"})
-    sandbox = fields.String(metadata={"description": "the trainer's sandbox in force: `bwrap (<path>)`, `none …`, "
-                                                     "or `unavailable: …` (then POST /train is a 503)"})
-    deep = fields.Dict(metadata={"description": "with ?deep=1: the deep checks run once at start-up: `status` ok, "
-                                                "failing or pending (then 503), `failed` (names), `simulated`, "
-                                                "`checks` (name, ok, required, simulated, detail), `checked_at`"})
-
-
-class ErrorSchema(Schema):
-    """Every error, whatever its status: a machine reason, a sentence, and details where there are some."""
-
-    error = fields.String(required=True, metadata={"description": "machine-readable reason, e.g. job_active"})
-    message = fields.String(required=True)
-    status = fields.Integer(required=True)
-    retryable = fields.Boolean(required=True, metadata={
-        "description": "whether the same request, unchanged, may succeed later by waiting alone"})
-    fields_ = fields.Dict(data_key="fields", keys=fields.String(), values=fields.List(fields.String()))
-    details = fields.Dict()

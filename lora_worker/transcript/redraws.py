@@ -1,0 +1,85 @@
+"""The redraws of tqdm's `steps` bar: one parsed (step/total, ETA, rate, avr_loss), and, in a run of hundreds
+of them, the newest of each step found in a few comparisons (`newest_bar`, `bar_before`).
+
+A redraw ends in `\\r`, never a newline, and holds none of MARKER_GUARD's characters (transcript/markers.py).
+"""
+from __future__ import annotations
+
+import re
+
+# steps:  45%|████▌     | 765/1700 [09:44<11:54,  1.31it/s, avr_loss=0.0871]   (one segment: no \r or \n in it)
+BAR = re.compile(
+    r"steps:\s*\d+%\|[^|\r\n]*\|\s*(\d+)/(\d+)\s*\[([\d:]+)<([\d:?]+),\s*([\d.?]+)(it/s|s/it)(?:,\s*([^\]\r\n]*))?\]"
+)
+LOSS = re.compile(r"avr_loss=([-+0-9.eE]+|nan|-?inf)")
+STEPS = b"steps:"
+
+
+def newest_bar(data: bytes, lo: int, hi: int) -> tuple[int, re.Match[str]] | None:
+    """The newest `steps` redraw that parses in data[lo:hi], and where its segment starts."""
+    end = hi
+    while (at := data.rfind(STEPS, lo, end)) >= 0:
+        end = at
+        if (m := bar_at(data, at, lo, hi)) is not None:
+            return at, m
+        # cut short, or not the bar: the one before it may be
+    return None
+
+
+def bar_before(data: bytes, lo: int, at: int, m: re.Match[str]) -> tuple[int, re.Match[str]] | None:
+    """The newest redraw in data[lo:at] of a step before m's (the redraw whose segment starts at `at`).
+
+    Every redraw of a step has the same bytes up to its counter (`steps:  45%|████▌     | 765/1700 [`), so
+    whether a segment is of this step is one comparison at a known offset: a bisection over the run finds
+    the step's first redraw in a few of them, without reading the redraws between."""
+    if int(m[1]) == 0:
+        return None
+    text = m.string
+    offset, counter = len(text[:m.start(1)].encode()), text[m.start(1):text.index("[", m.end(2)) + 1].encode()
+    if data.startswith(counter, lo + offset):
+        return None  # the whole run is of this step
+    first, last = lo, at  # the segment at `first` is of another step, the one at `last` of this one
+    while True:
+        mid = (first + last) // 2
+        cr = data.rfind(b"\r", first + 1, min(mid + 1, last - 1))
+        if cr < 0 and (cr := data.find(b"\r", mid + 1, last - 1)) < 0:
+            break  # no segment starts between them: `last` is the step's first redraw
+        if data.startswith(counter, cr + 1 + offset):
+            last = cr + 1
+        else:
+            first = cr + 1
+    return newest_bar(data, lo, last)
+
+
+def bar_at(data: bytes, at: int, lo: int, hi: int) -> re.Match[str] | None:
+    """The `steps` redraw whose segment starts at `at`, parsed, or None."""
+    if at > lo and data[at - 1] not in (10, 13):
+        return None  # "validation steps:", or text that mentions steps: not the training bar
+    return BAR.match(data[at:segment_end(data, at, hi)].decode("utf-8", "replace"))
+
+
+
+def segment_end(data: bytes, pos: int, hi: int) -> int:
+    """Where the segment holding `pos` ends (its \r or \n), or `hi`."""
+    cr = data.find(b"\r", pos, hi)  # in a run of redraws the next \r is near, the next \n may be far
+    nl = data.find(b"\n", pos, cr if cr >= 0 else hi)
+    return nl if nl >= 0 else cr if cr >= 0 else hi
+
+
+
+def seconds(clock: str) -> float | None:
+    if "?" in clock:
+        return None
+    total = 0
+    for part in clock.split(":"):
+        total = total * 60 + int(part)
+    return float(total)
+
+
+def rate(value: str, unit: str) -> float | None:
+    if "?" in value:
+        return None
+    number = float(value)
+    if unit == "s/it":
+        return 1.0 / number if number > 0 else None
+    return number

@@ -147,7 +147,7 @@ def _verify(job: Mapping[str, Any], expected: ExpectedLora, out: TextIO) -> None
     if check.problem:
         raise DemoError(f"the LoRA at {path} is not the one asked for: {check.problem}")
     digest = check.sha256
-    if digest != job["lora_sha256"]:
+    if digest is None or digest != job["lora_sha256"]:
         raise DemoError(f"the LoRA at {path} has sha256 {digest}, the ledger says {job['lora_sha256']}")
     md = check.metadata
     say(out, f"verified {short(path)}: {check.size} bytes, sha256 {digest[:16]}…, rank {md['ss_network_dim']}, "

@@ -60,8 +60,9 @@ def token_file_check(settings: Settings, environ: dict[str, str] | None = None) 
     if not stat.S_ISREG(st.st_mode):
         return [Check("api token", False, f"{path} is not a regular file (a link or other kind)")]
     if st.st_mode & 0o007:
-        return [Check("api token", False, f"{path} ({stat.filemode(st.st_mode)}) is readable by every user on this "
-                                          f"host: sudo chmod 0600 {path}, then rotate the token (it may have been read)")]
+        return [Check("api token", False, f"{path} ({stat.filemode(st.st_mode)}) is readable by every user on "
+                                          f"this host: sudo chmod 0600 {path}, then rotate the token (it may have "
+                                          "been read)")]
     return [Check("api token", True, f"{path} ({stat.filemode(st.st_mode)}), not readable by others")]
 
 
@@ -120,7 +121,8 @@ def _ledger_check(settings: Settings) -> Check:
     except LoraWorkerError as exc:
         return Check("ledger", False, exc.message)
     current, head = current_revision(path), head_revision()
-    return Check("ledger", current == head, f"{path}, schema {current}" + ("" if current == head else f" (need {head})"))
+    need = "" if current == head else f" (need {head})"
+    return Check("ledger", current == head, f"{path}, schema {current}{need}")
 
 
 def _train_root_check(settings: Settings) -> Check:

@@ -15,8 +15,6 @@ from lora_worker.transcript.output import TrainerOutput
 from lora_worker.transcript.markers import INNER_LITERALS, MARKERS, MESSAGE_STARTS, message_starts
 from lora_worker.transcript.parser import Parser
 from lora_worker.transcript.redraws import BAR, LOSS
-from tests.helpers import DATA
-from lora_worker.transcript.parser import BAR, INNER_LITERALS, LOSS, MARKERS, MESSAGE_STARTS, Parser, _message_starts
 from tests.helpers.captures import CAPTURES, stream
 
 
@@ -119,8 +117,8 @@ def test_a_crlf_model_saved_cut_between_its_cr_and_lf_is_not_lost(tmp_path):
 
 
 def test_an_ansi_escape_cut_between_two_chunks_is_not_left_in_the_log(tmp_path):
-    # A rich console with FORCE_COLOR (docs/reference/sd-scripts.md) colours its lines: the real capture's `model saved.` so
-    # coloured, the pipe cut inside each escape.
+    # A rich console with FORCE_COLOR (docs/reference/sd-scripts.md) colours its lines: the real capture's
+    # `model saved.` so coloured, the pipe cut inside each escape.
     data = stream("run1_simple").replace(b"model saved.\n", b"\x1b[1mmodel saved.\x1b[0m\n")
     for escape in (b"\x1b[1m", b"\x1b[0m"):
         at = data.index(escape)

@@ -5,6 +5,8 @@ previous release had it (without the newest revision), so the test needs no git 
 this code's, so past the schema checks the "older code" is not run further than `migrate`.)"""
 from __future__ import annotations
 
+import pytest
+
 import os
 import re
 import shutil
@@ -14,6 +16,8 @@ from pathlib import Path
 
 from lora_worker.ledger.migrate import MIGRATIONS_DIR, current_revision, head_revision
 from tests.helpers.service import settings_env
+
+pytestmark = pytest.mark.slow  # every test here starts real processes
 
 # The previous release: the same package, its migrations one revision short.
 OLDER_CODE = ("import sys; from pathlib import Path; import lora_worker.ledger.migrate as m; "

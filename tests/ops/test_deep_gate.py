@@ -3,6 +3,8 @@ poll `GET /healthz?deep=1`, which the real service (gunicorn, wsgi.py) answers f
 start-up. And `lora-worker doctor --strict`, the same checks from a terminal."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import time
 import urllib.error
@@ -13,6 +15,8 @@ import yaml
 from lora_worker.config import REPO_ROOT
 from tests.helpers import install_script
 from tests.helpers.service import Service
+
+pytestmark = pytest.mark.slow  # every test here starts real processes
 
 
 def deep(url: str) -> tuple[int, dict]:

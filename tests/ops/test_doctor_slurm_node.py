@@ -2,11 +2,15 @@
 node without bubblewrap (where every job would end launch_error) is said before a job is sent there."""
 from __future__ import annotations
 
+import pytest
+
 import sys
 from pathlib import Path
 
 from lora_worker.ops.doctor_slurm import node_sandbox_check
 from tests.helpers import Host
+
+pytestmark = pytest.mark.slow  # every test here starts real processes
 
 NO_BWRAP = ("import sys; from lora_worker.host import sandbox; sandbox.bwrap_executable = lambda: None; "
             "from lora_worker.run.node import main; sys.exit(main(['--probe', 'bwrap']))")

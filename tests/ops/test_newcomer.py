@@ -21,6 +21,8 @@ from lora_worker.config import REPO_ROOT
 from tests.helpers.deploy import recipe
 from tests.helpers.service import free_port
 
+pytestmark = pytest.mark.slow  # every test here starts real processes
+
 LORA_WORKER = str(Path(sys.executable).parent / "lora-worker")
 UP = b"the server stays up"
 

@@ -14,6 +14,8 @@ from lora_worker.ops import cli, smoke
 from tests.helpers import fake_gpus, make_host
 from tests.helpers.service import Service
 
+pytestmark = pytest.mark.slow  # every test here starts real processes
+
 
 @pytest.fixture
 def served(tmp_path: Path, monkeypatch):

@@ -8,7 +8,7 @@ writes one byte to the ready pipe once it holds its lock:
     the first process exits at once and the web waits on the pipe itself, not on a process's exit;
   - without it (started by hand, or by a launcher that only waits for the exit), the first process waits
     for that byte on a pipe of its own and exits 0 once it came, 1 if the second died before.
-Only `os` is imported here: whatever comes before the fork delays the web's answer.
+Only `os` is imported at the top: whatever comes before the fork delays the web's answer.
 """
 from __future__ import annotations
 
@@ -44,3 +44,21 @@ def detach(ready_fd: int | None) -> tuple[int | None, int]:
         os.close(ready_r)
     os.setsid()  # leader of its own session and group: signals aimed at the starter's group miss it
     return None, ready_w
+
+
+def detached_main(argv: list[str], usage: str, serve_module: str) -> int:
+    """`python -m <package> [--ready-fd=N]` of a long-lived process: fork off (`detach`), then, in the detached
+    one only, import `serve_module` and run its `serve(ready_fd)`. Its imports come after the fork: whatever
+    comes before it delays the caller's answer."""
+    import sys
+
+    if len(argv) > 1 or (argv and ready_fd_arg(argv[0]) is None):
+        print(usage, file=sys.stderr)
+        return 2
+    status, ready_w = detach(ready_fd_arg(argv[0]) if argv else None)
+    if status is not None:
+        return status
+    import importlib
+
+    rc = importlib.import_module(serve_module).serve(ready_w)
+    return int(rc)

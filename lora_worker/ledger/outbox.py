@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -277,9 +277,3 @@ def bodies(db: Statements, job_id: int) -> Sequence[tuple[str, str]]:
     return [(r[0], r[1]) for r in db.execute(
         "SELECT event_id, body FROM webhook_events WHERE job_id = ? ORDER BY id", (job_id,)).fetchall()]
 
-
-def states_of(events: Iterable[dict[str, Any]]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for event in events:
-        counts[event["state"]] = counts.get(event["state"], 0) + 1
-    return counts

@@ -17,7 +17,7 @@ import struct
 import subprocess
 import sys
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -132,13 +132,21 @@ def write_gpus(path: Path, tts_pid: int | None) -> Path:
 
 
 def write_base_model(path: Path) -> Path:
-    """A single-file SDXL checkpoint with every tensor of a real one that the real safetensors loader opens:
-    each tensor's offsets span its dtype size × shape, end to end, to the end of the file. The weights are a
-    hole (the file is truncated to size, never written), so its 6.9 GB cost ~200 KB of disk; the worker's
-    preflight reads the header only, and the fake never loads weights."""
-    header: dict[str, Any] = {"__metadata__": {"note": "simulated SDXL checkpoint: no weights"}}
+    """A single-file SDXL checkpoint with every tensor of a real one that the real safetensors loader opens
+    (see `write_sparse_safetensors`); the worker's preflight reads the header only, the fake never loads weights."""
+    return write_sparse_safetensors(path, sdxl_checkpoint_tensors(),
+                                    {"note": "simulated SDXL checkpoint: no weights"})
+
+
+def write_sparse_safetensors(path: Path, tensors: Mapping[str, tuple[str, list[int]]],
+                             metadata: dict[str, str] | None = None, *, truncate_by: int = 0) -> Path:
+    """A safetensors file the real loader opens: each tensor's offsets span its dtype size × shape, end to end, to
+    the end of the file. The data is a hole (the file is truncated to size, never written), so a full SDXL header
+    makes a 6.9 GB file that costs ~200 KB of disk. `truncate_by` cuts that many bytes off its end (a broken file,
+    for tests)."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
-    for name, (dtype, shape) in sdxl_checkpoint_tensors().items():
+    for name, (dtype, shape) in tensors.items():
         size = DTYPE_BYTES[dtype] * math.prod(shape)
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
         offset += size
@@ -147,7 +155,7 @@ def write_base_model(path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("wb") as fh:
         fh.write(struct.pack("<Q", len(raw)) + raw)
-        fh.truncate(8 + len(raw) + offset)
+        fh.truncate(8 + len(raw) + offset - truncate_by)
     return path
 
 

@@ -5,21 +5,13 @@ from __future__ import annotations
 
 import sys
 
-from lora_worker.host.detach import detach, ready_fd_arg
+from lora_worker.host.detach import detached_main
 
 USAGE = "usage: python -m lora_worker.slurm [--ready-fd=N]"
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) > 1 or (argv and ready_fd_arg(argv[0]) is None):
-        print(USAGE, file=sys.stderr)
-        return 2
-    status, ready_w = detach(ready_fd_arg(argv[0]) if argv else None)
-    if status is not None:
-        return status
-    from lora_worker.slurm.process import serve
-
-    return serve(ready_w)
+    return detached_main(argv, USAGE, "lora_worker.slurm.process")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from lora_worker.host.detach import detach, ready_fd_arg
+from lora_worker.host.detach import detached_main
 
 USAGE = "usage: python -m lora_worker.webhooks [--ready-fd=N | --foreground]"
 
@@ -18,15 +18,7 @@ def main(argv: list[str]) -> int:
 
         _unread, ready_w = os.pipe()  # nobody reads the handshake (systemd watches the process); kept open
         return serve(ready_w)
-    if len(argv) > 1 or (argv and ready_fd_arg(argv[0]) is None):
-        print(USAGE, file=sys.stderr)
-        return 2
-    status, ready_w = detach(ready_fd_arg(argv[0]) if argv else None)
-    if status is not None:
-        return status
-    from lora_worker.webhooks.process import serve
-
-    return serve(ready_w)
+    return detached_main(argv, USAGE, "lora_worker.webhooks.process")
 
 
 if __name__ == "__main__":

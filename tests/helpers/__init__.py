@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import sqlite3
 import struct
 import sys
@@ -19,7 +18,7 @@ from typing import Any
 from lora_worker.config import Settings
 # One installer for the demo and the tests; the tokenizer builders are re-exported for the tests' own cases.
 from lora_worker.ops.simulated import clip_tokenizer_files, install_simulated_trainer, sdxl_checkpoint_tensors  # noqa: F401
-from lora_worker.ops.simulated import write_tokenizer  # noqa: F401
+from lora_worker.ops.simulated import write_sparse_safetensors, write_tokenizer  # noqa: F401
 
 TESTS = Path(__file__).parent.parent
 FAKES = TESTS / "fakes"
@@ -33,21 +32,9 @@ SD_SCRIPTS_COMMIT = "3265f2ed0000000000000000000000000000beef"
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]], metadata: dict[str, str] | None = None,
                       *, truncate_by: int = 0) -> None:
-    """A well-formed safetensors file (zero data) with the given tensor names, dtypes and shapes: what the real
-    loader opens (each tensor's offsets span dtype size × shape bytes, end to end). The zeros are a hole
-    (truncate, not write), so a full SDXL header makes a 6.9 GB file that takes ~200 KB of disk."""
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for name, (dtype, shape) in tensors.items():
-        size = DTYPE_BYTES[dtype] * math.prod(shape)
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)) + raw)
-        fh.truncate(8 + len(raw) + offset - truncate_by)
+    """A well-formed safetensors file (zero data, written sparse) with the given tensor names, dtypes and shapes:
+    what the real loader opens. The demo's simulated checkpoint is written by the same function."""
+    write_sparse_safetensors(path, tensors, metadata, truncate_by=truncate_by)
 
 
 # The full SDXL key set (2514 tensors), written sparse: what the preflight and the real loader accept.

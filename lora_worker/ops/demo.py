@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import select
 import shlex
 import signal
 import sys
@@ -72,8 +74,7 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
                 _show(host, url, started, out)
                 succeeded = True
                 say(out, "the server stays up: try the commands above in another terminal. Ctrl-C stops it.")
-                while True:
-                    time.sleep(3600)
+                _sleep_until_signalled()
     except KeyboardInterrupt:
         say(out, "stopped")
     except (DemoError, LoraWorkerError, OSError) as exc:
@@ -196,3 +197,19 @@ def _new_train_dir(train_root: Path) -> Path:
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
+
+
+def _sleep_until_signalled() -> None:
+    """Block until a signal's handler raises. Not `time.sleep`: CPython runs handlers in the main thread only, and
+    a signal the kernel gives to another thread (the webhook receiver's) would not wake a sleep, so the demo
+    would outlive the make or shell above it by an hour. The wakeup fd is written whichever thread takes it."""
+    readable, writable = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    previous = signal.set_wakeup_fd(writable, warn_on_full_buffer=False)
+    try:
+        while True:
+            select.select([readable], [], [])
+            os.read(readable, 512)
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(readable)
+        os.close(writable)

@@ -48,9 +48,10 @@ lock: $(VENV)/.runtime
 
 # ruff and mypy first (seconds; pyproject.toml says which rules and why), then the suite on TEST_WORKERS processes
 # (pytest-xdist). Most tests wait on real child processes, so more workers than cores pay. What starts a real
-# Slurm cluster (tests/cluster, and the benchmarks' smoke test through bench/slurm.py) runs after, in one process:
-# never two clusters at once (the xdist_group marks in tests/conftest.py did not keep them on one worker).
-CLUSTER_TESTS := tests/cluster tests/test_bench_smoke.py
+# Slurm cluster (tests/cluster, the Slurm benchmark's smoke test among them) runs beside it, in one process of its
+# own, one test after another (never two clusters at once), its output printed when both are done: its tests
+# mostly wait on the scheduler, so side by side the suite takes the longer of the two, not their sum.
+CLUSTER_TESTS := tests/cluster
 TEST_WORKERS ?= 4
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .
@@ -58,8 +59,11 @@ lint: $(VENV)/.installed
 
 test: lint
 	@$(call NO_BWRAP_NOTICE,the sandbox tests are skipped.)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(addprefix --ignore=,$(CLUSTER_TESTS))
-	$(BIN)/python -m pytest $(CLUSTER_TESTS)
+	@log=$$(mktemp); \
+	$(BIN)/python -m pytest -p no:cacheprovider $(CLUSTER_TESTS) >"$$log" 2>&1 & cluster=$$!; \
+	status=0; $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --ignore=$(CLUSTER_TESTS) || status=$$?; \
+	wait $$cluster || status=$$?; \
+	echo "--- $(CLUSTER_TESTS), run beside the rest in one process:"; cat "$$log"; rm -f "$$log"; exit $$status
 
 # The edit-test loop, under a minute: no real process and no cluster (the tests not marked `slow`; one that starts
 # a process unmarked fails), no lint.

@@ -91,10 +91,9 @@ def nvml(settings: Settings):
 # `make test-fast` (LW_TEST_FAST=1, `-m "not slow"`): the edit-test loop, without real processes. A test there that
 # starts one anyway fails, naming itself, so the split stays true: mark it `slow`.
 FAST = os.environ.get("LW_TEST_FAST") == "1"
+# What starts a real cluster (tests/cluster, the Slurm benchmark's smoke test among them) runs in one process of
+# its own (the Makefile's `test`): two clusters at once would each see the other's daemons as its own leftovers.
 CLUSTER = Path(__file__).parent / "cluster"
-# Outside tests/cluster, what starts a real cluster of its own (bench/slurm.py, through the benchmarks' smoke test)
-# shares the cluster's worker: two clusters at once would each see the other's daemons as its own leftovers.
-STARTS_A_CLUSTER = {Path(__file__).parent / "test_bench_smoke.py"}
 # A module whose tests share a module-scoped fixture too costly to make once per worker: systemd/install.py's
 # staged install builds a venv from the lock.
 ONE_WORKER_MODULES = {Path(__file__).parent / "deploy" / "test_install.py"}
@@ -106,7 +105,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     on any worker at the same time."""
     for item in items:
         path = Path(str(item.path))
-        if CLUSTER in path.parents or path in STARTS_A_CLUSTER:
+        if CLUSTER in path.parents:
             item.add_marker(pytest.mark.xdist_group("cluster"))
         elif path in ONE_WORKER_MODULES:
             item.add_marker(pytest.mark.xdist_group(path.stem))

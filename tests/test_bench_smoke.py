@@ -1,5 +1,6 @@
 """Each benchmark runs end to end at tiny sizes and prints its table. Smoke only: no number is checked here
-(benchmarks report, they never fail on a number; `make bench` runs them at full size)."""
+(benchmarks report, they never fail on a number; `make bench` runs them at full size). The Slurm benchmark starts
+a cluster of its own: its smoke test is tests/cluster/test_bench_slurm.py, in the cluster's one process."""
 from __future__ import annotations
 
 import json
@@ -20,7 +21,6 @@ pytestmark = pytest.mark.slow
     ("dispatch", "### Dispatch and cancel latency"),
     ("history", "### Scale of history"),
     ("memory", "### Memory"),
-    ("slurm", "### Slurm: poller cost and POST /train → trainer started"),
     ("webhooks", "### Webhooks: what the outbox adds, and the sender's CPU per event"),
 ])
 def test_the_benchmark_runs_and_prints_its_table(bench: str, title: str):

@@ -40,9 +40,13 @@ def test_make_run_installs_the_locked_runtime_only_and_make_test_adds_the_test_e
 def test_make_test_lints_and_types_the_code_before_the_suite_and_runs_it_on_workers(tmp_path):
     test = recipe("test", tmp_path / "venv")
     steps = [i for i, line in enumerate(test) if "/ruff check" in line or "/mypy" in line or "-m pytest" in line]
-    assert [test[i].split()[0].rsplit("/", 1)[-1] for i in steps] == ["ruff", "mypy", "python", "python"], test
-    assert "-n 4 --dist loadgroup" in test[steps[2]] and "--ignore=tests/cluster" in test[steps[2]]
-    assert test[steps[3]].endswith("-m pytest tests/cluster tests/test_bench_smoke.py")  # one cluster at a time
+    assert [test[i].split()[0].rsplit("/", 1)[-1] for i in steps] == ["ruff", "mypy", "python", "status=0;"], test
+    # The real cluster's tests in one process of their own (never two clusters at once), in the background...
+    assert "-m pytest -p no:cacheprovider tests/cluster >" in test[steps[2]] and test[steps[2]].count(" & ") == 1
+    assert " -n " not in test[steps[2]]
+    # ...beside the rest on the workers, and the recipe fails when either part fails.
+    assert "-n 4 --dist loadgroup --ignore=tests/cluster || status=$?" in test[steps[3]]
+    assert any(line.startswith("wait $cluster || status=$?") for line in test) and test[-1].endswith("exit $status")
 
 
 def test_make_test_fast_leaves_out_the_slow_tests_and_refuses_a_process_in_the_rest(tmp_path):

@@ -2,6 +2,8 @@
 the outcome at the end; `jobs show` draws the same loss sparkline."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import fcntl
 import io
 import os
@@ -34,8 +36,9 @@ def lora_worker(*argv: str) -> list[str]:
 
 
 def in_a_terminal(argv: list[str], env: dict[str, str], columns: int = 100, rows: int = 40,
-                  timeout: float = 120) -> tuple[int, str]:
-    """Run `argv` with its stdout on a pseudo-terminal of the given size; its stderr (log lines) apart."""
+                  timeout: float = 120, on_output: Callable[[bytes], None] = lambda screen: None) -> tuple[int, str]:
+    """Run `argv` with its stdout on a pseudo-terminal of the given size; its stderr (log lines) apart.
+    `on_output` sees the screen so far after each read."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.PIPE,
@@ -52,6 +55,7 @@ def in_a_terminal(argv: list[str], env: dict[str, str], columns: int = 100, rows
             if not data:
                 return
             chunks.append(data)
+            on_output(b"".join(chunks))
 
     reader = threading.Thread(target=drain)
     reader.start()
@@ -71,10 +75,13 @@ def frames_of(screen: str) -> tuple[list[str], list[str]]:
 
 @pytest.mark.slow
 def test_watch_at_a_terminal_redraws_one_panel_in_place_through_the_phases_to_the_outcome(client, host, migrated):
-    set_modes(host.sd_scripts, launcher_delay_s=1.0, step_s=0.02)
+    # The launch waits until the watch has drawn its first panel: however slow the watch is to start, it sees the
+    # job before training.
+    release = host.sd_scripts / "launch.release"
+    set_modes(host.sd_scripts, launcher_release_file=str(release), load_s=1.0, step_s=0.02)
     job_id = client.post("/train", json=host.payload()).get_json()["worker_job_id"]
-    code, screen = in_a_terminal(lora_worker("jobs", "watch", str(job_id)),
-                                 {**os.environ, **settings_env(migrated)})
+    code, screen = in_a_terminal(lora_worker("jobs", "watch", str(job_id)), {**os.environ, **settings_env(migrated)},
+                                 on_output=lambda screen: b"\xe2\x95\xad\xe2\x94\x80 job" in screen and release.touch())
     assert code == 0, screen[-2000:]
     before, frames = frames_of(screen)
     assert len(frames) >= 5, screen[-2000:]
@@ -97,11 +104,16 @@ def test_watch_at_a_terminal_redraws_one_panel_in_place_through_the_phases_to_th
 
 @pytest.mark.slow
 def test_watch_through_a_pipe_prints_one_plain_line_per_change_and_ends_with_the_failure(client, host, migrated):
-    # Each phase outlasts a poll, launching also the watch's own start (the supervisor execs the launcher at once).
-    set_modes(host.sd_scripts, launcher_delay_s=1.5, load_s=0.6, step_s=0.01, oom_at_step=150)
+    # The launch waits for the watch's first line (however slow its start), then each phase outlasts a poll.
+    release = host.sd_scripts / "launch.release"
+    set_modes(host.sd_scripts, launcher_release_file=str(release), load_s=1.5, step_s=0.01, oom_at_step=150)
     job_id = client.post("/train", json=host.payload()).get_json()["worker_job_id"]
-    result = subprocess.run(lora_worker("jobs", "watch"), env={**os.environ, **settings_env(migrated)},
-                            capture_output=True, text=True, timeout=120)  # no id: the active job
+    watch = subprocess.Popen(lora_worker("jobs", "watch"), env={**os.environ, **settings_env(migrated)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # no id: the active job
+    first = watch.stdout.readline()
+    release.touch()
+    rest, stderr = watch.communicate(timeout=120)
+    result = subprocess.CompletedProcess(watch.args, watch.returncode, first + rest, stderr)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "\x1b" not in result.stdout
     lines = result.stdout.splitlines()

@@ -15,7 +15,9 @@ from tests.helpers.deploy import locked_pins
 from tests.helpers.service import Service, free_port
 from tests.helpers.deploy import copy_of, install, snapshot
 
-pytestmark = pytest.mark.slow
+# Each install builds a venv from the lock: ~1 min quiet, past the suite's 120 s timeout on a loaded machine; the
+# install helper itself allows 600 s.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_a_second_install_into_the_same_root_changes_nothing(staged):

@@ -20,6 +20,7 @@ from lora_worker.config import REPO_ROOT
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(600),  # an install builds a venv from the lock (tests/helpers/deploy.py)
     pytest.mark.skipif(os.geteuid() != 0 or shutil.which("useradd") is None,
                        reason="creates real users and groups: needs root and useradd"),
 ]

@@ -12,7 +12,8 @@ import pytest
 from tests.helpers import install_script
 from tests.helpers.deploy import copy_of, install, snapshot
 
-pytestmark = pytest.mark.slow
+# An install builds a venv from the lock: past the suite's 120 s timeout on a loaded machine (tests/helpers/deploy.py).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 PREFIX = Path("opt/lora-training-worker")
 # What a supervisor imports, as the web starts it (run/local.py: `python -S -m lora_worker.run`, PYTHONPATH the
 # package's parent), and what the unit's gunicorn imports (the app, with site: the venv's packages).

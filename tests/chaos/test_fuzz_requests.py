@@ -12,6 +12,7 @@ from lora_worker import create_app
 from lora_worker.ledger import repository as repo
 from lora_worker.states import JobState
 from tests.helpers import Launches, job_rows
+from tests.helpers.examples import examples
 
 FIELDS = ("dataset_dir", "base_model_path", "output_dir", "output_name", "trigger", "subject_class", "repeats",
           "tier", "device_index", "seed", "max_grad_norm", "lora_target_modules")
@@ -41,7 +42,7 @@ def fuzz_app(migrated, host):
     app.extensions["lora_worker"].db.dispose()
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mutations=st.lists(mutation, min_size=1, max_size=3))
 def test_hostile_requests_are_refused_cleanly(fuzz_app, host, mutations):
     client, launches, db = fuzz_app
@@ -64,7 +65,7 @@ def test_hostile_requests_are_refused_cleanly(fuzz_app, host, mutations):
     assert not fresh_output.exists()  # a refused request creates no directory either
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(100), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(raw=st.binary(max_size=300))
 def test_any_bytes_as_a_body_are_a_4xx(fuzz_app, host, raw):
     client, launches, _ = fuzz_app

@@ -11,6 +11,7 @@ from lora_worker.web.schemas.job import OUTPUT_NAME, SUBJECT_CLASS, TRIGGER
 from lora_worker.config import DEFAULT_DEVICES, LORA_TARGET_PRESETS, TIERS, Settings
 from lora_worker.dispatch.argv import ENV_KEYS, SCRIPT_FLAGS, SCRIPT_KEYS, build_argv, build_env
 from lora_worker.dispatch.request import ResolvedRequest, TrainRequest, resolve_request
+from tests.helpers.examples import examples
 
 SETTINGS = Settings(accelerate=Path("/opt/fluxgym/.venv/bin/accelerate"),
                     sd_scripts_dir=Path("/opt/fluxgym/sd-scripts"), tokenizer_cache_dir=Path("/opt/fluxgym/tokenizers"),
@@ -92,7 +93,7 @@ path_parts = st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc"), b
 paths = st.lists(path_parts, min_size=1, max_size=5).map(lambda parts: "/" + "/".join(parts))
 
 
-@hsettings(max_examples=300, deadline=None)
+@hsettings(max_examples=examples(300), deadline=None)
 @given(dataset=paths, output=paths, model=paths, name=names, trigger=triggers, subject=classes,
        repeats=st.integers(1, 100), seed=st.integers(0, 2**31 - 1),
        tier_device=st.sampled_from([("fast", 0), ("balanced", 0), ("fast", 1), ("balanced", 1), ("quality", 1)]),

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from tests.helpers import set_modes
+from tests.helpers import DATA, set_modes
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
 
@@ -36,7 +36,8 @@ def run(rig: dict, *extra: str, steps: int = 3, **modes: object) -> subprocess.C
 
 
 def load_fake_trainer() -> ModuleType:
-    """The fake trainer's module, imported here (its parser, its writers), with its helper modules beside it."""
+    """The fake trainer's module, imported here (its parser, its writers), with its helper modules beside it and
+    the real headers it reads (an install copies them next to it) read from tests/data."""
     sys.path.insert(0, str(FAKES))
     try:
         spec = importlib.util.spec_from_file_location("fake_sdxl_train_network", FAKES / "sdxl_train_network.py")
@@ -44,6 +45,7 @@ def load_fake_trainer() -> ModuleType:
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # its dataclasses look their module up there
         spec.loader.exec_module(module)
+        module.HERE = str(DATA)
         return module
     finally:
         sys.path.remove(str(FAKES))

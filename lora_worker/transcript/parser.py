@@ -231,7 +231,6 @@ class Parser:
             self._points[p.step] = p.loss
 
     def _scan_markers(self, text: str) -> None:
-        p = self.progress
         pos = 0
         while (hit := MARKER_SEARCH.search(text, pos)) is not None:
             start = hit.start()
@@ -244,28 +243,36 @@ class Parser:
             m = MARKERS.match(text, start)
             assert m is not None  # the same language: MARKER_SEARCH is MARKERS without names
             pos = line_end(text, m.end())  # the rest of the line is the marker's argument, never another one
-            kind = m.lastgroup
-            if kind in SAVE_GROUPS:
-                arg = m["checkpoint"] or m["state_step"] or m["removed_path"] or m["removed_state_path"] or (
-                    str(p.step) if kind == "last_state" else "")
-                p.saves.append(Save(str(kind), arg.strip(), p.redraws))
-            if kind in PHASE_GROUPS:
-                if "model_saved" not in p.flags:
-                    p.enter(PHASE_GROUPS[kind])
-                if kind == "saving":
-                    p.checkpoints.append(m["checkpoint"].strip())
-            elif kind == "total":
-                p.total_steps = int(m["total_steps"])
-            elif kind in FLAG_GROUPS:
-                p.flags.add(kind)
-                if kind == "model_saved":
-                    # The final save is done. Under rich logging without PYTHONUNBUFFERED its `saving
-                    # checkpoint:` print can reach the pipe after this line: the phase is `saving` either way.
-                    p.enter(Phase.SAVING)
-                elif kind == "died":
-                    p.signal = int(m["signum"])
-                elif kind == "inner_exit":
-                    p.inner_exit = int(m["inner_rc"])
+            self._apply_marker(m)
+
+    def _apply_marker(self, m: re.Match[str]) -> None:
+        p = self.progress
+        kind = m.lastgroup
+        if kind in SAVE_GROUPS:
+            arg = m["checkpoint"] or m["state_step"] or m["removed_path"] or m["removed_state_path"] or (
+                str(p.step) if kind == "last_state" else "")
+            p.saves.append(Save(str(kind), arg.strip(), p.redraws))
+        if kind in PHASE_GROUPS:
+            if "model_saved" not in p.flags:
+                p.enter(PHASE_GROUPS[kind])
+            if kind == "saving":
+                p.checkpoints.append(m["checkpoint"].strip())
+        elif kind == "total":
+            p.total_steps = int(m["total_steps"])
+        elif kind in FLAG_GROUPS:
+            self._flag(str(kind), m)
+
+    def _flag(self, kind: str, m: re.Match[str]) -> None:
+        p = self.progress
+        p.flags.add(kind)
+        if kind == "model_saved":
+            # The final save is done. Under rich logging without PYTHONUNBUFFERED its `saving
+            # checkpoint:` print can reach the pipe after this line: the phase is `saving` either way.
+            p.enter(Phase.SAVING)
+        elif kind == "died":
+            p.signal = int(m["signum"])
+        elif kind == "inner_exit":
+            p.inner_exit = int(m["inner_rc"])
 
     def _snapshot(self) -> tuple[object, ...]:
         p = self.progress

@@ -72,9 +72,7 @@ class ProgressReporter:
             self.pending_points[step] = loss
         if self.clock.moves():
             self.output.changed = True  # the ETA counts down with the clock, output or not
-        if self.checkpoints is not None:
-            for row in self.checkpoints.take(self.output.progress, ended=self.output.ended):
-                self.pending_checkpoints[(row.kind, row.path)] = row
+        self._take_checkpoints()
         pending = self.output.changed or self.pending_points or self.pending_values or self.pending_checkpoints
         if not pending or (not force and not self.due(self.host.monotonic())):
             return True
@@ -86,6 +84,12 @@ class ProgressReporter:
         self.pending_checkpoints.clear()
         self.output.changed = False
         return True
+
+    def _take_checkpoints(self) -> None:
+        """The saves seen since the last flush, written with it (the step LoRAs now complete verified first)."""
+        if self.checkpoints is not None:
+            for row in self.checkpoints.take(self.output.progress, ended=self.output.ended):
+                self.pending_checkpoints[(row.kind, row.path)] = row
 
     def flush_until_taken(self) -> None:
         """The last loss points land before the terminal state does."""

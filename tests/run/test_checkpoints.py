@@ -57,7 +57,8 @@ def test_a_run_killed_after_a_step_save_fails_and_keeps_its_verified_step_lora(c
     modes(host, hold_at_step=200, release_file=str(release))
     job_id = submit(client, host)
     rec = recorded(host)
-    listed = wait_for(lambda: (j := job(client, job_id))["checkpoints"] and j, what="the step LoRA listed")
+    listed = wait_for(lambda: (j := job(client, job_id))["checkpoints"] and j["checkpoints"][0]["verified"] is not None
+                      and j, what="the step LoRA verified")
     assert [(c["step"], c["verified"]) for c in listed["checkpoints"]] == [(150, True)]
     os.kill(rec["pid"], signal.SIGKILL)
     done = wait_state(client, job_id, *TERMINAL)

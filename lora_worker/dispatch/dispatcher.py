@@ -22,7 +22,7 @@ from lora_worker.dispatch import paths
 from lora_worker.dispatch.admission import admit
 from lora_worker.dispatch.argv import build_argv, build_env
 from lora_worker.dispatch.dataset import DatasetManifest, inspect_dataset
-from lora_worker.dispatch.disk import require_free_space
+from lora_worker.dispatch.disk import require_free_space, required_mib
 from lora_worker.dispatch.model import check_base_model
 from lora_worker.dispatch.request import (ResolvedRequest, TrainRequest, check_device, resolve_request,
                                          webhook_subscription)
@@ -96,7 +96,8 @@ class Dispatcher:
             require_sandbox(self.settings)
             require_namespaces(self.settings)  # probed once (at start-up): bwrap can make them here
             admit(request.tier.name, request.device_index, self.settings, self.nvml)
-        require_free_space(request.output_dir, self.settings.disk_mib[request.tier.name])
+        require_free_space(request.output_dir, required_mib(self.settings.disk_mib[request.tier.name],
+                                                            request.tier.network_dim))
         columns = {**self._columns(request, manifest), "idempotency_key": idempotency_key,
                    "request_sha256": body_sha256, "backend": self.backend.name,
                    "webhook_events": webhook_subscription(self.settings, raw)}

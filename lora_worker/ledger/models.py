@@ -4,7 +4,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, CheckConstraint, Float, ForeignKey, Index, Integer, String, Text, text
+from sqlalchemy import JSON, Boolean, CheckConstraint, Float, ForeignKey, Index, Integer, String, Text, text
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
@@ -136,6 +136,8 @@ class Job(Base):
 
     events: Mapped[list[JobEvent]] = relationship(back_populates="job", order_by="JobEvent.id",
                                                   passive_deletes=True)
+    # Loaded with the job (one more SELECT for any number of jobs): GET /train/<id> lists the step LoRAs.
+    checkpoints: Mapped[list[Checkpoint]] = relationship(order_by="Checkpoint.id", lazy="selectin", viewonly=True)
 
     __table_args__ = (
         CheckConstraint(STATUS_CHECK, name="status_valid"),
@@ -230,3 +232,27 @@ class WebhookAttempt(Base):
     status_code: Mapped[int | None] = mapped_column(Integer)
     latency_ms: Mapped[float | None] = mapped_column(Float)
     error: Mapped[str | None] = mapped_column(Text)
+
+
+class Checkpoint(Base):
+    """A step LoRA or a state the job's trainer announced (migration 0013; ledger/checkpoints.py writes them)."""
+
+    __tablename__ = "checkpoints"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(8))  # lora | state
+    step: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(Text)
+    at: Mapped[datetime] = mapped_column(UtcTimestamp)  # when its save line was seen
+    bytes: Mapped[int | None] = mapped_column(Integer)
+    sha256: Mapped[str | None] = mapped_column(String(64))
+    verified: Mapped[bool | None] = mapped_column(Boolean)  # None: not checked (yet, or a state)
+    error: Mapped[str | None] = mapped_column(Text)
+    removed_at: Mapped[datetime | None] = mapped_column(UtcTimestamp)  # the trainer pruned it
+
+    __table_args__ = (
+        CheckConstraint("kind IN ('lora', 'state')", name="checkpoint_kind_valid"),
+        Index("ix_checkpoints_job_kind_path", "job_id", "kind", "path", unique=True),
+        {"sqlite_autoincrement": True},
+    )

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lora_worker.ledger import outbox
+from lora_worker.ledger.checkpoints import CheckpointRow, record_in as record_checkpoints_in
 # The ledger's clock and its text, re-exported: models and callers take them from here.
 from lora_worker.ledger.timestamps import iso_utc as iso_utc, parse_utc as parse_utc, utcnow as utcnow
 from lora_worker.states import TERMINAL_STATES, TRANSITIONS, FailureClass, JobState
@@ -170,12 +171,14 @@ PHASES_RECORDED_SQL = ("SELECT count(*) FROM job_events WHERE job_id = ? AND fro
 
 
 def update_running_in(db: Statements, job_id: int, points: Iterable[tuple[int, float | None, datetime]] = (),
-                      phases: Sequence[Any] = (), actor: str = "supervisor", **values: Any) -> bool:
+                      phases: Sequence[Any] = (), actor: str = "supervisor",
+                      checkpoints: Iterable[CheckpointRow] = (), **values: Any) -> bool:
     """Write progress (or identity) of a running job and its new loss points; False once it is not running.
 
     `phases` are all the phases the run has entered, in order (the parser's `Progress.phases`): those past
     the ones already recorded become events (running → running, "phase <name>"). A write that failed, or a
-    Slurm poller that re-read the log from its start, records none twice and misses none."""
+    Slurm poller that re-read the log from its start, records none twice and misses none. `checkpoints`: the
+    step LoRAs and states seen (ledger/checkpoints.py), in the same transaction."""
     columns = _checked(values)
     sql = _RUNNING_UPDATE_SQL.get(columns)
     if sql is None:
@@ -190,6 +193,7 @@ def update_running_in(db: Statements, job_id: int, points: Iterable[tuple[int, f
     rows = [(job_id, step, loss, iso_utc(at)) for step, loss, at in points]
     if rows:
         db.executemany(PROGRESS_POINT_SQL, rows)
+    record_checkpoints_in(db, job_id, checkpoints)
     entered = _record_phases(db, job_id, phases, actor)
     if before is not None and (subscription := outbox.Subscription.from_json(before[0])) is not None:
         outbox.emit_running(db, job_id, old_phase=before[1], values=values, subscription=subscription,

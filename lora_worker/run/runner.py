@@ -22,6 +22,7 @@ from lora_worker.host.processes import decode_wait_status
 from lora_worker.host import sandbox
 from lora_worker.ledger.statements import utcnow
 from lora_worker.ledger.supervisor import JobRecord, SupervisorLedger
+from lora_worker.transcript.checkpoints import Checkpoints
 from lora_worker.transcript.eta import EtaClock, estimate_tail
 from lora_worker.transcript.logfile import JobLog
 from lora_worker.transcript.ending import Reasons, ended, write_final
@@ -110,7 +111,7 @@ class JobRun:
         self._tail_learned = False
         self.reader = OutputReader(host, self.output)
         self.reporter = ProgressReporter(db, job.id, host, self.output, self.clock, settings.progress_interval_s,
-                                         on_lost=self._lost)
+                                         on_lost=self._lost, checkpoints=Checkpoints(job))
         self.watchdog = Watchdog(settings.stall_limits_s, host.monotonic())
         self.stopper = Stopper(host, self.output, settings.cancel_grace_s, job.id)
         self.requests = StopRequests(db, job.id, self.stopper)

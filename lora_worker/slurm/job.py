@@ -32,6 +32,7 @@ from lora_worker.slurm.sbatch import log_path, refused_outcome
 from lora_worker.slurm.scheduler import Scheduler, SlurmJob
 from lora_worker.slurm.states import Stage, settle, stage
 from lora_worker.states import FailureClass, JobState, Phase
+from lora_worker.transcript.checkpoints import Checkpoints
 from lora_worker.transcript.ending import Reasons, ended, write_final
 from lora_worker.transcript.eta import EtaClock
 from lora_worker.transcript.logfile import JobLog
@@ -73,7 +74,8 @@ class SlurmRun:
                          + (f", from byte {self.node_log.logged} on" if self.node_log.logged else ""))
         self.clock = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s)
         self.reporter = ProgressReporter(ledger, job.id, _Clock(monotonic), self.output, self.clock, 0.0,
-                                         on_lost=self._lost, started=self._started_at(job))
+                                         on_lost=self._lost, started=self._started_at(job),
+                                         checkpoints=Checkpoints(job))
         self.watchdog: Watchdog | None = None  # from the first cycle that sees the job run
         self.stop = StopSchedule(s.cancel_grace_s)
         self.plain_cancel: StopReason | None = None  # the plain scancel of a pending job, and why

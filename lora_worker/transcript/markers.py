@@ -24,6 +24,10 @@ MARKERS = re.compile(
     r"|(?P<caching_text_encoder_outputs>caching Text Encoder outputs(?:\.\.\.| with caching strategy\.)" + END + ")"
     r"|(?P<preparing_training>import network module: )"
     r"|(?P<saving>saving checkpoint: (?P<checkpoint>[^\r\n]*))"
+    r"|(?P<state_saved>saving state at step (?P<state_step>\d+)" + END + ")"
+    r"|(?P<last_state>saving last state\." + END + ")"
+    r"|(?P<removed_checkpoint>removing old checkpoint: (?P<removed_path>[^\r\n]*))"
+    r"|(?P<removed_state>removing old state: (?P<removed_state_path>[^\r\n]*))"
     r"|(?P<model_saved>model saved\." + END + ")"
     r"|(?P<total>total optimization steps[^:\r\n]*: (?P<total_steps>\d+)" + END + ")"
     r"|(?P<no_data>No data found\. Please verify arguments)"
@@ -53,6 +57,9 @@ LINE_PREFIX = re.compile(
 MARKER_SEARCH = re.compile(re.sub(r"\(\?P<\w+>", "(?:", MARKERS.pattern))
 PHASE_GROUPS = {p.value: p for p in (Phase.LOADING_MODEL, Phase.CACHING_LATENTS, Phase.CACHING_TEXT_ENCODER_OUTPUTS,
                                      Phase.PREPARING_TRAINING, Phase.SAVING)}
+# The saves a run announces (train_network.py save_model and remove_model, train_util.py's state savers): each
+# is kept, in order, as a `Save` (transcript/parser.py), for transcript/checkpoints.py to record and verify.
+SAVE_GROUPS = ("saving", "state_saved", "last_state", "removed_checkpoint", "removed_state")
 FLAG_GROUPS = ("model_saved", "no_data", "cuda_oom", "caption_invalid", "model_load_error", "tokenizer_missing",
                "invalid_arguments", "died", "inner_exit")
 # Where a marker can begin a message, found over a run of log lines in a few C-level passes instead of a regex
@@ -64,6 +71,7 @@ FLAG_GROUPS = ("model_saved", "no_data", "cuda_oom", "caption_invalid", "model_l
 MESSAGE_STARTS = (
     "loading model for process ", "load StableDiffusion checkpoint: ", "load Diffusers pretrained models",
     "caching latents", "caching Text Encoder outputs", "import network module: ", "saving checkpoint: ",
+    "saving state at step ", "saving last state.", "removing old checkpoint: ", "removing old state: ",
     "model saved.", "total optimization steps", "No data found. Please verify arguments", "torch.",
     "RuntimeError: CUDA ", "AssertionError: caption file is empty", "illegal char in file (not UTF-8)",
     "ValueError: ", "TypeError: expected str", "subprocess.CalledProcessError: Command ",
@@ -102,7 +110,7 @@ SMALL_RUN_CANDIDATE = re.compile(AFTER_NEWLINE.pattern + b"|" + AFTER_BAR.patter
 # Every string MARKERS matches holds one of these characters, and a redraw of the `steps` bar none: a run of
 # redraws without them cannot hold a marker (tests/transcript/test_parser.py walks MARKERS to keep this true). Looking
 # for them is a memchr each.
-MARKER_GUARD = "cdm"
+MARKER_GUARD = "cdmg"
 MARKER_GUARD_BYTES = tuple(c.encode() for c in MARKER_GUARD)
 
 

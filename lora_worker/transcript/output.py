@@ -32,6 +32,7 @@ class TrainerOutput:
         self.ansi = AnsiFilter()
         self.parser = Parser()
         self.changed = False  # the progress moved since the caller last cleared this
+        self.ended = False  # the output reached its end: every file the trainer wrote is complete or never will be
         # What the log wrote, newest last: byte blocks of whole lines, and our own notes. Decoded on demand.
         self._recent: deque[bytes | str] = deque()
         self._recent_bytes = 0
@@ -68,6 +69,7 @@ class TrainerOutput:
         if held := self.ansi.flush():
             self._take(held)
         self.changed |= self.parser.close()
+        self.ended = True
         self.joblog.end_of_output()
 
     def note(self, message: str) -> None:

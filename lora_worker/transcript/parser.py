@@ -28,6 +28,7 @@ from lora_worker.transcript.markers import (
     MARKER_SEARCH,
     MARKERS,
     PHASE_GROUPS,
+    SAVE_GROUPS,
     line_end,
     message_starts,
 )
@@ -37,6 +38,16 @@ ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
 ANSI_OPEN = re.compile(rb"\x1b(?:\[[0-9;?]*)?\Z")  # an escape the chunk cut: its end comes with the next chunk
 MAX_HELD_ESCAPE = 64
 MAX_PENDING = 64 * 1024  # a stream that never ends a segment must not grow without bound
+
+
+@dataclass(frozen=True)
+class Save:
+    """A save the trainer announced: `kind` is its marker's name (markers.SAVE_GROUPS), `text` its argument (a
+    path, a step), `redraws` how many `steps` redraws came before it (a later one means the save is done)."""
+
+    kind: str
+    text: str
+    redraws: int
 
 
 @dataclass
@@ -57,6 +68,8 @@ class Progress:
     nan_at: int | None = None  # the first step whose avr_loss was NaN: the run learns nothing from there on
     inner_exit: int | None = None  # the trainer's own exit status, from the launcher's message
     checkpoints: list[str] = field(default_factory=list)
+    saves: list[Save] = field(default_factory=list)  # every save line, in order
+    redraws: int = 0  # `steps` redraws applied so far
 
     def enter(self, phase: Phase) -> None:
         if phase is not self.phase:
@@ -202,6 +215,7 @@ class Parser:
             return
         self._last_bar = m[0]
         p = self.progress
+        p.redraws += 1
         p.step, p.total_steps = int(m[1]), int(m[2])
         p.eta_s = seconds(m[4])
         p.rate = rate(m[5], m[6])
@@ -217,7 +231,6 @@ class Parser:
             self._points[p.step] = p.loss
 
     def _scan_markers(self, text: str) -> None:
-        p = self.progress
         pos = 0
         while (hit := MARKER_SEARCH.search(text, pos)) is not None:
             start = hit.start()
@@ -230,30 +243,42 @@ class Parser:
             m = MARKERS.match(text, start)
             assert m is not None  # the same language: MARKER_SEARCH is MARKERS without names
             pos = line_end(text, m.end())  # the rest of the line is the marker's argument, never another one
-            kind = m.lastgroup
-            if kind in PHASE_GROUPS:
-                if "model_saved" not in p.flags:
-                    p.enter(PHASE_GROUPS[kind])
-                if kind == "saving":
-                    p.checkpoints.append(m["checkpoint"].strip())
-            elif kind == "total":
-                p.total_steps = int(m["total_steps"])
-            elif kind in FLAG_GROUPS:
-                p.flags.add(kind)
-                if kind == "model_saved":
-                    # The final save is done. Under rich logging without PYTHONUNBUFFERED its `saving
-                    # checkpoint:` print can reach the pipe after this line: the phase is `saving` either way.
-                    p.enter(Phase.SAVING)
-                elif kind == "died":
-                    p.signal = int(m["signum"])
-                elif kind == "inner_exit":
-                    p.inner_exit = int(m["inner_rc"])
+            self._apply_marker(m)
+
+    def _apply_marker(self, m: re.Match[str]) -> None:
+        p = self.progress
+        kind = m.lastgroup
+        if kind in SAVE_GROUPS:
+            arg = m["checkpoint"] or m["state_step"] or m["removed_path"] or m["removed_state_path"] or (
+                str(p.step) if kind == "last_state" else "")
+            p.saves.append(Save(str(kind), arg.strip(), p.redraws))
+        if kind in PHASE_GROUPS:
+            if "model_saved" not in p.flags:
+                p.enter(PHASE_GROUPS[kind])
+            if kind == "saving":
+                p.checkpoints.append(m["checkpoint"].strip())
+        elif kind == "total":
+            p.total_steps = int(m["total_steps"])
+        elif kind in FLAG_GROUPS:
+            self._flag(str(kind), m)
+
+    def _flag(self, kind: str, m: re.Match[str]) -> None:
+        p = self.progress
+        p.flags.add(kind)
+        if kind == "model_saved":
+            # The final save is done. Under rich logging without PYTHONUNBUFFERED its `saving
+            # checkpoint:` print can reach the pipe after this line: the phase is `saving` either way.
+            p.enter(Phase.SAVING)
+        elif kind == "died":
+            p.signal = int(m["signum"])
+        elif kind == "inner_exit":
+            p.inner_exit = int(m["inner_rc"])
 
     def _snapshot(self) -> tuple[object, ...]:
         p = self.progress
         loss = None if p.loss is None or math.isnan(p.loss) else p.loss
         return (p.phase, p.step, p.total_steps, loss, p.loss is not None and math.isnan(p.loss), p.rate,
-                p.eta_s, len(p.flags), len(p.checkpoints))
+                p.eta_s, len(p.flags), len(p.saves))
 
 def _first_break(data: bytes, last_cr: int, last_nl: int) -> int:
     """Where the first segment of `data` ends (its first \r or \n), given that it has one."""

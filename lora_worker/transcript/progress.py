@@ -14,7 +14,9 @@ from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Protocol
 
+from lora_worker.ledger.checkpoints import CheckpointRow
 from lora_worker.ledger.statements import utcnow
+from lora_worker.transcript.checkpoints import Checkpoints
 from lora_worker.transcript.eta import EtaClock
 from lora_worker.transcript.output import TrainerOutput
 from lora_worker.transcript.persist import FIRST_DELAY_S, MAX_DELAY_S, TRANSIENT
@@ -26,7 +28,7 @@ Point = tuple[int, float | None, datetime]
 
 class ProgressLedger(Protocol):
     def update_running(self, job_id: int, *, points: Iterable[Point] = (), phases: Sequence[Phase] = (),
-                       **values: object) -> bool:
+                       checkpoints: Iterable[CheckpointRow] = (), **values: object) -> bool:
         """Write progress of a running job; False once it is no longer running."""
 
 
@@ -40,7 +42,8 @@ class ProgressReporter:
     """`on_lost` is called when the ledger says the job is no longer running (someone else ended it)."""
 
     def __init__(self, db: ProgressLedger, job_id: int, host: Clock, output: TrainerOutput, clock: EtaClock,
-                 interval_s: float, on_lost: Callable[[], None], started: float | None = None) -> None:
+                 interval_s: float, on_lost: Callable[[], None], started: float | None = None,
+                 checkpoints: Checkpoints | None = None) -> None:
         self.db = db
         self.job_id = job_id
         self.host = host
@@ -53,6 +56,8 @@ class ProgressReporter:
         self.pending_points: dict[int, float | None] = {}
         self.pending_values: dict[str, object] = {}  # written with the next progress write that lands
         self.training_at: datetime | None = None
+        self.checkpoints = checkpoints  # the step LoRAs and states: recorded (and verified) with the progress
+        self.pending_checkpoints: dict[tuple[str, str], CheckpointRow] = {}
 
     def keep(self, **values: object) -> None:
         """Values to write with the next write that lands, however many fail before it."""
@@ -67,16 +72,24 @@ class ProgressReporter:
             self.pending_points[step] = loss
         if self.clock.moves():
             self.output.changed = True  # the ETA counts down with the clock, output or not
-        pending = self.output.changed or self.pending_points or self.pending_values
+        self._take_checkpoints()
+        pending = self.output.changed or self.pending_points or self.pending_values or self.pending_checkpoints
         if not pending or (not force and not self.due(self.host.monotonic())):
             return True
         at = utcnow()
         points = [(step, finite(loss), at) for step, loss in sorted(self.pending_points.items())]
-        if not self.write(points=points, **self._values(at)):
+        if not self.write(points=points, checkpoints=list(self.pending_checkpoints.values()), **self._values(at)):
             return False
         self.pending_points.clear()
+        self.pending_checkpoints.clear()
         self.output.changed = False
         return True
+
+    def _take_checkpoints(self) -> None:
+        """The saves seen since the last flush, written with it (the step LoRAs now complete verified first)."""
+        if self.checkpoints is not None:
+            for row in self.checkpoints.take(self.output.progress, ended=self.output.ended):
+                self.pending_checkpoints[(row.kind, row.path)] = row
 
     def flush_until_taken(self) -> None:
         """The last loss points land before the terminal state does."""
@@ -85,12 +98,13 @@ class ProgressReporter:
             self.host.sleep(delay)
             delay = min(delay * 2, MAX_DELAY_S)
 
-    def write(self, points: list[Point] | None = None, **values: object) -> bool:
+    def write(self, points: list[Point] | None = None, checkpoints: Sequence[CheckpointRow] = (),
+              **values: object) -> bool:
         self.last_write = self.host.monotonic()
         phases = self.output.progress.phases  # every phase entered: the ledger records those it has not yet
         try:
-            if not self.db.update_running(self.job_id, points=points or (), phases=phases, **self.pending_values,
-                                          **values):
+            if not self.db.update_running(self.job_id, points=points or (), phases=phases, checkpoints=checkpoints,
+                                          **self.pending_values, **values):
                 self.on_lost()
             self.pending_values = {}
             return True

@@ -109,6 +109,27 @@ class AcceptedRequestSchema(Schema):
         "description": f"as in effect: {DEFAULT_LORA_TARGETS} when the request left it out"})
 
 
+class CheckpointSchema(Schema):
+    """A step LoRA the trainer wrote and still keeps (`<output_name>-step%08d.safetensors`)."""
+
+    step = fields.Integer(metadata={"description": "the optimizer step the trainer saved it at (its name's)"})
+    path = fields.String()
+    bytes = fields.Integer(allow_none=True)
+    sha256 = fields.String(allow_none=True, metadata={"description": "of the file that verified; null otherwise"})
+    verified = fields.Boolean(allow_none=True, metadata={
+        "description": "checked as the final LoRA is (header, rank, dtype, name, seed, steps) and its ss_steps "
+                       "equal to `step`; null until the trainer has moved on past its save"})
+    error = fields.String(allow_none=True, metadata={"description": "why it did not verify"})
+
+
+class StepLoras(fields.List):  # type: ignore[type-arg]
+    """The job's step LoRAs from its `checkpoints` rows: the states and the ones the trainer removed left out."""
+
+    def _serialize(self, value: Any, attr: str | None, obj: Any, **kwargs: Any) -> list[Any] | None:
+        kept = [c for c in value or () if c.kind == "lora" and c.removed_at is None]
+        return super()._serialize(sorted(kept, key=lambda c: c.step), attr, obj, **kwargs)
+
+
 class JobSchema(Schema):
     """A job as `GET /train/<id>` shows it."""
 
@@ -133,6 +154,10 @@ class JobSchema(Schema):
                        "verification included; counts down between steps; null unless queued or running "
                        "(and before training, when no similar job has finished yet)"})
     lora_path = fields.String(allow_none=True)
+    checkpoints = StepLoras(fields.Nested(CheckpointSchema), dump_only=True, metadata={
+        "description": "the step LoRAs the trainer keeps (one, the newest: it saves one every few hundred steps "
+                       "and removes the older), each verified once written; never the job's result, which is "
+                       "`lora_path` alone"})
     error = fields.String(allow_none=True)
     failure_class = fields.String(allow_none=True)
     exit_code = fields.Integer(allow_none=True)

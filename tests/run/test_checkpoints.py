@@ -1,0 +1,77 @@
+"""Step checkpoints through the real local supervisor and the fake trainer (tier fast: 400 steps, a step LoRA and
+a state every 150, one of each kept): each one recorded, each step LoRA verified, listed on GET /train/<id>, never
+taken for the job's result."""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import wait_for
+from tests.helpers.runs import TERMINAL, job, modes, recorded, submit, wait_state
+
+pytestmark = pytest.mark.slow
+
+
+def rows(host, job_id: int) -> list[tuple]:
+    conn = sqlite3.connect(host.settings.database_path)
+    try:
+        return conn.execute("SELECT kind, step, path, verified, error, removed_at IS NOT NULL FROM checkpoints "
+                            "WHERE job_id = ? ORDER BY kind, step, path", (job_id,)).fetchall()
+    finally:
+        conn.close()
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_each_save_is_recorded_and_the_kept_step_lora_is_verified_and_listed(client, host):
+    modes(host)
+    job_id = submit(client, host)
+    done = wait_state(client, job_id, *TERMINAL)
+    assert done["status"] == "succeeded", done
+    out = host.dataset.parent / "output"
+    kept = out / "ohwx_lora-step00000300.safetensors"
+    assert done["checkpoints"] == [{"step": 300, "path": str(kept), "bytes": kept.stat().st_size,
+                                    "sha256": sha256(kept), "verified": True, "error": None}]
+    assert done["lora_path"] == str(out / "ohwx_lora.safetensors")  # the final one, never a step LoRA
+    recorded_rows = rows(host, job_id)
+    lora150, lora300, state150, state300, end_state = recorded_rows
+    # the trainer removed the older LoRA and state: marked removed, and never a failed verification
+    assert lora150[:3] == ("lora", 150, str(out / "ohwx_lora-step00000150.safetensors")) and lora150[5] == 1
+    assert lora150[3] in (1, None) and lora150[4] is None
+    assert lora300 == ("lora", 300, str(kept), 1, None, 0)
+    assert state150 == ("state", 150, str(out / "ohwx_lora-step00000150-state"), None, None, 1)
+    assert state300 == ("state", 300, str(out / "ohwx_lora-step00000300-state"), None, None, 0)
+    assert end_state == ("state", 400, str(out / "ohwx_lora-state"), None, None, 0)
+    assert (out / "ohwx_lora-step00000300-state" / "train_state.json").is_file()
+
+
+def test_a_run_killed_after_a_step_save_fails_and_keeps_its_verified_step_lora(client, host):
+    release = host.root / "release"
+    modes(host, hold_at_step=200, release_file=str(release))
+    job_id = submit(client, host)
+    rec = recorded(host)
+    listed = wait_for(lambda: (j := job(client, job_id))["checkpoints"] and j["checkpoints"][0]["verified"] is not None
+                      and j, what="the step LoRA verified")
+    assert [(c["step"], c["verified"]) for c in listed["checkpoints"]] == [(150, True)]
+    os.kill(rec["pid"], signal.SIGKILL)
+    done = wait_state(client, job_id, *TERMINAL)
+    assert (done["status"], done["failure_class"], done["lora_path"]) == ("failed", "killed_by_signal", None)
+    assert [(c["step"], c["verified"]) for c in done["checkpoints"]] == [(150, True)]
+    assert not (host.dataset.parent / "output" / "ohwx_lora.safetensors").exists()
+
+
+def test_a_step_lora_that_fails_verification_is_listed_so_and_the_job_succeeds(client, host):
+    modes(host, metadata_overrides={"ss_steps": "7"})  # the final LoRA's ss_steps is not held to a step
+    job_id = submit(client, host)
+    done = wait_state(client, job_id, *TERMINAL)
+    assert done["status"] == "succeeded", done
+    [listed] = done["checkpoints"]
+    assert (listed["step"], listed["verified"], listed["sha256"]) == (300, False, None)
+    assert listed["error"] == "ss_steps '7' instead of 300"

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import real_trainer
 
-pytestmark = [pytest.mark.rig, pytest.mark.slow]
+pytestmark = [pytest.mark.rig, pytest.mark.slow, pytest.mark.timeout(900)]
 
 RIG = os.environ.get("LW_RIG_DIR")
 STATE_FILES = ["model.safetensors", "optimizer.bin", "random_states_0.pkl", "scheduler.bin", "train_state.json"]

@@ -15,6 +15,7 @@ NOT_A_PACKAGE = {
     "helpers": "what the tests share (no tests)",
     "fakes": "the fake trainer, a program (no tests)",
     "data": "captures of real runs (no tests)",
+    "rig": "the real sd-scripts on the CPU rig (opt-in: LW_RIG_DIR)",
 }
 
 

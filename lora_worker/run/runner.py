@@ -104,9 +104,10 @@ class JobRun:
         self.db = db
         self.host = host
         self.joblog = joblog  # opened before the job was `running` (run/jobfiles.py)
-        self.output = TrainerOutput(self.joblog, self._on_output)
+        self.output = TrainerOutput(self.joblog, self._on_output, step_offset=job.resume_step)
         # The tail (save and teardown after the last step) is learned from the history once the trainer runs.
-        self.clock = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s)
+        self.clock = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s,
+                              first_step=job.resume_step)
         self._tail_learned = False
         self.reader = OutputReader(host, self.output)
         self.reporter = ProgressReporter(db, job.id, host, self.output, self.clock, settings.progress_interval_s,

@@ -66,12 +66,13 @@ class SlurmRun:
         s = settings
         make = ResumedLog if resumed(s.log_dir, job.id) else JobLog
         self.output = TrainerOutput(make(s.log_dir, job.id, head_bytes=s.log_head_bytes, tail_bytes=s.log_tail_bytes),
-                                    self._saw_output)
+                                    self._saw_output, step_offset=job.resume_step)
         self.node_log = NodeLog(s, job.id, self.output)
         self.output.note(f"job {job.id} on Slurm (job {job.slurm_job_id or 'not submitted yet'}); its output as the "
                          f"node wrote it: {log_path(s, job.id)}"
                          + (f", from byte {self.node_log.logged} on" if self.node_log.logged else ""))
-        self.clock = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s)
+        self.clock = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s,
+                              first_step=job.resume_step)
         self.reporter = ProgressReporter(ledger, job.id, _Clock(monotonic), self.output, self.clock, 0.0,
                                          on_lost=self._lost, started=self._started_at(job))
         self.watchdog: Watchdog | None = None  # from the first cycle that sees the job run

@@ -171,7 +171,8 @@ def _check_numbering(job: Job, check: StateCheck, saved: set[int]) -> None:
     per_epoch = steps_per_epoch_at_least(job)
     if per_epoch is None or check.step >= per_epoch:
         check.refuse("state_past_first_epoch", f"step {check.step} is not inside the first epoch (at least "
-                     f"{per_epoch} steps: {job.image_count} images × {job.repeats} repeats); sd-scripts would "
+                     f"{per_epoch} steps: {job.image_count} images × {job.repeats} repeats / batch size "
+                     f"{fp.batch_size_of(job.argv)}); sd-scripts would "
                      "number the resumed steps from that epoch's start")
     if check.step >= job.total_steps:
         check.refuse("state_at_last_step", f"step {check.step} is the last step: nothing is left to train")

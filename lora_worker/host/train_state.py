@@ -118,6 +118,8 @@ def _check_files(dir_fd: int, check: StateCheck, rank: int, clock: Callable[[], 
     _check_model(dir_fd, check, rank)
     budget = _Budget(clock() + MAX_CHECK_S, MAX_ARCHIVE_BYTES, clock)
     for name in (*ARCHIVES, *(a for a in OPTIONAL_ARCHIVES if a in entries)):
+        if check.problems:
+            break  # refused already: the rest of its bytes need not be read
         _check_archive(dir_fd, name, check, budget)
 
 

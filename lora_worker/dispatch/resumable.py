@@ -23,6 +23,7 @@ from lora_worker.dispatch import refingerprint as fp
 from lora_worker.host import fs
 from lora_worker.host.train_state import Problem, StateCheck, check_state, find_states
 from lora_worker.ledger import repository as repo
+from lora_worker.ledger import resumes
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job
 from lora_worker.states import ACTIVE_STATES, FailureClass, JobState
@@ -97,7 +98,7 @@ def ending_problems(db: Database, job: Job) -> list[Problem]:
     if job.failure_class is None or not ENDINGS.get(FailureClass(job.failure_class), False):
         return [Problem("failure_recurs", f"job {job.id} failed with {job.failure_class}, which a resume would "
                         "meet again")]
-    if (later := repo.resume_of(db, job.id)) is not None:
+    if (later := resumes.resume_of(db, job.id)) is not None:
         return [Problem("already_resumed", f"job {job.id} was resumed as job {later.id}")]
     return []
 

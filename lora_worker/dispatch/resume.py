@@ -21,6 +21,7 @@ from lora_worker.dispatch.resumable import Verdict, verdict
 from lora_worker.errors import JobActive, NotResumable
 from lora_worker.host import fs, kohya
 from lora_worker.ledger import repository as repo
+from lora_worker.ledger import resumes
 from lora_worker.ledger.models import Job
 from lora_worker.transcript.eta import estimate_resume
 
@@ -66,7 +67,7 @@ def _create(dispatcher: Dispatcher, job_id: int, idempotency_key: str | None, di
     }
     output_id = str(fs.identity_of_dir(original.output_dir))
     job = dispatcher.launch(columns, Path(original.output_dir), output_id=output_id)
-    repo.note(dispatcher.db, original.id, actor=actor,
+    resumes.note(dispatcher.db, original.id, actor=actor,
               reason=f"resumed as job {job.id} from step {found.from_step} ({found.state})")
     return job
 
@@ -88,7 +89,7 @@ def refuse(dispatcher: Dispatcher, original: Job, found: Verdict) -> None:
                         active_job_id=original.id)
     details: dict[str, Any] = {"reasons": found.as_dict()["reasons"]}
     if any(p.code == "already_resumed" for p in found.reasons) and (
-            later := repo.resume_of(dispatcher.db, original.id)) is not None:
+            later := resumes.resume_of(dispatcher.db, original.id)) is not None:
         details["resumed_by"] = later.id
     raise NotResumable(f"Job {original.id} cannot be resumed: " + "; ".join(p.message for p in found.reasons[:3]),
                        job_id=original.id, **details)

@@ -78,12 +78,6 @@ def find_job(db: Database, job_id: int) -> Job | None:
         return s.get(Job, job_id)
 
 
-def resume_of(db: Database, job_id: int) -> Job | None:
-    """The job that resumed `job_id` (migration 0014 `resumed_from`), if one did."""
-    with db.read() as s:
-        return s.scalars(select(Job).where(Job.resumed_from == job_id).order_by(Job.id)).first()
-
-
 def find_by_idempotency_key(db: Database, key: str) -> Job | None:
     with db.read() as s:
         return s.scalars(select(Job).where(Job.idempotency_key == key)).first()
@@ -165,14 +159,6 @@ def list_jobs(db: Database, *, status: Sequence[str] = (), limit: int = 50,
 def job_events(db: Database, job_id: int) -> list[JobEvent]:
     with db.read() as s:
         return list(s.scalars(select(JobEvent).where(JobEvent.job_id == job_id).order_by(JobEvent.id)))
-
-
-def note(db: Database, job_id: int, *, actor: str, reason: str) -> None:
-    """An event of the job that changes no state (a resume of it started, reconcile found it resumable)."""
-    with db.write() as s:
-        job = s.get(Job, job_id)
-        if job is not None:
-            _event(s, job_id, JobState(job.status), JobState(job.status), actor, reason)
 
 
 def transition(db: Database, job_id: int, to: JobState, *, actor: str, reason: str | None = None,

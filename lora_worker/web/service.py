@@ -18,7 +18,7 @@ from lora_worker.errors import EventNotFound, JobGone, JobNotFound, LogUnreadabl
 from lora_worker.host import fs, sandbox
 from lora_worker.host.nvml import Nvml
 from lora_worker.web.gpu_status import gpu_status
-from lora_worker.dispatch import resumable, resume
+from lora_worker.dispatch import auto_resume, resumable, resume
 from lora_worker.dispatch.dispatcher import Dispatcher
 from lora_worker.dispatch.readiness import DeepHealth
 from lora_worker.dispatch.request import TrainRequest
@@ -243,6 +243,7 @@ class Worker:
 
     def reconcile_active(self) -> None:
         reconcile(self.db, self.settings, actor="api", backend=self.backend)
+        auto_resume.follow_up(self.dispatcher)  # a job a reboot cut off: resumed once, or marked resumable
 
     def reconcile_if_due(self) -> bool:
         """Reconcile unless one ran in the last RECONCILE_MIN_GAP_S (or is running now); whether it ran."""

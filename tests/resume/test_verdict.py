@@ -194,7 +194,8 @@ def test_another_batch_size_is_refused(db, settings, job_id):
     interrupted(db, settings, job_id)
     job = repo.get_job(db, job_id)
     device = settings.devices[job.device_index]
-    bigger = {**settings.devices, job.device_index: dataclasses.replace(device, train_batch_size=device.train_batch_size + 1)}
+    more = dataclasses.replace(device, train_batch_size=device.train_batch_size + 1)
+    bigger = {**settings.devices, job.device_index: more}
     found = check(db, settings.with_overrides(devices=bigger), job_id)
     assert "fingerprint_batch_size" in codes(found) and "fingerprint_argv" in codes(found)
 

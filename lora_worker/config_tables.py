@@ -89,8 +89,26 @@ TRAINER_KINDS = ("sd-scripts", "simulated")
 SIMULATED = "simulated"
 SIMULATED_ENV = "LORA_WORKER_TRAINER_KIND"
 
-# Free space the output volume needs: the final LoRA (float32, dim 32: ~0.35 GB) plus headroom.
+# Free space the output volume needs beyond the step checkpoints: the final LoRA (float32, dim 32: ~0.35 GB) plus
+# headroom. The preflight adds what the checkpoints take at their peak (dispatch/disk.py `checkpoint_mib`).
 DEFAULT_DISK_MIB: Mapping[str, int] = MappingProxyType({"fast": 1024, "balanced": 2048, "quality": 2048})
+
+# Step checkpoints, always on: every SAVE_EVERY_N_STEPS[tier] optimizer steps sd-scripts writes a step LoRA
+# `<name>-step%08d.safetensors` and a state `<name>-step%08d-state/` (--save_state), the state a crashed run
+# resumes from. About one every 5 (fast) to 25 (quality) minutes of training on the cards, a few seconds each.
+# None is a divisor of its tier's steps: a save at the last step would write the weights a third time, beside the
+# end state (`<name>-state/`, which --save_state also writes) and the final LoRA.
+SAVE_EVERY_N_STEPS: Mapping[str, int] = MappingProxyType({"fast": 150, "balanced": 400, "quality": 400})
+# How many of each the trainer keeps (the rest it removes, `removing old …`). One state: the newest is the one a
+# resume wants, and sd-scripts removes the older only once the newer is written, so a crash mid-save still leaves
+# a whole one. One step LoRA, for the same reason: it is the crash's usable result; the tier fixes the steps, so
+# there is no choosing among checkpoints to serve, and each kept costs 85-170 MB.
+STATES_KEPT = 1
+STEP_LORAS_KEPT = 1
+# On disk, per network_dim (MiB, rounded up): a state in AdamW8bit (model.safetensors in float32, optimizer.bin,
+# the scheduler and RNG states) and a step LoRA in --save_precision fp16.
+STATE_MIB: Mapping[int, int] = MappingProxyType({16: 257, 32: 513})
+STEP_LORA_MIB: Mapping[int, int] = MappingProxyType({16: 85, 32: 170})
 
 # How long each phase may stay silent before the watchdog calls the job stalled. Model loading and caching
 # are long and quiet on a cold disk; a training step on either card is seconds.

@@ -8,11 +8,13 @@ no key ever comes from the request. `shlex.join` is for display only; nothing he
 from __future__ import annotations
 
 from lora_worker.config import LORA_TARGET_PRESETS, SDXL_HPARAMS, Settings
+from lora_worker.config_tables import SAVE_EVERY_N_STEPS, STATES_KEPT, STEP_LORAS_KEPT
 from lora_worker.dispatch.request import ResolvedRequest
 
 # Constant switches of the lean SDXL recipe: U-Net only, latents and text-encoder outputs cached in memory
 # (the TE cache requires --network_train_unet_only), gradient checkpointing, SDPA attention, and logs as
-# plain lines on stdout (--console_log_simple) so the parser sees one record per line.
+# plain lines on stdout (--console_log_simple) so the parser sees one record per line. --save_state: a state
+# beside each step LoRA (and one at the end), so a run that dies can be resumed.
 SCRIPT_FLAGS: tuple[str, ...] = (
     "--network_train_unet_only",
     "--cache_latents",
@@ -22,6 +24,7 @@ SCRIPT_FLAGS: tuple[str, ...] = (
     "--enable_bucket",
     "--bucket_no_upscale",
     "--console_log_simple",
+    "--save_state",
 )
 
 # Every key a `--key=value` token may carry, in the order they are emitted.
@@ -47,6 +50,9 @@ SCRIPT_KEYS: tuple[str, ...] = (
     "noise_offset",
     "max_grad_norm",
     "max_train_steps",
+    "save_every_n_steps",
+    "save_last_n_steps",
+    "save_last_n_steps_state",
     "train_batch_size",
     "max_data_loader_n_workers",
     "seed",
@@ -101,11 +107,28 @@ def script_args(req: ResolvedRequest, settings: Settings) -> list[tuple[str, str
         "noise_offset": SDXL_HPARAMS["noise_offset"],
         "max_grad_norm": max_grad_norm,
         "max_train_steps": str(lora.steps),
+        "save_every_n_steps": str(SAVE_EVERY_N_STEPS[req.tier.name]),
+        "save_last_n_steps": str(keep_last(STEP_LORAS_KEPT, SAVE_EVERY_N_STEPS[req.tier.name])),
+        "save_last_n_steps_state": str(keep_last(STATES_KEPT, SAVE_EVERY_N_STEPS[req.tier.name])),
         "train_batch_size": str(batch_size),
         "max_data_loader_n_workers": SDXL_HPARAMS["max_data_loader_n_workers"],
         "seed": str(req.seed),
     }
     return [(key, value) for key in SCRIPT_KEYS if (value := values[key]) is not None]
+
+
+def keep_last(kept: int, every: int) -> int:
+    """The --save_last_n_steps(_state) value that keeps exactly the newest `kept` saves of every `every` steps.
+
+    The value is a number of steps, not of files: at a save at step s, sd-scripts (train_util
+    get_remove_step_no, save_and_remove_state_stepwise) removes the save at r = s - value - 1, rounded down to
+    a multiple of `every`. Removing s - kept * every (the save before the kept ones) takes a value in
+    [(kept - 1) * every, kept * every - 1]; (kept - 1) * every + 1 is in it for every >= 2, and never 0 (which
+    --save_last_n_steps_state reads as unset, falling back to --save_last_n_steps).
+    """
+    if kept < 1 or every < 2:
+        raise ValueError(f"cannot keep {kept} saves of every {every} steps")
+    return (kept - 1) * every + 1
 
 
 def build_argv(req: ResolvedRequest, settings: Settings) -> list[str]:

@@ -4,7 +4,21 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from lora_worker.config_tables import STATE_MIB, STATES_KEPT, STEP_LORA_MIB, STEP_LORAS_KEPT
 from lora_worker.errors import InsufficientDisk
+
+
+def checkpoint_mib(network_dim: int) -> int:
+    """What the step checkpoints hold at their peak. sd-scripts writes a new step LoRA and state before it removes
+    the old ones (train_network.py: save_model, then save_and_remove_state_stepwise, then remove_model), so each
+    kind has one more than it keeps while a save runs; at the end it writes the end state `<name>-state/` beside
+    the kept step state (and then the final LoRA, which `disk_mib` counts), again one state more than kept."""
+    return (STATES_KEPT + 1) * STATE_MIB[network_dim] + (STEP_LORAS_KEPT + 1) * STEP_LORA_MIB[network_dim]
+
+
+def required_mib(disk_mib: int, network_dim: int) -> int:
+    """The tier's `disk_mib` (the final LoRA and headroom) and its checkpoints."""
+    return disk_mib + checkpoint_mib(network_dim)
 
 
 def require_free_space(path: Path, need_mib: int) -> None:

@@ -19,12 +19,12 @@ from typing import Any
 
 import sqlalchemy.exc
 
-from lora_worker.config import Settings
+from lora_worker.config import TIERS, Settings
 from lora_worker.dispatch import paths
 from lora_worker.dispatch.admission import admit
 from lora_worker.dispatch.argv import build_argv, build_env
 from lora_worker.dispatch.dataset import DatasetManifest, inspect_dataset
-from lora_worker.dispatch.disk import require_free_space
+from lora_worker.dispatch.disk import require_free_space, required_mib
 from lora_worker.dispatch.model import check_base_model
 from lora_worker.dispatch.refingerprint import model_identity
 from lora_worker.dispatch.request import (ResolvedRequest, TrainRequest, check_device, resolve_request,
@@ -113,7 +113,7 @@ class Dispatcher:
             require_sandbox(self.settings)
             require_namespaces(self.settings)  # probed once (at start-up): bwrap can make them here
             admit(tier, device_index, self.settings, self.nvml)
-        require_free_space(output_dir, self.settings.disk_mib[tier])
+        require_free_space(output_dir, required_mib(self.settings.disk_mib[tier], TIERS[tier].network_dim))
 
     def launch(self, columns: dict[str, Any], output_dir: Path, *, output_id: str | None = None) -> Job:
         """INSERT the row and launch it on the backend: the one way a job starts. `output_id`: the identity of an

@@ -1,7 +1,10 @@
 """The fixed command: golden argv for every tier x device, the env allow-list, and no argument injection."""
 from __future__ import annotations
 
+import json
+import os
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -9,8 +12,10 @@ from hypothesis import given, settings as hsettings, strategies as st
 
 from lora_worker.web.schemas.job import OUTPUT_NAME, SUBJECT_CLASS, TRIGGER
 from lora_worker.config import DEFAULT_DEVICES, LORA_TARGET_PRESETS, TIERS, Settings
-from lora_worker.dispatch.argv import ENV_KEYS, SCRIPT_FLAGS, SCRIPT_KEYS, build_argv, build_env
+from lora_worker.config_tables import SAVE_EVERY_N_STEPS
+from lora_worker.dispatch.argv import ENV_KEYS, SCRIPT_FLAGS, SCRIPT_KEYS, build_argv, build_env, keep_last
 from lora_worker.dispatch.request import ResolvedRequest, TrainRequest, resolve_request
+from tests.helpers.fake_trainer import load_fake_trainer
 
 SETTINGS = Settings(accelerate=Path("/opt/fluxgym/.venv/bin/accelerate"),
                     sd_scripts_dir=Path("/opt/fluxgym/sd-scripts"), tokenizer_cache_dir=Path("/opt/fluxgym/tokenizers"),
@@ -28,7 +33,7 @@ def request(**overrides: object) -> ResolvedRequest:
     return resolve_request(raw, train_id="t1", **{k: Path(str(values[k])) for k in PATHS})
 
 
-def golden(steps: int, dim: int, res: int, batch: int, extra: str = "") -> str:
+def golden(steps: int, dim: int, res: int, batch: int, extra: str = "", every: int = 150) -> str:
     return (
         "/opt/fluxgym/.venv/bin/accelerate launch --num_processes=1 --num_machines=1 --mixed_precision=bf16 "
         "--dynamo_backend=no --num_cpu_threads_per_process=4 /opt/fluxgym/sd-scripts/sdxl_train_network.py "
@@ -39,18 +44,19 @@ def golden(steps: int, dim: int, res: int, batch: int, extra: str = "") -> str:
         f"--caption_extension=.txt --resolution={res} --network_module=networks.lora --network_dim={dim} "
         f"--network_alpha={dim} {extra}--mixed_precision=bf16 --learning_rate=1e-4 --lr_scheduler=cosine "
         "--optimizer_type=AdamW8bit --min_snr_gamma=5 --noise_offset=0.1 --max_grad_norm=1.0 "
-        f"--max_train_steps={steps} --train_batch_size={batch} --max_data_loader_n_workers=0 --seed=42 "
+        f"--max_train_steps={steps} --save_every_n_steps={every} --save_last_n_steps=1 --save_last_n_steps_state=1 "
+        f"--train_batch_size={batch} --max_data_loader_n_workers=0 --seed=42 "
         "--network_train_unet_only --cache_latents --cache_text_encoder_outputs --gradient_checkpointing --sdpa "
-        "--enable_bucket --bucket_no_upscale --console_log_simple"
+        "--enable_bucket --bucket_no_upscale --console_log_simple --save_state"
     )
 
 
 @pytest.mark.parametrize("tier, device, expected", [
     ("fast", 0, golden(400, 16, 768, 1)),
-    ("balanced", 0, golden(1500, 32, 768, 1)),
+    ("balanced", 0, golden(1500, 32, 768, 1, every=400)),
     ("fast", 1, golden(400, 16, 768, 2)),
-    ("balanced", 1, golden(1500, 32, 768, 2)),
-    ("quality", 1, golden(3000, 32, 1024, 2)),
+    ("balanced", 1, golden(1500, 32, 768, 2, every=400)),
+    ("quality", 1, golden(3000, 32, 1024, 2, every=400)),
 ])
 def test_golden_argv_for_every_allowed_tier_and_device(tier, device, expected):
     assert tier in DEFAULT_DEVICES[device].tiers
@@ -131,3 +137,88 @@ def test_the_trainer_is_told_exactly_what_its_lora_is_held_to(tier):
     assert (tokens["output_name"], int(tokens["seed"])) == (req.expected.output_name, req.expected.seed)
     assert Path(tokens["output_dir"]) / f"{tokens['output_name']}.safetensors" == req.lora_file
     assert SAVED_DTYPE[tokens.get("save_precision")] == req.expected.dtype
+
+
+# -- step checkpoints ---------------------------------------------------------------------------------------------
+
+def kept_after_each_save(every: int, value: int, saves: int, state: bool) -> list[list[int]]:
+    """The step numbers left on disk after each save, by sd-scripts' own arithmetic (train_util.py at 48d368fa:
+    get_remove_step_no for step LoRAs, save_and_remove_state_stepwise for states), written out here."""
+    present: list[int] = []
+    history = []
+    for step in range(every, every * saves + 1, every):
+        present.append(step)
+        remove = step - value - 1
+        remove -= remove % every
+        if (remove > 0) if state else (remove >= 0):
+            present = [s for s in present if s != remove]
+        history.append(list(present))
+    return history
+
+
+@pytest.mark.parametrize("every", [2, 3, 150, 400])
+@pytest.mark.parametrize("kept", [1, 2, 3])
+def test_the_last_n_values_keep_exactly_that_many_saves(every, kept):
+    value = keep_last(kept, every)
+    for state in (True, False):
+        history = kept_after_each_save(every, value, saves=8, state=state)
+        assert [len(h) for h in history] == [min(i + 1, kept) for i in range(8)]
+        assert history[-1] == [every * s for s in range(9 - kept, 9)]  # the newest ones
+
+
+def test_keeping_one_of_every_step_is_refused():
+    with pytest.raises(ValueError):
+        keep_last(1, 1)  # value 1 would remove nothing at all: s - 2 rounded to a multiple of 1 is s - 2
+
+
+@pytest.mark.parametrize("tier", list(TIERS))
+def test_every_tier_saves_a_state_and_a_step_lora_and_keeps_one_of_each(tier):
+    req = request(tier=tier, device_index=1)
+    argv = build_argv(req, SETTINGS)
+    tokens = dict(t[2:].split("=", 1) for t in argv if t.startswith("--") and "=" in t)
+    every = int(tokens["save_every_n_steps"])
+    assert "--save_state" in argv and every == SAVE_EVERY_N_STEPS[tier]
+    assert 2 <= every < req.expected.steps
+    # no save at the last step: its weights would be written a third time, beside the end state and the final
+    assert req.expected.steps % every != 0
+    for key, state in (("save_last_n_steps", False), ("save_last_n_steps_state", True)):
+        history = kept_after_each_save(every, int(tokens[key]), saves=req.expected.steps // every, state=state)
+        assert all(len(h) == 1 for h in history)
+
+
+def test_the_fixed_argv_is_accepted_by_the_trainers_parser():
+    """Every key and flag of the fixed argv is one sd-scripts' parser knows, with a value it takes: the fake's
+    parser is a double of sd-scripts' own (tests/fakes; held to the real flag names), and an unknown flag or a bad
+    value is argparse's exit 2. With LW_RIG pointing at the real trainer's rig, its own parser is asked too."""
+    fake = load_fake_trainer()
+    for tier, device in [("fast", 0), ("balanced", 1), ("quality", 1)]:
+        argv = build_argv(request(tier=tier, device_index=device), SETTINGS)
+        script_args = argv[argv.index(str(SETTINGS.train_script)) + 1:]
+        args = fake.setup_parser().parse_args(script_args)
+        assert args.save_state and args.save_every_n_steps == SAVE_EVERY_N_STEPS[tier]
+        assert args.save_last_n_steps == 1 and args.save_last_n_steps_state == 1
+
+
+RIG = os.environ.get("LW_RIG")  # the real trainer's rig (../shared/rig); CI has none
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not RIG, reason="LW_RIG names no rig of the real trainer")
+def test_the_fixed_argv_is_accepted_by_the_real_trainers_parser():
+    """sd-scripts' own setup_parser (the pinned commit, in the rig's venv) parses every tier's script args."""
+    rig = Path(str(RIG))
+    cases = {}
+    for tier, device in [("fast", 0), ("balanced", 1), ("quality", 1)]:
+        argv = build_argv(request(tier=tier, device_index=device), SETTINGS)
+        cases[tier] = argv[argv.index(str(SETTINGS.train_script)) + 1:]
+    probe = ("import json, sys; import sdxl_train_network as t; cases = json.loads(sys.argv[1]); "
+             "out = {k: vars(t.setup_parser().parse_args(v)) for k, v in cases.items()}; "
+             "print(json.dumps({k: {n: a[n] for n in ('save_state', 'save_every_n_steps', 'save_last_n_steps', "
+             "'save_last_n_steps_state')} for k, a in out.items()}))")
+    done = subprocess.run([str(rig / "venv" / "bin" / "python"), "-c", probe, json.dumps(cases)],
+                          cwd=rig / "sd-scripts", capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    parsed = json.loads(done.stdout.strip().splitlines()[-1])
+    for tier in cases:
+        assert parsed[tier] == {"save_state": True, "save_every_n_steps": SAVE_EVERY_N_STEPS[tier],
+                                "save_last_n_steps": 1, "save_last_n_steps_state": 1}

@@ -58,6 +58,8 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+import sd_states  # beside this script, as sd-scripts' library/ is beside its own
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 IMAGE_EXTENSIONS = [".png", ".jpg", ".jpeg", ".webp", ".bmp"]
 IMAGE_EXTENSIONS += [ext.upper() for ext in IMAGE_EXTENSIONS]
@@ -139,7 +141,9 @@ def setup_parser() -> argparse.ArgumentParser:
     add("--save_every_n_steps", type=int, default=None)
     add("--save_n_epoch_ratio", type=int, default=None)
     add("--save_last_n_epochs", type=int, default=None)
+    add("--save_last_n_epochs_state", type=int, default=None)
     add("--save_last_n_steps", type=int, default=None)
+    add("--save_last_n_steps_state", type=int, default=None)
     add("--save_state", action="store_true")
     add("--save_state_on_train_end", action="store_true")
     add("--resume", type=str, default=None)
@@ -200,6 +204,9 @@ def setup_parser() -> argparse.ArgumentParser:
     add("--scale_weight_norms", type=float, default=None)
     add("--base_weights", type=str, default=None, nargs="*")
     add("--no_half_vae", action="store_true")
+    add("--skip_until_initial_step", action="store_true")
+    add("--initial_epoch", type=int, default=None)
+    add("--initial_step", type=int, default=None)
     # sdxl_train_util.add_sdxl_training_arguments
     add("--cache_text_encoder_outputs", action="store_true")
     add("--cache_text_encoder_outputs_to_disk", action="store_true")
@@ -595,6 +602,7 @@ class Plan:
     steps: int
     epochs: int
     batches: int  # per epoch
+    steps_from_state: int | None = None  # train_state.json's current_step, when resumed
 
 
 def train(args: argparse.Namespace) -> int:
@@ -610,13 +618,12 @@ def train(args: argparse.Namespace) -> int:
     caching_latents(dataset.images)
     caching_text_encoder_outputs(tokenizers, dataset.captions)
     plan = preparing_training(args, dataset)
-    bar = tqdm(range(plan.steps), smoothing=0, desc="steps")
-    step = training(args, dataset, plan, bar, started)
+    step = training(args, dataset, plan, started)
     if MODES.get("skip_save"):
-        bar.close()
+        BAR[0].close()
         return 0
     saving(args, dataset, plan, step, started)
-    bar.close()
+    BAR[0].close()
     sleep("teardown_s", 0.0)
     return 0
 
@@ -687,6 +694,7 @@ def preparing_training(args: argparse.Namespace, dataset: Dataset) -> Plan:
         args.max_train_steps = steps
         log(f"override steps. steps for {args.max_train_epochs} epochs is / 指定エポックまでのステップ数: {steps}")
     epochs = math.ceil(steps / batches)
+    steps_from_state = sd_states.load_state(log, args.resume) if args.resume else None
     print("running training / 学習開始", flush=True)
     print(f"  num train images * repeats / 学習画像の数×繰り返し回数: {dataset.total}", flush=True)
     print("  num validation images * repeats / 学習画像の数×繰り返し回数: 0", flush=True)
@@ -697,41 +705,112 @@ def preparing_training(args: argparse.Namespace, dataset: Dataset) -> Plan:
     print("  gradient accumulation steps / 勾配を合計するステップ数 = 1", flush=True)
     print(f"  total optimization steps / 学習ステップ数: {steps}", flush=True)
     sleep("sha_s", 0.02)  # the silent sha256 of the base model
+    return Plan(rank, steps, epochs, batches, steps_from_state)
+
+
+BAR: list[tqdm] = []  # the steps bar, once training starts (closed after the final save, as when train() returns)
+
+
+def initial_step_of(args: argparse.Namespace, plan: Plan) -> tuple[int, int]:
+    """train_network.py L1232-1273: (initial_step, epoch_to_start) from --initial_step/--initial_epoch or the
+    resumed state. Without --skip_until_initial_step only the epoch is skipped and the steps count from 0."""
+    initial_step = 0
+    if args.initial_epoch is not None or args.initial_step is not None:
+        if plan.steps_from_state is not None:
+            log("steps from the state is ignored because initial_step is specified / "
+                "initial_stepが指定されているため、stateからのステップ数は無視されます")
+        initial_step = args.initial_step if args.initial_step is not None else (args.initial_epoch - 1) * plan.batches
+    elif plan.steps_from_state is not None:
+        initial_step = plan.steps_from_state
+    if initial_step > 0:
+        assert args.max_train_steps > initial_step, (
+            "max_train_steps should be greater than initial step / "
+            f"max_train_stepsは初期ステップより大きい必要があります: {args.max_train_steps} vs {initial_step}")
+    epoch_to_start = 0
+    if initial_step > 0:
+        if args.skip_until_initial_step:
+            if not args.resume:
+                log("initial_step is specified but not resuming. lr scheduler will be started from the beginning / "
+                    "initial_stepが指定されていますがresumeしていないため、lr schedulerは最初から始まります")
+            log(f"skipping {initial_step} steps / {initial_step}ステップをスキップします")
+            initial_step *= args.gradient_accumulation_steps
+            epoch_to_start = initial_step // math.ceil(plan.batches / args.gradient_accumulation_steps)
+        else:
+            epoch_to_start = initial_step // math.ceil(plan.batches / args.gradient_accumulation_steps)
+            initial_step = 0  # do not skip
+    return initial_step, epoch_to_start
+
+
+def training(args: argparse.Namespace, dataset: Dataset, plan: Plan, started: float) -> int:
+    """The loop of train_network.py L1340-1605, its step count included: after a resume with
+    --skip_until_initial_step past the first epoch, global_step restarts at the steps into the current epoch
+    (L1340-1344: the skipped epochs' batches are taken off initial_step), not at the resumed step. That is the
+    real trainer's bug (issue 26); the double keeps it."""
+    initial_step, epoch_to_start = initial_step_of(args, plan)
+    global_step = 0
+    if initial_step > 0:
+        for skip_epoch in range(epoch_to_start):
+            log(f"skipping epoch {skip_epoch + 1} because initial_step (multiplied) is {initial_step}")
+            initial_step -= plan.batches
+        global_step = initial_step
     dtype = "torch.bfloat16" if args.mixed_precision == "bf16" else "torch.float32"
     log(f"unet dtype: {dtype}, device: cuda:0")
     log("text_encoder [0] dtype: torch.float32, device: cpu")
     log("text_encoder [1] dtype: torch.float32, device: cpu")
-    return Plan(rank, steps, epochs, batches)
-
-
-def training(args: argparse.Namespace, dataset: Dataset, plan: Plan, bar: tqdm, started: float) -> int:
+    BAR.append(tqdm(range(args.max_train_steps - initial_step), smoothing=0, desc="steps"))
     phase("training")
     rng = random.Random(args.seed)
     losses: list[float] = []
-    step = 0
-    for epoch in range(plan.epochs):
+    for epoch in range(epoch_to_start, plan.epochs):
         print(f"\nepoch {epoch + 1}/{plan.epochs}\n", flush=True)
         log(f"epoch is incremented. current_epoch: {epoch}, epoch: {epoch + 1}")
-        for _ in range(plan.batches):
-            sleep("step_s", 0.005)
-            step += 1
-            fail_at(step)
-            bar.update(1)
-            if MODES.get("flood_bytes") and step == 1:
-                flood(bar, int(MODES["flood_bytes"]))
-            if args.save_every_n_steps and step % args.save_every_n_steps == 0 and step < plan.steps:
-                save_checkpoint(args, dataset, plan, f"-step{step:08d}", step, epoch, started)
-            nan = MODES.get("nan_from_step") is not None and step >= MODES["nan_from_step"]
-            losses.append(float("nan") if nan else 1.1 * math.exp(-step / max(plan.steps, 1)) + rng.random() * 0.05)
+        batches = range(plan.batches)
+        if initial_step > 0:  # accelerator.skip_first_batches(train_dataloader, initial_step - 1)
+            batches = range(initial_step - 1, plan.batches)
+            initial_step = 1
+        for _ in batches:
+            if initial_step > 0:
+                initial_step -= 1
+                continue
+            global_step = train_step(args, dataset, plan, epoch, global_step, started)
+            nan = MODES.get("nan_from_step") is not None and global_step >= MODES["nan_from_step"]
+            losses.append(float("nan") if nan else
+                          1.1 * math.exp(-global_step / max(plan.steps, 1)) + rng.random() * 0.05)
             window = losses[-plan.batches:]
-            bar.set_postfix(avr_loss=sum(window) / len(window))
-            if step >= plan.steps:
+            BAR[0].set_postfix(avr_loss=sum(window) / len(window))
+            if global_step >= args.max_train_steps:
                 break
         if args.save_every_n_epochs and (epoch + 1) % args.save_every_n_epochs == 0 and epoch + 1 < plan.epochs:
-            save_checkpoint(args, dataset, plan, f"-{epoch + 1:06d}", step, epoch + 1, started)
-        if step >= plan.steps:
-            break
-    return step
+            save_checkpoint(args, dataset, plan, f"-{epoch + 1:06d}", global_step, epoch + 1, started)
+    return global_step
+
+
+def train_step(args: argparse.Namespace, dataset: Dataset, plan: Plan, epoch: int, global_step: int,
+               started: float) -> int:
+    """One optimizer step, and the step save that follows it (L1486-1509): the step LoRA, its state, then the
+    older ones removed."""
+    sleep("step_s", 0.005)
+    fail_at(global_step + 1)
+    BAR[0].update(1)
+    global_step += 1
+    if MODES.get("flood_bytes") and global_step == 1:
+        flood(BAR[0], int(MODES["flood_bytes"]))
+    if args.save_every_n_steps is not None and global_step % args.save_every_n_steps == 0:
+        save_checkpoint(args, dataset, plan, f"-step{global_step:08d}", global_step, epoch, started)
+        if args.save_state:
+            sd_states.save_and_remove_state_stepwise(log, args, global_step, **state_of(args, plan, epoch + 1))
+        remove = sd_states.get_remove_step_no(args, global_step)
+        if remove is not None:
+            old = os.path.join(args.output_dir, f"{args.output_name or 'at'}-step{remove:08d}.safetensors")
+            if os.path.exists(old):
+                print(f"removing old checkpoint: {old}", flush=True)
+                os.remove(old)
+    return global_step
+
+
+def state_of(args: argparse.Namespace, plan: Plan, epoch: int) -> dict:
+    return {"epoch": epoch, "modules": lora_modules(), "rank": plan.rank, "alpha": float(args.network_alpha),
+            "lr": args.learning_rate}
 
 
 def fail_at(step: int) -> None:
@@ -748,7 +827,9 @@ def fail_at(step: int) -> None:
 
 def save_checkpoint(args: argparse.Namespace, dataset: Dataset, plan: Plan, suffix: str, step: int, epoch: int,
                     started: float) -> None:
-    ckpt = os.path.join(args.output_dir, f"{args.output_name or 'last'}{suffix}.safetensors")
+    """train_network's save_model: the line, then the file, written in place (a kill mid-write leaves it cut)."""
+    default = "at" if suffix.startswith("-step") else "epoch"
+    ckpt = os.path.join(args.output_dir, f"{args.output_name or default}{suffix}.safetensors")
     os.makedirs(args.output_dir, exist_ok=True)  # save_model: the directory first, then the line
     print(f"\nsaving checkpoint: {ckpt}", flush=True)
     save_lora(ckpt, plan.rank, args.network_alpha, lora_metadata(args, plan.rank, step, epoch, dataset.total,
@@ -758,6 +839,8 @@ def save_checkpoint(args: argparse.Namespace, dataset: Dataset, plan: Plan, suff
 
 def saving(args: argparse.Namespace, dataset: Dataset, plan: Plan, step: int, started: float) -> None:
     os.makedirs(args.output_dir, exist_ok=True)  # only now: sd-scripts creates the output dir at the first save
+    if args.save_state or args.save_state_on_train_end:  # the end state first (train_network.py L1722-1723)
+        sd_states.save_state_on_train_end(log, args, step=step, **state_of(args, plan, plan.epochs))
     final = os.path.join(args.output_dir, f"{args.output_name or 'last'}.safetensors")
     print(f"\nsaving checkpoint: {final}", flush=True)
     metadata = lora_metadata(args, plan.rank, step, plan.epochs, dataset.total, dataset.subsets, started)

@@ -1,9 +1,15 @@
 """The fake trainer (tests/fakes/) run directly, as accelerate would start it."""
 from __future__ import annotations
 
+import importlib.util
 import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
 
 from tests.helpers import set_modes
+
+FAKES = Path(__file__).resolve().parents[1] / "fakes"
 
 ENV = {"PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "250"}
 
@@ -27,3 +33,17 @@ def run(rig: dict, *extra: str, steps: int = 3, **modes: object) -> subprocess.C
     return subprocess.run(argv(rig, *extra, steps=steps), cwd=rig["sd_scripts_dir"], env=ENV, capture_output=True,
                           timeout=60, start_new_session=True)
 
+
+
+def load_fake_trainer() -> ModuleType:
+    """The fake trainer's module, imported here (its parser, its writers), with its helper modules beside it."""
+    sys.path.insert(0, str(FAKES))
+    try:
+        spec = importlib.util.spec_from_file_location("fake_sdxl_train_network", FAKES / "sdxl_train_network.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # its dataclasses look their module up there
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(FAKES))

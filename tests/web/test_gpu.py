@@ -4,6 +4,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ import pynvml
 import pytest
 
 from lora_worker import create_app
+from lora_worker.dispatch.disk import checkpoint_mib
 from lora_worker.errors import NvmlUnavailable
 from lora_worker.host.nvml import PynvmlBackend
 from lora_worker.host.locks import gpu_lock_path
@@ -165,7 +167,18 @@ def test_too_little_disk_is_a_507_not_to_be_retried(migrated, host, launches):
     greedy = replace(migrated, disk_mib={"fast": 10**12, "balanced": 1, "quality": 1})
     body = assert_refused(make_client(greedy, launches).post("/train", json=host.payload()), 507,
                           "insufficient_disk", migrated, launches)
-    assert body["details"]["need_mib"] == 10**12 and body["retryable"] is False
+    # the tier's disk_mib and what its step checkpoints take (fast: dim 16)
+    assert body["details"]["need_mib"] == 10**12 + checkpoint_mib(16) and body["retryable"] is False
+
+
+def test_the_disk_preflight_counts_the_checkpoints(migrated, host, launches):
+    """Room for the LoRA alone is not enough: the states and step LoRAs the run writes need theirs."""
+    free = shutil.disk_usage(host.root).free // (1024 * 1024)
+    alone = free - checkpoint_mib(16) // 2  # fits with room to spare, but not with the checkpoints
+    tight = replace(migrated, disk_mib={"fast": alone, "balanced": 1, "quality": 1})
+    body = assert_refused(make_client(tight, launches).post("/train", json=host.payload()), 507,
+                          "insufficient_disk", migrated, launches)
+    assert body["details"]["need_mib"] == alone + checkpoint_mib(16)
 
 
 def test_a_configured_device_missing_from_the_host_is_a_422(migrated, host, launches):

@@ -186,3 +186,37 @@ def _check_archive(dir_fd: int, name: str, check: StateCheck, budget: _Budget) -
                             return
     except (OSError, zipfile.BadZipFile, EOFError, ValueError) as exc:
         check.refuse("state_archive_corrupt", f"{name} is not an intact zip archive: {exc}")
+
+
+def remove_states(output_dir: str, output_name: str) -> list[str]:
+    """After a verified success: the job's state directories (`<name>-step<N>-state`, and `<name>-state` that
+    sd-scripts saves at the end) are removed; nothing is left to resume, and each is hundreds of MB. Walked
+    without following a link: a link is unlinked, never followed; a directory nested in a state (the trainer
+    writes none) is left, and so is the state holding it. The names removed."""
+    removed = []
+    dir_fd = fs.open_dir(output_dir)
+    try:
+        for name, st in fs.list_entries(dir_fd):
+            m = STATE_DIR.match(name)
+            ours = (m is not None and m["name"] == output_name) or name == f"{output_name}-state"
+            if ours and fs.kind_of(st.st_mode) == "directory" and _remove_flat_dir(dir_fd, name):
+                removed.append(name)
+    finally:
+        os.close(dir_fd)
+    return removed
+
+
+def _remove_flat_dir(parent_fd: int, name: str) -> bool:
+    try:
+        fd = fs.open_subdir(parent_fd, name)
+    except OSError:
+        return False
+    try:
+        for entry, st in fs.list_entries(fd):
+            if fs.kind_of(st.st_mode) == "directory":
+                return False
+            os.unlink(entry, dir_fd=fd)  # a link itself, never what it points to
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent_fd)
+    return True

@@ -24,7 +24,7 @@ from lora_worker.ledger.statements import utcnow
 from lora_worker.ledger.supervisor import JobRecord, SupervisorLedger
 from lora_worker.transcript.eta import EtaClock, estimate_tail
 from lora_worker.transcript.logfile import JobLog
-from lora_worker.transcript.ending import Reasons, ended, write_final
+from lora_worker.transcript.ending import Reasons, drop_states, ended, write_final
 from lora_worker.transcript.outcome import Outcome, artifact_values, decide, recorded_lora
 from lora_worker.transcript.output import TrainerOutput
 from lora_worker.transcript.persist import TRANSIENT, persist
@@ -280,6 +280,8 @@ class JobRun:
         # The outcome is known and must not be lost: keep trying, holding the job lock meanwhile.
         if not persist(write, f"job {self.job_id}: write the final state", self.host.sleep):
             log.warning("job %s: already ended elsewhere; %s not recorded", self.job_id, outcome.state.value)
+        elif outcome.state is JobState.SUCCEEDED:
+            drop_states(self.job.output_dir, self.job.output_name, self.job_id)
         log.info("job %s: %s", self.job_id, ended(outcome))
 
 

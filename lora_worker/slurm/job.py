@@ -32,7 +32,7 @@ from lora_worker.slurm.sbatch import log_path, refused_outcome
 from lora_worker.slurm.scheduler import Scheduler, SlurmJob
 from lora_worker.slurm.states import Stage, settle, stage
 from lora_worker.states import FailureClass, JobState, Phase
-from lora_worker.transcript.ending import Reasons, ended, write_final
+from lora_worker.transcript.ending import Reasons, drop_states, ended, write_final
 from lora_worker.transcript.eta import EtaClock
 from lora_worker.transcript.logfile import JobLog
 from lora_worker.transcript.outcome import Outcome, artifact_values, recorded_lora
@@ -253,6 +253,8 @@ class SlurmRun:
             return False
         if write_final(self.ledger, self.job.id, outcome, self.output.progress, SLURM_REASONS, artifact=extra):
             log.info("job %s: %s", self.job.id, ended(outcome))
+            if outcome.state is JobState.SUCCEEDED:
+                drop_states(self.job.output_dir, self.job.output_name, self.job.id)
         self.node_log.discard()
         return True
 

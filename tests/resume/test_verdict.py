@@ -250,3 +250,22 @@ def test_every_reason_is_in_the_catalogue():
 
     said = set(re.findall(r'"((?:state|fingerprint|job|no|failure|already|output|lora)_[a-z_]+)"', source))
     assert said <= set(RESUME_REASONS), said - set(RESUME_REASONS)
+
+
+def test_a_final_lora_whose_ss_steps_is_not_the_steps_asked_fails_verification(tmp_path):
+    """After a resume that miscounted, sd-scripts writes the global_step it ended at: held to the row."""
+    from lora_worker.host.safetensors import verify_lora
+    from lora_worker.ledger.models import Job
+    from lora_worker.transcript.outcome import recorded_lora
+    from tests.helpers.states import lora_tensors
+    from tests.helpers import write_safetensors
+
+    path = tmp_path / "ohwx.safetensors"
+    md = {"ss_network_dim": "16", "ss_output_name": "ohwx", "ss_max_train_steps": "400", "ss_seed": "7"}
+    write_safetensors(path, lora_tensors(16), {**md, "ss_steps": "250"})
+    job = Job(output_name="ohwx", seed=7, lora_rank=16, lora_steps=400, lora_dtype="F32")
+    check = verify_lora(path, recorded_lora(job))
+    assert check.mismatch and "ss_steps '250' instead of 400" in (check.problem or "")
+    path.unlink()
+    write_safetensors(path, lora_tensors(16), {**md, "ss_steps": "400"})
+    assert verify_lora(path, recorded_lora(job)).problem is None

@@ -19,7 +19,7 @@ from typing import Any
 
 import sqlalchemy.exc
 
-from lora_worker.config import TIERS, Settings
+from lora_worker.config import Settings
 from lora_worker.dispatch import paths
 from lora_worker.dispatch.admission import admit
 from lora_worker.dispatch.argv import build_argv, build_env
@@ -93,13 +93,13 @@ class Dispatcher:
         manifest = inspect_dataset(request.dataset_dir, request.kohya_folder)
         check_base_model(request.base_model_path)
         paths.require_no_output(str(request.lora_file))
-        self.admit(request.tier.name, request.device_index, request.output_dir)
+        self.admit(request.tier.name, request.device_index, request.output_dir, request.tier.network_dim)
         columns = {**self._columns(request, manifest), "idempotency_key": idempotency_key,
                    "request_sha256": body_sha256, "backend": self.backend.name,
                    "webhook_events": webhook_subscription(self.settings, raw)}
         return self.launch(columns, request.output_dir)
 
-    def admit(self, tier: str, device_index: int, output_dir: Path) -> None:
+    def admit(self, tier: str, device_index: int, output_dir: Path, network_dim: int) -> None:
         """What a new row needs of the host and the slots now (a fresh job's and a resume's)."""
         if len(self.backend.slots(self.settings)) == 1:
             active = repo.active_job(self.db)
@@ -113,7 +113,7 @@ class Dispatcher:
             require_sandbox(self.settings)
             require_namespaces(self.settings)  # probed once (at start-up): bwrap can make them here
             admit(tier, device_index, self.settings, self.nvml)
-        require_free_space(output_dir, required_mib(self.settings.disk_mib[tier], TIERS[tier].network_dim))
+        require_free_space(output_dir, required_mib(self.settings.disk_mib[tier], network_dim))
 
     def launch(self, columns: dict[str, Any], output_dir: Path, *, output_id: str | None = None) -> Job:
         """INSERT the row and launch it on the backend: the one way a job starts. `output_id`: the identity of an

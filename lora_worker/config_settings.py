@@ -59,6 +59,10 @@ class Settings:
     # (and are retried a tick later) instead of waiting out a lock.
     supervisor_busy_timeout_s: float = 0.25
     retention_days: int = 90
+    # Reconcile resumes a job a reboot cut off, once, from its newest good state (dispatch/resume.py
+    # `follow_up`). Off by default: arbo's lease decides what the GPU does next; off, the job is only marked
+    # resumable (an event) for a client's POST /train/<id>/resume.
+    auto_resume: bool = False
     # GPUs.
     nvml_timeout_s: float = 2.0
     nvml_fake_file: Path | None = None  # a JSON description of GPUs, for tests and demos without a GPU

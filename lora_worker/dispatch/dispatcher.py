@@ -11,8 +11,10 @@ produce (file, rank, steps, dtype; name and seed). The supervisor reads all of i
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy.exc
@@ -24,6 +26,7 @@ from lora_worker.dispatch.argv import build_argv, build_env
 from lora_worker.dispatch.dataset import DatasetManifest, inspect_dataset
 from lora_worker.dispatch.disk import require_free_space, required_mib
 from lora_worker.dispatch.model import check_base_model
+from lora_worker.dispatch.refingerprint import model_identity
 from lora_worker.dispatch.request import (ResolvedRequest, TrainRequest, check_device, resolve_request,
                                          webhook_subscription)
 from lora_worker.errors import IdempotencyKeyReused, JobActive, LaunchFailed
@@ -57,10 +60,16 @@ class Dispatcher:
         Returns the job and whether it was created now. With an Idempotency-Key seen before, the original
         job comes back (same body) or IdempotencyKeyReused is raised (another body), and nothing is started.
         """
+        return self.accept(lambda: self._create(request, idempotency_key, body_sha256), idempotency_key=idempotency_key,
+                           body_sha256=body_sha256)
+
+    def accept(self, create: Callable[[], Job], *, idempotency_key: str | None,
+               body_sha256: str | None) -> tuple[Job, bool]:
+        """`create()` unless the Idempotency-Key names a job already (POST /train's and a resume's one rule)."""
         if idempotency_key and (replay := self._replay(idempotency_key, body_sha256)):
             return replay, False
         try:
-            return self._create(request, idempotency_key, body_sha256), True
+            return create(), True
         except (JobActive, sqlalchemy.exc.IntegrityError):
             # A retry racing its original: whichever lost the INSERT answers with the winner's job.
             if idempotency_key and (replay := self._replay(idempotency_key, body_sha256)):
@@ -84,6 +93,14 @@ class Dispatcher:
         manifest = inspect_dataset(request.dataset_dir, request.kohya_folder)
         check_base_model(request.base_model_path)
         paths.require_no_output(str(request.lora_file))
+        self.admit(request.tier.name, request.device_index, request.output_dir, request.tier.network_dim)
+        columns = {**self._columns(request, manifest), "idempotency_key": idempotency_key,
+                   "request_sha256": body_sha256, "backend": self.backend.name,
+                   "webhook_events": webhook_subscription(self.settings, raw)}
+        return self.launch(columns, request.output_dir)
+
+    def admit(self, tier: str, device_index: int, output_dir: Path, network_dim: int) -> None:
+        """What a new row needs of the host and the slots now (a fresh job's and a resume's)."""
         if len(self.backend.slots(self.settings)) == 1:
             active = repo.active_job(self.db)
             if active is not None:
@@ -95,19 +112,20 @@ class Dispatcher:
         if self.backend.places_here:  # else the scheduler allocates the GPU and its cgroup holds the job
             require_sandbox(self.settings)
             require_namespaces(self.settings)  # probed once (at start-up): bwrap can make them here
-            admit(request.tier.name, request.device_index, self.settings, self.nvml)
-        require_free_space(request.output_dir, required_mib(self.settings.disk_mib[request.tier.name],
-                                                            request.tier.network_dim))
-        columns = {**self._columns(request, manifest), "idempotency_key": idempotency_key,
-                   "request_sha256": body_sha256, "backend": self.backend.name,
-                   "webhook_events": webhook_subscription(self.settings, raw)}
+            admit(tier, device_index, self.settings, self.nvml)
+        require_free_space(output_dir, required_mib(self.settings.disk_mib[tier], network_dim))
+
+    def launch(self, columns: dict[str, Any], output_dir: Path, *, output_id: str | None = None) -> Job:
+        """INSERT the row and launch it on the backend: the one way a job starts. `output_id`: the identity of an
+        output directory that exists already (a resume's); else the directory is created here."""
         job = self._insert(columns)
         try:
-            try:
-                output_id = paths.create_output_dir(request.output_dir)
-            except OSError as exc:
-                raise LaunchFailed(f"Cannot create {request.output_dir}: {exc.strerror or exc}.") from exc
-            repo.record_output_identity(self.db, job.id, str(output_id))
+            if output_id is None:
+                try:
+                    output_id = str(paths.create_output_dir(output_dir))
+                except OSError as exc:
+                    raise LaunchFailed(f"Cannot create {output_dir}: {exc.strerror or exc}.") from exc
+            repo.record_output_identity(self.db, job.id, output_id)
             self.backend.launch(job.id, self.settings)
         except LaunchFailed as exc:
             # No supervisor ran, so there is no run log to quote: the sentence is the whole story. Nothing ran
@@ -116,7 +134,7 @@ class Dispatcher:
             repo.fail_job(self.db, job.id, actor="api", failure_class=FailureClass.LAUNCH_ERROR, sentence=exc.message,
                           idempotency_key=None)
             raise
-        log.info("job %s accepted: tier %s on device %s", job.id, request.tier.name, request.device_index)
+        log.info("job %s accepted: tier %s on device %s", job.id, columns["tier"], columns["device_index"])
         return job
 
     def _insert(self, columns: dict[str, Any]) -> Job:
@@ -154,6 +172,7 @@ class Dispatcher:
             "argv": build_argv(request, self.settings), "env": build_env(request, self.settings),
             # the reproducibility fingerprint, as far as it is known before the run
             "dataset_sha256": manifest.sha256(),
+            "base_model_identity": model_identity(str(request.base_model_path)),  # what a resume compares
             **manifest.identities(),  # compared again right before exec
             "sd_scripts_commit": sd_scripts_commit(self.settings.sd_scripts_dir),
             "trainer_versions": trainer_versions(self.settings.accelerate),

@@ -198,6 +198,9 @@ class ExpectedLora:
     seed: int  # ss_seed
     dtype: str  # of every saved LoRA tensor, as safetensors names it ("F32", "F16", "BF16")
     output_dir_id: fs.FileId | None = None  # the output directory's identity as dispatch recorded it
+    # ss_steps of the final LoRA: sd-scripts writes the global_step it ended at, so a run (a resumed one
+    # included) that trained more or fewer steps than asked, or numbered them wrongly, is caught here.
+    trained_steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -277,6 +280,8 @@ def _differences(info: LoraInfo, expected: ExpectedLora) -> list[str]:
         (md.get("ss_seed") == str(expected.seed), f"ss_seed {md.get('ss_seed')!r} instead of {expected.seed}"),
     ]
     problems = [message for ok, message in checks if not ok]
+    if expected.trained_steps is not None and md.get("ss_steps") != str(expected.trained_steps):
+        problems.append(f"ss_steps {md.get('ss_steps')!r} instead of {expected.trained_steps}")
     if wrong := dtype_problem(info.dtypes, expected.dtype):
         problems.append(wrong)
     return problems

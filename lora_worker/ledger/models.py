@@ -133,6 +133,12 @@ class Job(Base):
     queue_reason: Mapped[str | None] = mapped_column(String(64))
     # Which webhook events the job sends (ledger/outbox.py `Subscription`, JSON), fixed at dispatch; NULL: none.
     webhook_events: Mapped[str | None] = mapped_column(Text)
+    # A resume (dispatch/resume.py, migration 0014): the job whose saved state this one continues, which try
+    # of the request this is (1: its own request), and the step of the state it starts from (0: none).
+    resumed_from: Mapped[int | None] = mapped_column(Integer)
+    attempt: Mapped[int] = mapped_column(Integer, server_default="1")
+    resume_step: Mapped[int] = mapped_column(Integer, server_default="0")
+    base_model_identity: Mapped[str | None] = mapped_column(String(96))  # dev:ino:size:mtime_ns:ctime_ns at dispatch
 
     events: Mapped[list[JobEvent]] = relationship(back_populates="job", order_by="JobEvent.id",
                                                   passive_deletes=True)
@@ -151,6 +157,7 @@ class Job(Base):
         Index("ix_jobs_idempotency_key", "idempotency_key", unique=True,
               sqlite_where=text("idempotency_key IS NOT NULL")),
         Index("ix_jobs_history", "tier", "device_index", "image_count", "status"),
+        Index("ix_jobs_resumed_from", "resumed_from"),
         {"sqlite_autoincrement": True},  # ids are never reused, not even after prune (migration 0007)
     )
 

@@ -56,6 +56,7 @@ class JobRecord:
     kohya_dev_ino: str | None
     output_dev_ino: str | None
     sd_scripts_commit: str | None
+    resume_step: int = 0  # a resume's first step (migration 0014): its steps bar counts from there
 
 
 RECORD_COLUMNS = tuple(f.name for f in fields(JobRecord))

@@ -25,7 +25,7 @@ from lora_worker.ledger.supervisor import JobRecord, SupervisorLedger
 from lora_worker.transcript.checkpoints import Checkpoints
 from lora_worker.transcript.eta import EtaClock, estimate_tail
 from lora_worker.transcript.logfile import JobLog
-from lora_worker.transcript.ending import Reasons, ended, write_final
+from lora_worker.transcript.ending import Reasons, drop_states, ended, write_final
 from lora_worker.transcript.outcome import Outcome, artifact_values, decide, recorded_lora
 from lora_worker.transcript.output import TrainerOutput
 from lora_worker.transcript.persist import TRANSIENT, persist
@@ -105,9 +105,10 @@ class JobRun:
         self.db = db
         self.host = host
         self.joblog = joblog  # opened before the job was `running` (run/jobfiles.py)
-        self.output = TrainerOutput(self.joblog, self._on_output)
+        self.output = TrainerOutput(self.joblog, self._on_output, step_offset=job.resume_step)
         # The tail (save and teardown after the last step) is learned from the history once the trainer runs.
-        self.clock = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s)
+        self.clock = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s,
+                              first_step=job.resume_step)
         self._tail_learned = False
         self.reader = OutputReader(host, self.output)
         self.reporter = ProgressReporter(db, job.id, host, self.output, self.clock, settings.progress_interval_s,
@@ -280,6 +281,8 @@ class JobRun:
         # The outcome is known and must not be lost: keep trying, holding the job lock meanwhile.
         if not persist(write, f"job {self.job_id}: write the final state", self.host.sleep):
             log.warning("job %s: already ended elsewhere; %s not recorded", self.job_id, outcome.state.value)
+        elif outcome.state is JobState.SUCCEEDED:
+            drop_states(self.job.output_dir, self.job.output_name, self.job_id)
         log.info("job %s: %s", self.job_id, ended(outcome))
 
 

@@ -33,7 +33,7 @@ from lora_worker.slurm.scheduler import Scheduler, SlurmJob
 from lora_worker.slurm.states import Stage, settle, stage
 from lora_worker.states import FailureClass, JobState, Phase
 from lora_worker.transcript.checkpoints import Checkpoints
-from lora_worker.transcript.ending import Reasons, ended, write_final
+from lora_worker.transcript.ending import Reasons, drop_states, ended, write_final
 from lora_worker.transcript.eta import EtaClock
 from lora_worker.transcript.logfile import JobLog
 from lora_worker.transcript.outcome import Outcome, artifact_values, recorded_lora
@@ -67,12 +67,13 @@ class SlurmRun:
         s = settings
         make = ResumedLog if resumed(s.log_dir, job.id) else JobLog
         self.output = TrainerOutput(make(s.log_dir, job.id, head_bytes=s.log_head_bytes, tail_bytes=s.log_tail_bytes),
-                                    self._saw_output)
+                                    self._saw_output, step_offset=job.resume_step)
         self.node_log = NodeLog(s, job.id, self.output)
         self.output.note(f"job {job.id} on Slurm (job {job.slurm_job_id or 'not submitted yet'}); its output as the "
                          f"node wrote it: {log_path(s, job.id)}"
                          + (f", from byte {self.node_log.logged} on" if self.node_log.logged else ""))
-        self.clock = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s)
+        self.clock = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s,
+                              first_step=job.resume_step)
         self.reporter = ProgressReporter(ledger, job.id, _Clock(monotonic), self.output, self.clock, 0.0,
                                          on_lost=self._lost, started=self._started_at(job),
                                          checkpoints=Checkpoints(job))
@@ -254,6 +255,8 @@ class SlurmRun:
             return False
         if write_final(self.ledger, self.job.id, outcome, self.output.progress, SLURM_REASONS, artifact=extra):
             log.info("job %s: %s", self.job.id, ended(outcome))
+            if outcome.state is JobState.SUCCEEDED:
+                drop_states(self.job.output_dir, self.job.output_name, self.job.id)
         self.node_log.discard()
         return True
 

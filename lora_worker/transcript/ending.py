@@ -7,6 +7,7 @@ Slurm poller tries again next cycle with the outcome it decided.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -15,6 +16,8 @@ from lora_worker.transcript.outcome import Outcome
 from lora_worker.transcript.parser import Progress
 from lora_worker.transcript.progress import finite
 from lora_worker.states import FailureClass, JobState
+
+log = logging.getLogger(__name__)
 
 
 class FinalLedger(Protocol):
@@ -59,3 +62,17 @@ def write_final(db: FinalLedger, job_id: int, outcome: Outcome, progress: Progre
 def ended(outcome: Outcome) -> str:
     """`succeeded`, `cancelled`, or `failed (<class>)`: what a log line says of the end."""
     return outcome.state.value + (f" ({outcome.failure_class.value})" if outcome.failure_class else "")
+
+
+def drop_states(output_dir: str, output_name: str, job_id: int) -> None:
+    """A verified success leaves nothing to resume: its saved states go (host/train_state.py), on both backends.
+    Best effort: a state that cannot be removed costs disk, never the outcome."""
+    from lora_worker.host.train_state import remove_states  # only after a success: not on the way to exec
+
+    try:
+        removed = remove_states(output_dir, output_name)
+    except OSError as exc:
+        log.warning("job %s: its states were not removed (%s)", job_id, exc)
+        return
+    if removed:
+        log.info("job %s: removed its states %s", job_id, removed)

@@ -35,6 +35,16 @@ def estimate_duration(history: list[float]) -> float | None:
     return statistics.median(history) if history else None
 
 
+def estimate_resume(*, pre_training_s: float | None, rate: float | None, steps_left: int,
+                    whole_s: float | None) -> float | None:
+    """A resume's expected wall time: the pre-training phase (launch, model load, caching) is redone in full,
+    then only the steps left, at the pace the original measured, then the tail. Without the original's
+    measurements, the whole job's history estimate (more than a resume takes: it also trains the done steps)."""
+    if pre_training_s is not None and rate:
+        return pre_training_s + steps_left / rate + DEFAULT_TAIL_S
+    return whole_s
+
+
 def estimate_tail(history: list[float]) -> float:
     """The expected save + teardown after the last step: the median of finished jobs, or DEFAULT_TAIL_S."""
     return statistics.median(history) if history else DEFAULT_TAIL_S
@@ -44,8 +54,9 @@ class EtaClock:
     """Turns (step, time) observations into a rate and the time left, with the basis it rests on."""
 
     def __init__(self, total_steps: int, estimated_duration_s: float | None,
-                 tail_s: float = DEFAULT_TAIL_S) -> None:
+                 tail_s: float = DEFAULT_TAIL_S, first_step: int = 0) -> None:
         self.total_steps = total_steps
+        self.first_step = first_step  # a resume's: its bar opens there, and steps before it took no time here
         self.estimate = estimated_duration_s
         self.tail_s = tail_s
         self._opened_at: float | None = None  # when the steps bar showed 0/N: the first step starts there
@@ -53,13 +64,13 @@ class EtaClock:
 
     def follow(self, phase: Phase, step: int, now: float) -> None:
         """Take in the progress after each piece of output: when training started, and each new step."""
-        if phase is Phase.TRAINING and step == 0 and self._opened_at is None and not self._seen:
+        if phase is Phase.TRAINING and step == self.first_step and self._opened_at is None and not self._seen:
             self._opened_at = now
         self.observe(step, now)
 
     def observe(self, step: int, now: float) -> None:
         """Record that `step` was reached at `now` (a step seen again, or an older one, changes nothing)."""
-        if step <= 0 or (self._seen and self._seen[-1][1] >= step):
+        if step <= self.first_step or (self._seen and self._seen[-1][1] >= step):
             return
         self._seen.append((now, step))
         while len(self._seen) > WINDOW_STEPS + 1 or (len(self._seen) > 2 and now - self._seen[0][0] > WINDOW_S):
@@ -73,7 +84,8 @@ class EtaClock:
             return (s1 - s0) / (t1 - t0) if t1 > t0 and s1 > s0 else None
         if self._seen and self._opened_at is not None:
             t1, s1 = self._seen[0]
-            return s1 / (t1 - self._opened_at) if t1 > self._opened_at else None
+            done = s1 - self.first_step
+            return done / (t1 - self._opened_at) if t1 > self._opened_at else None
         return None
 
     def eta(self, phase: Phase, now: float, elapsed_s: float) -> tuple[float | None, str | None]:

@@ -68,7 +68,7 @@ def recorded_lora(job: RecordedLora) -> ExpectedLora:
     from lora_worker.host.safetensors import ExpectedLora
 
     return ExpectedLora(rank=job.lora_rank, output_name=job.output_name, steps=job.lora_steps, seed=job.seed,
-                        dtype=job.lora_dtype,
+                        dtype=job.lora_dtype, trained_steps=job.lora_steps,
                         output_dir_id=FileId.parse(job.output_dev_ino) if job.output_dev_ino else None)
 
 

@@ -26,11 +26,11 @@ class TrainerOutput:
     from silence and a new step from a redraw of the old one.
     """
 
-    def __init__(self, joblog: JobLog, on_output: Callable[[Phase, int], None]) -> None:
+    def __init__(self, joblog: JobLog, on_output: Callable[[Phase, int], None], step_offset: int = 0) -> None:
         self.joblog = joblog
         self.on_output = on_output
         self.ansi = AnsiFilter()
-        self.parser = Parser()
+        self.parser = Parser(step_offset)  # a resume's first step (the row's resume_step)
         self.changed = False  # the progress moved since the caller last cleared this
         self.ended = False  # the output reached its end: every file the trainer wrote is complete or never will be
         # What the log wrote, newest last: byte blocks of whole lines, and our own notes. Decoded on demand.

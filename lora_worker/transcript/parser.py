@@ -118,7 +118,10 @@ class Decoder:
 class Parser:
     """Feed it the output (bytes, or text); it keeps `progress` current and collects each step's loss."""
 
-    def __init__(self) -> None:
+    def __init__(self, step_offset: int = 0) -> None:
+        # A resume's first step: sd-scripts' bar then counts the steps left from 0 (`range(max_train_steps -
+        # initial_step)`, train_network.py L1357), and the job's step is the state's plus the bar's.
+        self.step_offset = step_offset
         self.progress = Progress()
         self._open = b""  # the segment still open: the bytes since the last \r or \n
         self._last_bar = ""
@@ -216,7 +219,7 @@ class Parser:
         self._last_bar = m[0]
         p = self.progress
         p.redraws += 1
-        p.step, p.total_steps = int(m[1]), int(m[2])
+        p.step, p.total_steps = int(m[1]) + self.step_offset, int(m[2]) + self.step_offset
         p.eta_s = seconds(m[4])
         p.rate = rate(m[5], m[6])
         loss = LOSS.search(m[7] or "")

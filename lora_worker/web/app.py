@@ -16,6 +16,7 @@ from lora_worker.errors import LoraWorkerError
 from lora_worker.host.nvml import Nvml, make_nvml
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import check_ledger, prepare_state_dir
+from lora_worker.dispatch import auto_resume
 from lora_worker.reconcile import reconcile
 from lora_worker.web.service import RECONCILE_EVERY_S, Worker
 from lora_worker.webhooks.process import ensure_sender
@@ -47,6 +48,8 @@ def build_app(config: Settings | dict[str, Any] | None = None, *, nvml: Nvml | N
     for action in reconcile(db, settings, actor="startup", backend=backend):
         log.warning("start-up reconcile: job %s → failed (%s)", action.job_id, action.failure_class.value,
                     extra={"job": action.job_id})
+    for resumed in auto_resume.follow_up(worker.dispatcher):  # after a reboot: resumed once, or marked resumable
+        log.warning("start-up reconcile: job %s resumes a job the reboot cut off", resumed, extra={"job": resumed})
     ensure_sender(settings)  # events a crash left in the outbox go out without waiting for a new job
 
     app = Flask(__name__, static_folder=None)  # an API: no /static route

@@ -17,7 +17,7 @@ from werkzeug.exceptions import HTTPException
 
 from lora_worker import errors as domain
 from lora_worker.errors import (Conflict, InsufficientStorage, InvalidRequest, JobFinished, JobGone, JobNotFound,
-                                LoraWorkerError, Unavailable)
+                                LoraWorkerError, NotResumable, Unavailable)
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ STATUS: dict[type[LoraWorkerError], int] = {
     JobNotFound: 404,
     JobGone: 410,
     JobFinished: 409,
+    NotResumable: 422,  # never by waiting: each of `details.reasons` needs something changed first
     Conflict: 409,
     InsufficientStorage: 507,
     Unavailable: 503,
@@ -75,6 +76,8 @@ _ADVICE: dict[str, tuple[str, str]] = {  # domain code → (Retry-After in words
     "gpu_busy": ("", "Retry later, when the foreign processes (`details.processes`) have left the device."),
     "gpu_locked": ("", "Retry later: another trainer on the host holds the device's lock (see /gpu-status)."),
     "job_finished": ("", "Nothing to cancel: `details.status` is the job's final state."),
+    "not_resumable": ("", "Do not retry the resume: `details.reasons` says why no state of the job can be used "
+                          "(docs/errors.md, Resume refusals); send the request again for a new job."),
     "insufficient_disk": ("", "An operator must free space on the output volume; do not retry until then."),
     "trainer_unavailable": ("", "An operator must repair the trainer install (`lora-worker doctor`)."),
     "nvml_unavailable": ("", "An operator must restore the NVIDIA driver, or its process query on the device "

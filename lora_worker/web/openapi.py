@@ -34,6 +34,7 @@ from lora_worker.web.schemas.job import (
     StatusQuerySchema,
     TrainRequestSchema,
 )
+from lora_worker.web.schemas.resume import ResumeAcceptedSchema, ResumeVerdictSchema
 from lora_worker.web.schemas.log import LogQuerySchema, LogSchema, ProgressQuerySchema, ProgressSeriesSchema
 
 bp = Blueprint("openapi", __name__)
@@ -75,6 +76,9 @@ SUBMIT_ERRORS = ("bad_request", "request_timeout", "length_required", "request_e
                  "output_exists", "job_active", "insufficient_vram", "gpu_busy", "gpu_locked", "insufficient_disk",
                  "trainer_unavailable", "sandbox_unavailable", "nvml_unavailable", "train_root_missing", *LEDGER,
                  "launch_failed")
+RESUME_ERRORS = ("job_not_found", "job_gone", "validation_failed", "not_resumable", "idempotency_key_reused",
+                 "dataset_invalid", "job_active", "insufficient_vram", "gpu_busy", "gpu_locked", "insufficient_disk",
+                 "trainer_unavailable", "sandbox_unavailable", "nvml_unavailable", *LEDGER, "launch_failed")
 JOB_READ_ERRORS = ("job_not_found", "job_gone", "validation_failed", *LEDGER)
 
 DOCS: dict[str, Doc] = {
@@ -100,6 +104,13 @@ DOCS: dict[str, Doc] = {
                         query=CancelQuerySchema,
                         also={200: "With `wait`: the job ended within it (`cancelled`; or, when its trainer had "
                                    "ended before the cancel reached it, the outcome it had)."}),
+    "train.resume_verdict": Doc("Whether the ended job can be resumed, from which saved state, and why each newer "
+                                "state (or the job) was refused: docs/resume.md.", 200, ResumeVerdictSchema,
+                                errors=JOB_READ_ERRORS),
+    "train.resume": Doc("Resume the ended job from its newest state that passes every check: a new job, linked "
+                        "by `resumed_from` and `attempt`, admitted and launched as POST /train's are.", 202,
+                        ResumeAcceptedSchema, errors=RESUME_ERRORS, parameters=(IDEMPOTENCY_KEY,),
+                        also={200: "An Idempotency-Key seen before: the resume it started."}),
     "deliveries.deliveries": Doc("The job's webhook events, oldest first, each with every attempt to deliver it "
                                  "(time, status code, latency, error).", 200, DeliveriesSchema,
                                  errors=JOB_READ_ERRORS),

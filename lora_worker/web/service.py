@@ -18,6 +18,7 @@ from lora_worker.errors import EventNotFound, JobGone, JobNotFound, LogUnreadabl
 from lora_worker.host import fs, sandbox
 from lora_worker.host.nvml import Nvml
 from lora_worker.web.gpu_status import gpu_status
+from lora_worker.dispatch import auto_resume, resumable, resume
 from lora_worker.dispatch.dispatcher import Dispatcher
 from lora_worker.dispatch.readiness import DeepHealth
 from lora_worker.dispatch.request import TrainRequest
@@ -103,6 +104,17 @@ class Worker:
         accepted = self.dispatcher.submit(request, idempotency_key=idempotency_key, body_sha256=body_sha256)
         ensure_sender(self.settings)  # its job.queued is in the outbox; a sender must be there to send it
         return accepted
+
+    def resume(self, job_id: int, *, idempotency_key: str | None = None) -> tuple[Job, bool]:
+        """A new job continuing `job_id` from its newest good state (dispatch/resume.py)."""
+        self.reconcile_active()
+        self._job_now(job_id)
+        accepted = resume.resume(self.dispatcher, job_id, idempotency_key=idempotency_key)
+        ensure_sender(self.settings)
+        return accepted
+
+    def resume_verdict(self, job_id: int) -> dict[str, Any]:
+        return resumable.verdict(self.db, self.settings, self._job_now(job_id)).as_dict()
 
     # -- reading -----------------------------------------------------------------------------------------
 
@@ -231,6 +243,7 @@ class Worker:
 
     def reconcile_active(self) -> None:
         reconcile(self.db, self.settings, actor="api", backend=self.backend)
+        auto_resume.follow_up(self.dispatcher)  # a job a reboot cut off: resumed once, or marked resumable
 
     def reconcile_if_due(self) -> bool:
         """Reconcile unless one ran in the last RECONCILE_MIN_GAP_S (or is running now); whether it ran."""

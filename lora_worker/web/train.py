@@ -19,6 +19,7 @@ from lora_worker.web.schemas.job import (
     StatusQuerySchema,
     TrainRequestSchema,
 )
+from lora_worker.web.schemas.resume import ResumeAcceptedSchema, ResumeVerdictSchema
 from lora_worker.web.schemas.log import LogQuerySchema, LogSchema, ProgressQuerySchema, ProgressSeriesSchema
 from lora_worker.errors import InvalidRequest
 from lora_worker.states import TERMINAL_STATES, JobState
@@ -81,6 +82,19 @@ def cancel(job_id: int) -> tuple[Response, int]:
     job = worker().cancel(job_id, wait_s=query["wait"] or 0.0)
     ended = query["wait"] is not None and JobState(job.status) in TERMINAL_STATES
     return jsonify(CancelAnswerSchema().dump(job)), 200 if ended else 202
+
+
+@bp.get("/train/<int:job_id>/resume")
+def resume_verdict(job_id: int) -> Response:
+    """Whether the job can be resumed and from which state; every reason a state (or the job) was refused."""
+    return jsonify(ResumeVerdictSchema().dump({"worker_job_id": job_id, **worker().resume_verdict(job_id)}))
+
+
+@bp.post("/train/<int:job_id>/resume")
+def resume(job_id: int) -> tuple[Response, int]:
+    """202 with the new job that resumes this one; 200 with it when an Idempotency-Key is replayed."""
+    job, created = worker().resume(job_id, idempotency_key=_idempotency_key())
+    return jsonify(ResumeAcceptedSchema().dump(job)), 202 if created else 200
 
 
 def _json_body() -> object:

@@ -60,7 +60,7 @@ def test_migration_0011_up_down_up_adds_and_drops_only_the_index(tmp_path):
     assert "one_active_job_per_lora" in indexes(db) and objects(db) == before  # triggers, AUTOINCREMENT kept
     command.downgrade(cfg, "0010")
     assert "one_active_job_per_lora" not in indexes(db) and objects(db) == before
-    upgrade(db)  # to the head: 0012's webhook tables and their triggers, 0013's checkpoints, the rest as it was
+    upgrade(db)  # to the head: 0012's webhook tables and their triggers, 0013's checkpoints, 0014's resume columns
     assert "one_active_job_per_lora" in indexes(db)
     def without_webhooks(found: list[tuple]) -> list[tuple]:  # 0012's tables, triggers and jobs' one column; 0013's
         return [(kind, name, text.replace(", webhook_events TEXT", "")) for kind, name, text in found

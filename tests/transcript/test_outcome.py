@@ -293,7 +293,8 @@ def test_cancel_and_stall_win_over_whatever_the_exit_said():
 
 def test_the_expected_lora_is_read_from_the_row():
     job = Job(output_name="ohwx", seed=7, lora_rank=8, lora_steps=123, lora_dtype="BF16", tier="fast")
-    assert recorded_lora(job) == ExpectedLora(rank=8, output_name="ohwx", steps=123, seed=7, dtype="BF16")
+    assert recorded_lora(job) == ExpectedLora(rank=8, output_name="ohwx", steps=123, seed=7, dtype="BF16",
+                                              trained_steps=123)
     assert recorded_lora(Job(output_name="o", seed=1, lora_rank=4, lora_steps=3, lora_dtype="F16",
                              output_dev_ino="12:34")).output_dir_id is not None
 

@@ -194,6 +194,9 @@ class JobSchema(Schema):
     slurm_job_id = fields.String(allow_none=True, metadata={"description": "Slurm's id of the job; null for local"})
     queue_reason = fields.String(allow_none=True, metadata={
         "description": "why Slurm keeps the queued job waiting (Resources, Priority, …); null otherwise"})
+    resumed_from = fields.Integer(allow_none=True, metadata={"description": "the job this one resumes; null: none"})
+    attempt = fields.Integer(metadata={"description": "which try of the request this is: 1, or a resume's count"})
+    resume_step = fields.Integer(metadata={"description": "the step a resume started from (0: not a resume)"})
 
 
 class CancelAnswerSchema(JobSchema):

@@ -1,0 +1,37 @@
+"""The ledger's part of a resume (migration 0014): which job resumed which, the events that say so, and the jobs
+a reboot cut off that no resume has looked at yet."""
+from __future__ import annotations
+
+from sqlalchemy import exists, select
+
+from lora_worker.ledger.db import Database
+from lora_worker.ledger.models import Job, JobEvent
+from lora_worker.ledger.repository import _event
+from lora_worker.states import FailureClass, JobState
+
+NOTE_PREFIX = "resume: "  # the events `follow_up` writes: a job with one was looked at
+
+
+def resume_of(db: Database, job_id: int) -> Job | None:
+    """The job that resumed `job_id`, if one did."""
+    with db.read() as s:
+        return s.scalars(select(Job).where(Job.resumed_from == job_id).order_by(Job.id)).first()
+
+
+def note(db: Database, job_id: int, *, actor: str, reason: str) -> None:
+    """An event of the job that changes no state (a resume of it started, reconcile found it resumable)."""
+    with db.write() as s:
+        job = s.get(Job, job_id)
+        if job is not None:
+            _event(s, job_id, JobState(job.status), JobState(job.status), actor, reason)
+
+
+def cut_off_unlooked(db: Database, limit: int = 20) -> list[Job]:
+    """Failed `host_rebooted` jobs no resume follows and no `resume: ` event has looked at, oldest first."""
+    later = select(Job.resumed_from).where(Job.resumed_from.is_not(None))
+    looked = exists().where(JobEvent.job_id == Job.id, JobEvent.reason.like(f"{NOTE_PREFIX}%"))
+    query = (select(Job).where(Job.status == JobState.FAILED.value,
+                               Job.failure_class == FailureClass.HOST_REBOOTED.value,
+                               Job.id.not_in(later), ~looked).order_by(Job.id).limit(limit))
+    with db.read() as s:
+        return list(s.scalars(query))

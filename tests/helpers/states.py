@@ -1,0 +1,73 @@
+"""Saved trainer states for tests, shaped as accelerate 1.6 writes them for sd-scripts (host/train_state.py), and
+a job that a resume can follow: accepted through the real dispatch path, its run cut off, its states on disk."""
+from __future__ import annotations
+
+import json
+import zipfile
+from pathlib import Path
+
+from lora_worker.host.train_state import ARCHIVES, state_name
+from lora_worker.ledger import repository as repo
+from lora_worker.states import FailureClass
+from lora_worker.transcript.logfile import log_paths
+from tests.helpers import write_safetensors
+
+LORA_MODULES = ("lora_unet_down_blocks_1_attentions_0_proj_in", "lora_unet_mid_block_attentions_0_proj_out")
+
+
+def lora_tensors(rank: int) -> dict[str, tuple[str, list[int]]]:
+    tensors: dict[str, tuple[str, list[int]]] = {}
+    for module in LORA_MODULES:
+        tensors[f"{module}.lora_down.weight"] = ("F32", [rank, 64])
+        tensors[f"{module}.lora_up.weight"] = ("F32", [64, rank])
+        tensors[f"{module}.alpha"] = ("F32", [])
+    return tensors
+
+
+def write_zip(path: Path, payload: bytes = b"\x80\x02}q\x00." * 64) -> None:
+    """A torch.save archive's shape: stored (uncompressed) members under `archive/`."""
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
+        archive.writestr("archive/data.pkl", payload)
+        archive.writestr("archive/version", b"3\n")
+
+
+def write_state(output_dir: Path, output_name: str, step: int, *, rank: int = 16, epoch: int = 1,
+                json_step: int | None = None) -> Path:
+    state = output_dir / state_name(output_name, step)
+    state.mkdir(parents=True)
+    write_safetensors(state / "model.safetensors", lora_tensors(rank), {"format": "pt"})
+    for name in ARCHIVES:
+        write_zip(state / name)
+    (state / "train_state.json").write_text(json.dumps(
+        {"current_epoch": epoch, "current_step": step if json_step is None else json_step}))
+    return state
+
+
+def write_step_lora(output_dir: Path, output_name: str, step: int, model_hash: str, rank: int = 16) -> Path:
+    path = output_dir / f"{output_name}-step{step:08d}.safetensors"
+    write_safetensors(path, lora_tensors(rank), {"ss_new_sd_model_hash": model_hash, "ss_steps": str(step)})
+    return path
+
+
+def log_saves(settings, job_id: int, *steps: int) -> None:
+    """The run log's lines of sd-scripts' state saves (train_util.py `saving state at step N`)."""
+    head = log_paths(settings.log_dir, job_id)[0]
+    head.parent.mkdir(parents=True, exist_ok=True)
+    with head.open("a") as fh:
+        for step in steps:
+            fh.write(f"2026-12-02 10:00:00 INFO saving state at step {step}\n")
+
+
+def interrupted(db, settings, job_id: int, failure: FailureClass | None = FailureClass.HOST_REBOOTED,
+                steps: tuple[int, ...] = (2, 4)) -> Path:
+    """The accepted job `job_id` failed with `failure` (None: left as it is), having saved a state (and step
+    LoRA) at each of `steps`; its output directory."""
+    job = repo.get_job(db, job_id)
+    if failure is not None:
+        assert repo.fail_job(db, job_id, actor="test", failure_class=failure, sentence="cut off")
+    output = Path(job.output_dir)
+    for step in steps:
+        write_step_lora(output, job.output_name, step, "a" * 64, rank=job.lora_rank)
+        write_state(output, job.output_name, step, rank=job.lora_rank)
+    log_saves(settings, job_id, *steps)
+    return output

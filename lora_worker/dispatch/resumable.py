@@ -3,10 +3,12 @@
 A state is used only when all of this holds (issue 26), checked without torch:
 1. the job ended in a way a resume can follow (`ENDINGS`: every failure class, mapped here explicitly);
 2. every file of the state is the trainer's and intact (host/train_state.py), `train_state.json`'s step is the
-   directory's, and the run's output said it saved a state at that step (`seen`);
+   directory's, and the ledger saw the run's output say it saved a state at that step (a `checkpoints` row of
+   kind `state`, written with the progress: ledger/resumes.states_seen);
 3. its step numbering will be right: sd-scripts 48d368fa, resumed with `--skip_until_initial_step`, counts the
    steps of a state past the first epoch from that epoch's start (train_network.py L1340-1344: `global_step =
-   initial_step - epoch_to_start * len(train_dataloader)`), so only a state inside the first epoch is used;
+   initial_step - epoch_to_start * len(train_dataloader)`; proven on the real trainer, docs/reference/
+   sd-scripts-resume.md §4), so only a state inside the first epoch is used;
 4. the fingerprint matches the job's (dispatch/refingerprint.py): computed last, for the state that passed.
 The newest state that passes is chosen; the reasons say why each newer one, or the job, was refused.
 """
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -27,7 +28,6 @@ from lora_worker.ledger import resumes
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job
 from lora_worker.states import ACTIVE_STATES, FailureClass, JobState
-from lora_worker.transcript.logreader import LogReader
 
 # How each failure class bears on a resume: True, the run was cut off from outside and its state is as good as
 # it was (a reboot, a lost or signalled supervisor, a kill, a stall, a lost node or Slurm job, a time limit, a
@@ -55,7 +55,6 @@ ENDINGS: dict[FailureClass, bool] = {
     FailureClass.ARTIFACT_INVALID: False,
     FailureClass.ARTIFACT_MISMATCH: False,
 }
-SAVED_STATE = re.compile(r"saving state at step (\d+)\s*$", re.M)  # train_util.py L5964, logger.info
 
 
 @dataclass
@@ -68,16 +67,6 @@ class Verdict:
     def as_dict(self) -> dict[str, object]:
         return {"resumable": self.resumable, "from_step": self.from_step, "state": self.state,
                 "reasons": [{"code": p.code, "message": p.message} for p in self.reasons]}
-
-
-def seen_in_log(settings: Settings, job: Job) -> set[int]:
-    """The steps whose state save the job's run log shows (sd-scripts' `saving state at step N`)."""
-    reader = LogReader(settings.log_dir, job.id)
-    try:
-        text = reader.read_from(0, 64 << 20).text
-    except OSError:
-        return set()
-    return {int(m[1]) for m in SAVED_STATE.finditer(text)}
 
 
 def steps_per_epoch_at_least(job: Job) -> int | None:
@@ -104,7 +93,7 @@ def ending_problems(db: Database, job: Job) -> list[Problem]:
 
 
 def verdict(db: Database, settings: Settings, job: Job, *,
-            seen: Callable[[Settings, Job], set[int]] = seen_in_log) -> Verdict:
+            seen: Callable[[Settings, Job], set[int]] | None = None) -> Verdict:
     """Whether `job` can be resumed, from which state, and why not (every reason found)."""
     problems = ending_problems(db, job)
     if problems:
@@ -118,7 +107,7 @@ def verdict(db: Database, settings: Settings, job: Job, *,
         return Verdict(False, reasons=[Problem("state_file_invalid", f"{job.output_dir} cannot be listed: {exc}")])
     if not states:
         return Verdict(False, reasons=[Problem("no_state", f"no {job.output_name}-step*-state in {job.output_dir}")])
-    saved = _seen_in_chain(db, settings, job, seen)
+    saved = _seen_in_chain(db, settings, job, seen or (lambda _settings, j: resumes.states_seen(db, j.id)))
     refused: list[Problem] = []
     for name, step in states:
         check = check_state(job.output_dir, name, rank=job.lora_rank)
@@ -168,7 +157,7 @@ def _check_numbering(job: Job, check: StateCheck, saved: set[int]) -> None:
     if check.problems:
         return
     if check.step not in saved:
-        check.refuse("state_not_seen", f"the run's output shows no state saved at step {check.step}")
+        check.refuse("state_not_seen", f"the ledger saw no `saving state at step {check.step}` in the run's output")
     per_epoch = steps_per_epoch_at_least(job)
     if per_epoch is None or check.step >= per_epoch:
         check.refuse("state_past_first_epoch", f"step {check.step} is not inside the first epoch (at least "

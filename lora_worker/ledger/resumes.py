@@ -5,7 +5,8 @@ from __future__ import annotations
 from sqlalchemy import exists, select
 
 from lora_worker.ledger.db import Database
-from lora_worker.ledger.models import Job, JobEvent
+from lora_worker.ledger.checkpoints import STATE
+from lora_worker.ledger.models import Checkpoint, Job, JobEvent
 from lora_worker.ledger.repository import _event
 from lora_worker.states import FailureClass, JobState
 
@@ -16,6 +17,13 @@ def resume_of(db: Database, job_id: int) -> Job | None:
     """The job that resumed `job_id`, if one did."""
     with db.read() as s:
         return s.scalars(select(Job).where(Job.resumed_from == job_id).order_by(Job.id)).first()
+
+
+def states_seen(db: Database, job_id: int) -> set[int]:
+    """The steps of the states the job's trainer said it saved (`saving state at step N`), as its progress writes
+    recorded them (migration 0013), removed since or not."""
+    with db.read() as s:
+        return set(s.scalars(select(Checkpoint.step).where(Checkpoint.job_id == job_id, Checkpoint.kind == STATE)))
 
 
 def note(db: Database, job_id: int, *, actor: str, reason: str) -> None:

@@ -3,6 +3,7 @@ a job that a resume can follow: accepted through the real dispatch path, its run
 from __future__ import annotations
 
 import json
+import sqlite3
 import zipfile
 from pathlib import Path
 
@@ -50,12 +51,14 @@ def write_step_lora(output_dir: Path, output_name: str, step: int, model_hash: s
 
 
 def log_saves(settings, job_id: int, *steps: int) -> None:
-    """The run log's lines of sd-scripts' state saves (train_util.py `saving state at step N`)."""
+    """The run log's lines of sd-scripts' state saves (train_util.py `saving state at step N`), and the ledger's
+    rows of them."""
     head = log_paths(settings.log_dir, job_id)[0]
     head.parent.mkdir(parents=True, exist_ok=True)
     with head.open("a") as fh:
         for step in steps:
             fh.write(f"2026-12-02 10:00:00 INFO saving state at step {step}\n")
+    record_states(settings, job_id, *steps)
 
 
 def interrupted(db, settings, job_id: int, failure: FailureClass | None = FailureClass.HOST_REBOOTED,
@@ -71,3 +74,16 @@ def interrupted(db, settings, job_id: int, failure: FailureClass | None = Failur
         write_state(output, job.output_name, step, rank=job.lora_rank)
     log_saves(settings, job_id, *steps)
     return output
+
+
+def record_states(settings, job_id: int, *steps: int) -> None:
+    """The `checkpoints` rows the job's progress writes make of its `saving state at step N` lines."""
+    conn = sqlite3.connect(settings.database_path)
+    with conn:
+        output_dir, output_name = conn.execute("SELECT output_dir, output_name FROM jobs WHERE id = ?",
+                                               (job_id,)).fetchone()
+        output_dir = Path(output_dir)
+        conn.executemany("INSERT INTO checkpoints (job_id, kind, step, path, at) VALUES (?, 'state', ?, ?, ?)",
+                         [(job_id, step, str(output_dir / f"{output_name}-step{step:08d}-state"),
+                           "2026-12-02T10:00:00.000Z") for step in steps])
+    conn.close()

@@ -38,7 +38,7 @@ def lora_worker(*argv: str) -> list[str]:
 def in_a_terminal(argv: list[str], env: dict[str, str], columns: int = 100, rows: int = 40,
                   timeout: float = 120, on_output: Callable[[bytes], None] = lambda screen: None) -> tuple[int, str]:
     """Run `argv` with its stdout on a pseudo-terminal of the given size; its stderr (log lines) apart.
-    `on_output` sees the screen so far after each read."""
+    `on_output` sees each read's bytes, with the previous read's last 32 before them (a marker cut in two)."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave, stderr=subprocess.PIPE,
@@ -54,8 +54,8 @@ def in_a_terminal(argv: list[str], env: dict[str, str], columns: int = 100, rows
                 return
             if not data:
                 return
+            on_output((chunks[-1][-32:] if chunks else b"") + data)
             chunks.append(data)
-            on_output(b"".join(chunks))
 
     reader = threading.Thread(target=drain)
     reader.start()
@@ -81,7 +81,7 @@ def test_watch_at_a_terminal_redraws_one_panel_in_place_through_the_phases_to_th
     set_modes(host.sd_scripts, launcher_release_file=str(release), load_s=1.0, step_s=0.02)
     job_id = client.post("/train", json=host.payload()).get_json()["worker_job_id"]
     code, screen = in_a_terminal(lora_worker("jobs", "watch", str(job_id)), {**os.environ, **settings_env(migrated)},
-                                 on_output=lambda screen: b"\xe2\x95\xad\xe2\x94\x80 job" in screen and release.touch())
+                                 on_output=lambda read: b"\xe2\x95\xad\xe2\x94\x80 job" in read and release.touch())
     assert code == 0, screen[-2000:]
     before, frames = frames_of(screen)
     assert len(frames) >= 5, screen[-2000:]

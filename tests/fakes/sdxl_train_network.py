@@ -496,11 +496,19 @@ def legacy_model_hash(path: str) -> str:
         return hashlib.sha256(fh.read(0x10000)).hexdigest()[:8]
 
 
-def lora_metadata(args: argparse.Namespace, rank: int, steps: int, epoch: int, total_images: int,
-                  subsets: list, started: float) -> dict[str, str]:
+def lora_metadata(args: argparse.Namespace, plan: Plan, steps: int, epoch: int, dataset: Dataset,
+                  started: float) -> dict[str, str]:
+    """The real run's `ss_*` metadata (tests/data/lora-header-run1_simple.json) with this run's values."""
     metadata = dict(lora_reference()["__metadata__"])
     res = (args.resolution or "1024").split(",")[0]
+    rank, total_images, subsets = plan.rank, dataset.total, dataset.subsets
+    buckets = {"buckets": {"0": {"resolution": [int(res), int(res)], "count": total_images}}, "mean_img_ar_error": 0.0}
     metadata.update({
+        "ss_num_batches_per_epoch": str(plan.batches), "ss_num_epochs": str(plan.epochs),
+        "ss_bucket_info": json.dumps(buckets) if args.enable_bucket else "null",
+        "ss_min_bucket_reso": str(args.min_bucket_reso) if args.enable_bucket else "None",
+        "ss_max_bucket_reso": str(args.max_bucket_reso) if args.enable_bucket else "None",
+        "ss_bucket_no_upscale": str(args.bucket_no_upscale),
         "ss_network_dim": str(rank), "ss_network_alpha": str(float(args.network_alpha)),
         "ss_network_module": args.network_module or "networks.lora", "ss_output_name": str(args.output_name),
         "ss_steps": str(steps), "ss_epoch": str(epoch), "ss_seed": str(args.seed),
@@ -694,7 +702,7 @@ def preparing_training(args: argparse.Namespace, dataset: Dataset) -> Plan:
         args.max_train_steps = steps
         log(f"override steps. steps for {args.max_train_epochs} epochs is / 指定エポックまでのステップ数: {steps}")
     epochs = math.ceil(steps / batches)
-    steps_from_state = sd_states.load_state(log, args.resume) if args.resume else None
+    steps_from_state = sd_states.resume_from_local_or_hf_if_specified(log, args) if args.resume else None
     print("running training / 学習開始", flush=True)
     print(f"  num train images * repeats / 学習画像の数×繰り返し回数: {dataset.total}", flush=True)
     print("  num validation images * repeats / 学習画像の数×繰り返し回数: 0", flush=True)
@@ -763,7 +771,8 @@ def training(args: argparse.Namespace, dataset: Dataset, plan: Plan, started: fl
     losses: list[float] = []
     for epoch in range(epoch_to_start, plan.epochs):
         print(f"\nepoch {epoch + 1}/{plan.epochs}\n", flush=True)
-        log(f"epoch is incremented. current_epoch: {epoch}, epoch: {epoch + 1}")
+        # the dataset's own epoch, which each process starts at 0 (train_util.py L784; R6 resumed into epoch 2)
+        log(f"epoch is incremented. current_epoch: {epoch if epoch > epoch_to_start else 0}, epoch: {epoch + 1}")
         batches = range(plan.batches)
         if initial_step > 0:  # accelerator.skip_first_batches(train_dataloader, initial_step - 1)
             batches = range(initial_step - 1, plan.batches)
@@ -832,8 +841,7 @@ def save_checkpoint(args: argparse.Namespace, dataset: Dataset, plan: Plan, suff
     ckpt = os.path.join(args.output_dir, f"{args.output_name or default}{suffix}.safetensors")
     os.makedirs(args.output_dir, exist_ok=True)  # save_model: the directory first, then the line
     print(f"\nsaving checkpoint: {ckpt}", flush=True)
-    save_lora(ckpt, plan.rank, args.network_alpha, lora_metadata(args, plan.rank, step, epoch, dataset.total,
-                                                                 dataset.subsets, started),
+    save_lora(ckpt, plan.rank, args.network_alpha, lora_metadata(args, plan, step, epoch, dataset, started),
               precision=args.save_precision)
 
 
@@ -843,7 +851,7 @@ def saving(args: argparse.Namespace, dataset: Dataset, plan: Plan, step: int, st
         sd_states.save_state_on_train_end(log, args, step=step, **state_of(args, plan, plan.epochs))
     final = os.path.join(args.output_dir, f"{args.output_name or 'last'}.safetensors")
     print(f"\nsaving checkpoint: {final}", flush=True)
-    metadata = lora_metadata(args, plan.rank, step, plan.epochs, dataset.total, dataset.subsets, started)
+    metadata = lora_metadata(args, plan, step, plan.epochs, dataset, started)
     if MODES.get("partial_save_then_hang"):
         save_lora(final, plan.rank, args.network_alpha, metadata, partial=True, precision=args.save_precision)
         phase_hang()

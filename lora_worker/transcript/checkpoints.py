@@ -114,7 +114,7 @@ def verify_step_lora(path: Path, expected: ExpectedLora, step: int) -> tuple[str
     """(why the step LoRA is not the one its save announced, or None; the artifact check)."""
     from lora_worker.host.safetensors import verify_lora  # loaded once the trainer runs (runner.py END_MODULES)
 
-    check = verify_lora(path, expected)
+    check = verify_lora(path, replace(expected, trained_steps=None))  # its steps are the save's, checked below
     if check.problem is not None:
         return check.problem, check
     if (steps := check.metadata.get("ss_steps")) != str(step):

@@ -496,15 +496,15 @@ def legacy_model_hash(path: str) -> str:
         return hashlib.sha256(fh.read(0x10000)).hexdigest()[:8]
 
 
-def lora_metadata(args: argparse.Namespace, plan: Plan, steps: int, epoch: int, dataset: Dataset,
-                  started: float) -> dict[str, str]:
+def lora_metadata(args: argparse.Namespace, rank: int, steps: int, epoch: int, total_images: int,
+                  subsets: list, started: float) -> dict[str, str]:
     """The real run's `ss_*` metadata (tests/data/lora-header-run1_simple.json) with this run's values."""
     metadata = dict(lora_reference()["__metadata__"])
     res = (args.resolution or "1024").split(",")[0]
-    rank, total_images, subsets = plan.rank, dataset.total, dataset.subsets
+    batches = batches_per_epoch(args, subsets)
     buckets = {"buckets": {"0": {"resolution": [int(res), int(res)], "count": total_images}}, "mean_img_ar_error": 0.0}
     metadata.update({
-        "ss_num_batches_per_epoch": str(plan.batches), "ss_num_epochs": str(plan.epochs),
+        "ss_num_batches_per_epoch": str(batches), "ss_num_epochs": str(math.ceil(args.max_train_steps / batches)),
         "ss_bucket_info": json.dumps(buckets) if args.enable_bucket else "null",
         "ss_min_bucket_reso": str(args.min_bucket_reso) if args.enable_bucket else "None",
         "ss_max_bucket_reso": str(args.max_bucket_reso) if args.enable_bucket else "None",
@@ -695,7 +695,7 @@ def preparing_training(args: argparse.Namespace, dataset: Dataset) -> Plan:
     print("prepare optimizer, data loader etc.", flush=True)
     eight_bit = args.optimizer_type.lower() == "adamw8bit"
     log(f"use {'8-bit AdamW' if eight_bit else 'AdamW'} optimizer | {{}}")
-    batches = sum(math.ceil(r * len(i) / args.train_batch_size) for _, r, i in dataset.subsets)
+    batches = batches_per_epoch(args, dataset.subsets)
     steps = args.max_train_steps
     if args.max_train_epochs:
         steps = args.max_train_epochs * batches
@@ -714,6 +714,10 @@ def preparing_training(args: argparse.Namespace, dataset: Dataset) -> Plan:
     print(f"  total optimization steps / 学習ステップ数: {steps}", flush=True)
     sleep("sha_s", 0.02)  # the silent sha256 of the base model
     return Plan(rank, steps, epochs, batches, steps_from_state)
+
+
+def batches_per_epoch(args: argparse.Namespace, subsets: list) -> int:
+    return sum(math.ceil(r * len(i) / args.train_batch_size) for _, r, i in subsets)
 
 
 BAR: list[tqdm] = []  # the steps bar, once training starts (closed after the final save, as when train() returns)
@@ -841,7 +845,8 @@ def save_checkpoint(args: argparse.Namespace, dataset: Dataset, plan: Plan, suff
     ckpt = os.path.join(args.output_dir, f"{args.output_name or default}{suffix}.safetensors")
     os.makedirs(args.output_dir, exist_ok=True)  # save_model: the directory first, then the line
     print(f"\nsaving checkpoint: {ckpt}", flush=True)
-    save_lora(ckpt, plan.rank, args.network_alpha, lora_metadata(args, plan, step, epoch, dataset, started),
+    save_lora(ckpt, plan.rank, args.network_alpha, lora_metadata(args, plan.rank, step, epoch, dataset.total,
+                                                                 dataset.subsets, started),
               precision=args.save_precision)
 
 
@@ -851,7 +856,7 @@ def saving(args: argparse.Namespace, dataset: Dataset, plan: Plan, step: int, st
         sd_states.save_state_on_train_end(log, args, step=step, **state_of(args, plan, plan.epochs))
     final = os.path.join(args.output_dir, f"{args.output_name or 'last'}.safetensors")
     print(f"\nsaving checkpoint: {final}", flush=True)
-    metadata = lora_metadata(args, plan, step, plan.epochs, dataset, started)
+    metadata = lora_metadata(args, plan.rank, step, plan.epochs, dataset.total, dataset.subsets, started)
     if MODES.get("partial_save_then_hang"):
         save_lora(final, plan.rank, args.network_alpha, metadata, partial=True, precision=args.save_precision)
         phase_hang()

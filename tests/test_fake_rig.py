@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from lora_worker.host.safetensors import read_header
+from lora_worker.host.train_state import check_state
 from tests.helpers import SDXL_TINY, install_fake_trainer, make_dataset, write_safetensors
 from tests.helpers.rig_captures import RIG, around, events, flag, meta, run_fake, stream
 
@@ -98,6 +99,7 @@ def test_a_state_holds_the_real_states_files_in_their_formats(killed_at_4):
         b'{"current_epoch": 1, "current_step": 4}')
     assert_tensors_as_real(state / "model.safetensors", "state-step4-model.header.json")
     assert metadata_of(state / "model.safetensors") == {"format": "pt"}
+    assert check_state(str(killed_at_4["out"]), state.name, rank=4).problems == []  # the worker's own check
 
 
 def test_the_states_torch_zips_are_laid_out_as_torch_save_lays_them_out(killed_at_4):

@@ -94,8 +94,10 @@ def save_state(log, state_dir: str, *, epoch: int, step: int, modules: list[tupl
     scheduler = os.path.join(state_dir, "scheduler.bin")
     torch_save(scheduler, {"last_epoch": step, "_step_count": step + 1, "base_lrs": [lr]}, [])
     log(f"Scheduler state saved in {scheduler}")
-    for i, sampler in enumerate(("sampler.bin", "sampler_1.bin")):  # the train and the validation dataloader:
-        log(f"Sampler state for dataloader {i} saved in {os.path.join(state_dir, sampler)}")  # no seedable sampler
+    # accelerate logs both dataloaders' sampler files (train and validation) but writes neither: only a
+    # SeedableRandomSampler is saved, and sd-scripts has none (the rig's states hold no sampler file)
+    for i, sampler in enumerate(("sampler.bin", "sampler_1.bin")):
+        log(f"Sampler state for dataloader {i} saved in {os.path.join(state_dir, sampler)}")
     states = os.path.join(state_dir, "random_states_0.pkl")
     torch_save(states, {"step": 0, "random_state": None, "numpy_random_seed": None}, [b"\0" * 16])
     log(f"Random states saved in {states}")

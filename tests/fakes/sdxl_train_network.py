@@ -1,7 +1,8 @@
 """Test double of kohya-ss sd-scripts `sdxl_train_network.py` (main @ 48d368fa), for runs without torch or a GPU.
 
 It behaves as docs/reference/sd-scripts.md and sd-scripts-failures.md document, and prints what the
-captures in tests/data/*.jsonl show:
+captures in tests/data/*.jsonl show (with --save_state and --resume, what the rig's runs in tests/data/rig show and
+docs/reference/sd-scripts-resume.md documents: sd_states.py, held to them by tests/test_fake_rig.py):
 - argparse with the real flag names and defaults: an unknown flag exits 2 with `error: unrecognized arguments`;
 - the dataset scan of `<train_data_dir>/<n>_<name>/` (non-recursive, `--caption_extension`, default
   `.caption`): no images → `No data found. …` and exit 0 with no file; a 0-byte caption → AssertionError;

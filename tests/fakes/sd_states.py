@@ -12,7 +12,11 @@ read them, without torch:
   to …` and one `… saved in …` per file, train_network's `save train state to …`, and `removing old state: …`;
 - the pruning arithmetic of train_util's get_remove_step_no and save_and_remove_state_stepwise;
 - the resume: `resume training from local state: …`, accelerate's `Loading states from …`, the load hook's
-  `load train state from …: {…}`, and the files read (a missing one is the FileNotFoundError torch raises).
+  `load train state from …: {…}`, and the files read (a missing one is the FileNotFoundError torch raises, a
+  cut one torch's `RuntimeError: PytorchStreamReader failed reading zip archive: …`, a broken
+  `random_states_0.pkl` only `Could not load random states`, which the rig's trainer printed on every resume).
+
+What the real trainer writes and prints here is held to the rig's runs by tests/test_fake_rig.py.
 """
 from __future__ import annotations
 
@@ -26,7 +30,6 @@ import zipfile
 
 STEP_STATE_NAME = "{}-step{:08d}-state"
 LAST_STATE_NAME = "{}-state"
-STATE_FILES = ("model.safetensors", "optimizer.bin", "scheduler.bin", "random_states_0.pkl")
 TORCH_ALIGNMENT = 64  # torch's zip writer aligns each record's data to 64 bytes
 
 
@@ -91,8 +94,10 @@ def save_state(log, state_dir: str, *, epoch: int, step: int, modules: list[tupl
     scheduler = os.path.join(state_dir, "scheduler.bin")
     torch_save(scheduler, {"last_epoch": step, "_step_count": step + 1, "base_lrs": [lr]}, [])
     log(f"Scheduler state saved in {scheduler}")
-    for i, sampler in enumerate(("sampler.bin", "sampler_1.bin")):  # the train and the validation dataloader:
-        log(f"Sampler state for dataloader {i} saved in {os.path.join(state_dir, sampler)}")  # no seedable sampler
+    # accelerate logs both dataloaders' sampler files (train and validation) but writes neither: only a
+    # SeedableRandomSampler is saved, and sd-scripts has none (the rig's states hold no sampler file)
+    for i, sampler in enumerate(("sampler.bin", "sampler_1.bin")):
+        log(f"Sampler state for dataloader {i} saved in {os.path.join(state_dir, sampler)}")
     states = os.path.join(state_dir, "random_states_0.pkl")
     torch_save(states, {"step": 0, "random_state": None, "numpy_random_seed": None}, [b"\0" * 16])
     log(f"Random states saved in {states}")
@@ -133,10 +138,15 @@ def get_remove_step_no(args, step: int) -> int | None:
     return None if remove < 0 else remove
 
 
-def load_state(log, state_dir: str) -> int | None:
+def resume_from_local_or_hf_if_specified(log, args) -> int | None:
     """train_util.resume_from_local_or_hf_if_specified → accelerator.load_state, with train_network's load hook:
-    the `current_step` of train_state.json (None without one, as the hook has it)."""
-    log(f"resume training from local state: {state_dir}")
+    the `current_step` of train_state.json (None without one, as the hook has it: the run then trains from 0)."""
+    log(f"resume training from local state: {args.resume}")
+    return load_state(log, args.resume)
+
+
+def load_state(log, state_dir: str) -> int | None:
+    """Accelerator.load_state: the load hook (train_state.json) first, then the files."""
     log(f"Loading states from {state_dir}")
     steps = None
     train_state = os.path.join(state_dir, "train_state.json")
@@ -145,18 +155,48 @@ def load_state(log, state_dir: str) -> int | None:
             data = json.load(f)
         steps = data["current_step"]
         log(f"load train state from {train_state}: {data}")
-    for name, line in zip(STATE_FILES, ("All model weights loaded successfully", "All optimizer states loaded "
-                                        "successfully", "All scheduler states loaded successfully", None)):
-        path = os.path.join(state_dir, name)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
-        if name.endswith((".bin", ".pkl")):
-            with zipfile.ZipFile(path) as archive:  # torch.load reads the archive: a cut one fails
-                archive.testzip()
-        if line:
-            log(line)
-        if name == "scheduler.bin":
-            log("All dataloader sampler states loaded successfully")
-    log("All random states loaded successfully")
-    log("Loading in 0 custom states")
+    load_accelerator_state(log, state_dir)
     return steps
+
+
+def load_accelerator_state(log, state_dir: str) -> None:
+    """accelerate 1.6 checkpointing.load_accelerator_state: each file read in turn, a broken one raising what
+    torch raises, except the RNG states, whose failure is only logged (L276-297)."""
+    model = os.path.join(state_dir, "model.safetensors")
+    if not os.path.isfile(model):  # accelerate falls back to torch's name for the weights
+        load(os.path.join(state_dir, "pytorch_model.bin"))
+    log("All model weights loaded successfully")
+    load(os.path.join(state_dir, "optimizer.bin"))
+    log("All optimizer states loaded successfully")
+    load(os.path.join(state_dir, "scheduler.bin"))
+    log("All scheduler states loaded successfully")
+    log("All dataloader sampler states loaded successfully")  # no seedable sampler: nothing is read
+    try:
+        load(os.path.join(state_dir, "random_states_0.pkl"))
+    except Exception:
+        pass  # swallowed, as accelerate does: a broken file and a good one print the same line
+    # The real load goes on to set the CUDA RNG from a key a CPU box never saves, and its `except Exception` logs
+    # this: the rig's resumes all printed it (a GPU's would print `All random states loaded successfully`, from
+    # source). The fake prints what the real trainer was seen to print, on every resume.
+    log("Could not load random states")
+    log("Loading in 0 custom states")
+
+
+def load(path: str) -> None:
+    """torch.load of a torch.save zip: a missing file is the FileNotFoundError open raises, a cut one torch's
+    reader's RuntimeError (the rig's R7)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except zipfile.BadZipFile:
+        bad = "the central directory"
+    if bad is not None:
+        raise RuntimeError(TORCH_ZIP_ERROR)
+
+
+TORCH_ZIP_ERROR = ("PytorchStreamReader failed reading zip archive: failed finding central directory. This is an "
+                   "internal miniz error. If you are seeing this error, there is a high likelihood that your "
+                   "checkpoint file is corrupted. This can happen if the checkpoint was not saved properly, was "
+                   "transferred incorrectly, or the file was modified after saving.")

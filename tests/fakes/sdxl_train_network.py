@@ -1,7 +1,8 @@
 """Test double of kohya-ss sd-scripts `sdxl_train_network.py` (main @ 48d368fa), for runs without torch or a GPU.
 
 It behaves as docs/reference/sd-scripts.md and sd-scripts-failures.md document, and prints what the
-captures in tests/data/*.jsonl show:
+captures in tests/data/*.jsonl show (with --save_state and --resume, what the rig's runs in tests/data/rig show and
+docs/reference/sd-scripts-resume.md documents: sd_states.py, held to them by tests/test_fake_rig.py):
 - argparse with the real flag names and defaults: an unknown flag exits 2 with `error: unrecognized arguments`;
 - the dataset scan of `<train_data_dir>/<n>_<name>/` (non-recursive, `--caption_extension`, default
   `.caption`): no images → `No data found. …` and exit 0 with no file; a 0-byte caption → AssertionError;
@@ -499,9 +500,17 @@ def legacy_model_hash(path: str) -> str:
 
 def lora_metadata(args: argparse.Namespace, rank: int, steps: int, epoch: int, total_images: int,
                   subsets: list, started: float) -> dict[str, str]:
+    """The real run's `ss_*` metadata (tests/data/lora-header-run1_simple.json) with this run's values."""
     metadata = dict(lora_reference()["__metadata__"])
     res = (args.resolution or "1024").split(",")[0]
+    batches = batches_per_epoch(args, subsets)
+    buckets = {"buckets": {"0": {"resolution": [int(res), int(res)], "count": total_images}}, "mean_img_ar_error": 0.0}
     metadata.update({
+        "ss_num_batches_per_epoch": str(batches), "ss_num_epochs": str(math.ceil(args.max_train_steps / batches)),
+        "ss_bucket_info": json.dumps(buckets) if args.enable_bucket else "null",
+        "ss_min_bucket_reso": str(args.min_bucket_reso) if args.enable_bucket else "None",
+        "ss_max_bucket_reso": str(args.max_bucket_reso) if args.enable_bucket else "None",
+        "ss_bucket_no_upscale": str(args.bucket_no_upscale),
         "ss_network_dim": str(rank), "ss_network_alpha": str(float(args.network_alpha)),
         "ss_network_module": args.network_module or "networks.lora", "ss_output_name": str(args.output_name),
         "ss_steps": str(steps), "ss_epoch": str(epoch), "ss_seed": str(args.seed),
@@ -688,14 +697,14 @@ def preparing_training(args: argparse.Namespace, dataset: Dataset) -> Plan:
     print("prepare optimizer, data loader etc.", flush=True)
     eight_bit = args.optimizer_type.lower() == "adamw8bit"
     log(f"use {'8-bit AdamW' if eight_bit else 'AdamW'} optimizer | {{}}")
-    batches = sum(math.ceil(r * len(i) / args.train_batch_size) for _, r, i in dataset.subsets)
+    batches = batches_per_epoch(args, dataset.subsets)
     steps = args.max_train_steps
     if args.max_train_epochs:
         steps = args.max_train_epochs * batches
         args.max_train_steps = steps
         log(f"override steps. steps for {args.max_train_epochs} epochs is / 指定エポックまでのステップ数: {steps}")
     epochs = math.ceil(steps / batches)
-    steps_from_state = sd_states.load_state(log, args.resume) if args.resume else None
+    steps_from_state = sd_states.resume_from_local_or_hf_if_specified(log, args) if args.resume else None
     print("running training / 学習開始", flush=True)
     print(f"  num train images * repeats / 学習画像の数×繰り返し回数: {dataset.total}", flush=True)
     print("  num validation images * repeats / 学習画像の数×繰り返し回数: 0", flush=True)
@@ -707,6 +716,10 @@ def preparing_training(args: argparse.Namespace, dataset: Dataset) -> Plan:
     print(f"  total optimization steps / 学習ステップ数: {steps}", flush=True)
     sleep("sha_s", 0.02)  # the silent sha256 of the base model
     return Plan(rank, steps, epochs, batches, steps_from_state)
+
+
+def batches_per_epoch(args: argparse.Namespace, subsets: list) -> int:
+    return sum(math.ceil(r * len(i) / args.train_batch_size) for _, r, i in subsets)
 
 
 BAR: list[tqdm] = []  # the steps bar, once training starts (closed after the final save, as when train() returns)
@@ -764,7 +777,8 @@ def training(args: argparse.Namespace, dataset: Dataset, plan: Plan, started: fl
     losses: list[float] = []
     for epoch in range(epoch_to_start, plan.epochs):
         print(f"\nepoch {epoch + 1}/{plan.epochs}\n", flush=True)
-        log(f"epoch is incremented. current_epoch: {epoch}, epoch: {epoch + 1}")
+        # the dataset's own epoch, which each process starts at 0 (train_util.py L784; R6 resumed into epoch 2)
+        log(f"epoch is incremented. current_epoch: {epoch if epoch > epoch_to_start else 0}, epoch: {epoch + 1}")
         batches = range(plan.batches)
         if initial_step > 0:  # accelerator.skip_first_batches(train_dataloader, initial_step - 1)
             batches = range(initial_step - 1, plan.batches)

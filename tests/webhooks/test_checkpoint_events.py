@@ -161,3 +161,18 @@ def test_a_log_read_again_from_the_start_by_a_new_reader_sends_no_second_event(h
     assert data["checkpoint"] == {"step": 2, "path": str(lora), "bytes": lora.stat().st_size,
                                   "sha256": hashlib.sha256(lora.read_bytes()).hexdigest(), "verified": True,
                                   "error": None}
+
+
+# -- what a reader of them is told -----------------------------------------------------------------------------
+
+def test_the_demo_receiver_and_the_openapi_describe_the_checkpoint_event():
+    from lora_worker.ops.demo_webhooks import describe
+    from lora_worker.web.openapi import WEBHOOKS
+
+    ok = {"type": "job.checkpoint", "data": {"checkpoint": {"step": 150, "path": PATH, "verified": True}}}
+    bad = {"type": "job.checkpoint", "data": {"checkpoint": {"step": 300, "path": PATH, "verified": False,
+                                                              "error": "ss_steps '7' instead of 300"}}}
+    assert describe(ok) == f"job.checkpoint step 150 verified: {PATH}"
+    assert describe(bad) == f"job.checkpoint step 300 NOT verified: ss_steps '7' instead of 300: {PATH}"
+    assert "job.checkpoint" in WEBHOOKS["events"]
+    assert "`checkpoint`" in WEBHOOKS["body"]["properties"]["data"]["description"]

@@ -187,10 +187,8 @@ def update_running_in(db: Statements, job_id: int, points: Iterable[tuple[int, f
         assignments = "".join(f"{c} = ?, " for c in columns)
         sql = _RUNNING_UPDATE_SQL[columns] = (f"UPDATE jobs SET {assignments}updated_at = ?, version = version + 1 "
                                               f"WHERE id = ? AND status = '{JobState.RUNNING.value}'")
-    # Only a step, a phase or a step LoRA's verification makes a webhook event; the job's subscription and old
-    # phase are read first.
     checkpoints = list(checkpoints)
-    wanted = phases or {"step", "phase"} & values.keys() or any(c.verified is not None for c in checkpoints)
+    wanted = _may_make_events(phases, values, checkpoints)  # the job's subscription and old phase are read first
     before = db.execute(_EVENTS_BEFORE_SQL, (job_id,)).fetchone() if wanted else None
     if db.execute(sql, (*(bind(values[c]) for c in columns), iso_utc(utcnow()), job_id)).rowcount != 1:
         return False
@@ -203,6 +201,11 @@ def update_running_in(db: Statements, job_id: int, points: Iterable[tuple[int, f
         outbox.emit_running(db, job_id, old_phase=before[1], values=values, subscription=subscription,
                             entered=entered, checkpoints=[checkpoint_data(c) for c in verified])
     return True
+
+
+def _may_make_events(phases: Sequence[Any], values: dict[str, Any], checkpoints: Sequence[CheckpointRow]) -> bool:
+    """Only a step, a phase or a step LoRA's verification makes a webhook event."""
+    return bool(phases or {"step", "phase"} & values.keys() or any(c.verified is not None for c in checkpoints))
 
 
 def _record_phases(db: Statements, job_id: int, phases: Sequence[Any], actor: str) -> list[str]:

@@ -114,9 +114,7 @@ def verify_step_lora(path: Path, expected: ExpectedLora, step: int) -> tuple[str
     """(why the step LoRA is not the one its save announced, or None; the artifact check)."""
     from lora_worker.host.safetensors import verify_lora  # loaded once the trainer runs (runner.py END_MODULES)
 
-    # A step LoRA holds the steps trained until its save, not the run's: the final LoRA's ss_steps check
-    # (`trained_steps`, the row's lora_steps) would refuse every one; its own check is below.
-    check = verify_lora(path, replace(expected, trained_steps=None))
+    check = verify_lora(path, replace(expected, trained_steps=None))  # its steps are the save's, checked below
     if check.problem is not None:
         return check.problem, check
     if (steps := check.metadata.get("ss_steps")) != str(step):

@@ -34,6 +34,7 @@ the worker gives the trainer an allow-listed environment and nothing else:
   grandchild                                      "group" or "session": fork a sleeping grandchild
   grandchild_ignores_sigterm
   rank_override, metadata_overrides               write a LoRA that is not the one asked for
+  step_metadata_overrides                         the same, for the step LoRAs only
   skip_save                                       exit 0 after training without saving
   partial_save_then_hang                          write half the final file, then hang in the save
   hold_at_step, release_file                      at that step, wait until the file exists (a test's "finish now")
@@ -832,9 +833,9 @@ def save_checkpoint(args: argparse.Namespace, dataset: Dataset, plan: Plan, suff
     ckpt = os.path.join(args.output_dir, f"{args.output_name or default}{suffix}.safetensors")
     os.makedirs(args.output_dir, exist_ok=True)  # save_model: the directory first, then the line
     print(f"\nsaving checkpoint: {ckpt}", flush=True)
-    save_lora(ckpt, plan.rank, args.network_alpha, lora_metadata(args, plan.rank, step, epoch, dataset.total,
-                                                                 dataset.subsets, started),
-              precision=args.save_precision)
+    metadata = lora_metadata(args, plan.rank, step, epoch, dataset.total, dataset.subsets, started)
+    metadata.update(MODES.get("step_metadata_overrides", {}) if suffix.startswith("-step") else {})
+    save_lora(ckpt, plan.rank, args.network_alpha, metadata, precision=args.save_precision)
 
 
 def saving(args: argparse.Namespace, dataset: Dataset, plan: Plan, step: int, started: float) -> None:

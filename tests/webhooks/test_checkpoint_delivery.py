@@ -78,10 +78,9 @@ def test_each_verified_step_lora_arrives_once_with_its_row(client, hooked, host,
 
 
 def test_a_step_lora_that_fails_verification_arrives_once_with_its_error(client, hooked, host, receiver, secret):
-    # Every LoRA the fake writes says the wrong step (the final one too, which fails the job: what this test
-    # needs is the step LoRAs' events, sent whatever the ending).
-    set_modes(host.sd_scripts, metadata_overrides={"ss_steps": "7"})
-    _, bodies, _ = run_job(client, host, receiver, secret)
+    set_modes(host.sd_scripts, step_metadata_overrides={"ss_steps": "7"})  # each step LoRA says the wrong step
+    _, bodies, shown = run_job(client, host, receiver, secret)
+    assert shown["status"] == "succeeded", shown  # a step LoRA is never the job's result
     sent = checkpoint_events_by_step(bodies)
     assert 300 in sent and all(len(events) == 1 for events in sent.values())
     [data] = sent[300]

@@ -83,17 +83,23 @@ def test_a_failed_verification_is_an_event_with_its_error(hooked_db, write):
 
 
 def test_a_subscription_without_job_checkpoint_sends_none(hooked_db, write):
-    job_id = running(hooked_db, replace(ALL, types=ALL.types - {"job.checkpoint"}))
-    assert write(job_id, step=151, checkpoints=[VERIFIED])
-    assert checkpoint_events(hooked_db, job_id) == []
-    assert "job.progress" in [t for t, _ in events(hooked_db, job_id)]  # the others still go
-    assert sql(hooked_db.path, "SELECT verified FROM checkpoints") == [(1,)]
+    jobs = []
+    for subscription in (replace(ALL, types=ALL.types - {"job.checkpoint"}), ALL):  # then one that takes all
+        jobs.append(job_id := running(hooked_db, subscription))
+        assert write(job_id, step=151, checkpoints=[VERIFIED])
+        repo.transition(hooked_db, job_id, JobState.SUCCEEDED, actor="supervisor")  # the next may start
+    quiet, told = jobs
+    assert checkpoint_events(hooked_db, quiet) == [] and len(checkpoint_events(hooked_db, told)) == 1
+    assert "job.progress" in [t for t, _ in events(hooked_db, quiet)]  # the others still go
+    assert sql(hooked_db.path, "SELECT job_id, verified FROM checkpoints ORDER BY job_id") == [(quiet, 1), (told, 1)]
 
 
 def test_a_removed_lora_and_a_state_send_none(hooked_db, write):
     job_id = running(hooked_db)
-    assert write(job_id, checkpoints=[SEEN, CheckpointRow(STATE, 150, "/o/s", AT), replace(SEEN, removed_at=AT)])
-    assert checkpoint_events(hooked_db, job_id) == []
+    later = replace(VERIFIED, step=300, path=PATH.replace("150", "300"))  # the one the trainer kept
+    assert write(job_id, checkpoints=[SEEN, CheckpointRow(STATE, 150, "/o/s", AT), replace(SEEN, removed_at=AT),
+                                      later])
+    assert [d["checkpoint"]["step"] for d in checkpoint_events(hooked_db, job_id)] == [300]
 
 
 def test_each_step_lora_of_one_write_is_its_own_event(hooked_db, write):
@@ -119,9 +125,11 @@ def test_a_write_the_ledger_refused_and_made_again_sends_one(hooked_db, monkeypa
 
 def test_a_job_no_longer_running_sends_none(hooked_db):
     job_id = running(hooked_db)
+    assert repo.update_running(hooked_db, job_id, checkpoints=[VERIFIED])
     repo.transition(hooked_db, job_id, JobState.SUCCEEDED, actor="supervisor")
-    assert not repo.update_running(hooked_db, job_id, checkpoints=[VERIFIED])
-    assert checkpoint_events(hooked_db, job_id) == []
+    later = replace(VERIFIED, step=300, path=PATH.replace("150", "300"))
+    assert not repo.update_running(hooked_db, job_id, checkpoints=[later])  # a late writer: refused, no event
+    assert [t for t, _ in events(hooked_db, job_id)][-2:] == ["job.checkpoint", "job.succeeded"]
 
 
 # -- a log read twice: what a restarted Slurm poller does ------------------------------------------------------

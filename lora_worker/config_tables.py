@@ -128,7 +128,7 @@ DEFAULT_STALL_LIMITS_S: Mapping[str, float] = MappingProxyType(
 BACKENDS = ("local", "slurm")
 
 
-# The events a job may send (ledger/outbox.py writes them); `job.checkpoint` once step checkpoints exist.
+# The events a job may send (ledger/outbox.py writes them; `job.checkpoint` with its checkpoints row).
 WEBHOOK_EVENT_TYPES = ("job.queued", "job.started", "job.phase", "job.progress", "job.checkpoint",
                        "job.succeeded", "job.failed", "job.cancelled")
 

@@ -109,16 +109,21 @@ _COALESCE_SQL = "UPDATE webhook_events SET body = ? WHERE id = ? AND attempts = 
 
 
 def emit_running(db: Statements, job_id: int, *, old_phase: str | None, values: dict[str, Any],
-                 subscription: Subscription, entered: Sequence[str] = ()) -> None:
+                 subscription: Subscription, entered: Sequence[str] = (),
+                 checkpoints: Sequence[dict[str, Any]] = ()) -> None:
     """The events of a running job's progress write: `job.phase` for each phase it entered (several when
-    their markers came in one read), else when the phase changed; `job.progress` (coalesced, at most one per
-    interval) when the step did."""
+    their markers came in one read), else when the phase changed; `job.checkpoint` for each step LoRA whose
+    verification this write recorded first (`data.checkpoint`); `job.progress` (coalesced, at most one per
+    interval) when the step did, last: a progress event written here is the newest, which a later step may
+    coalesce into."""
     phase = values.get("phase")
     if entered:
         for name in entered:
             emit(db, job_id, PHASE, subscription, phase=name)
     elif phase is not None and phase != old_phase:
         emit(db, job_id, PHASE, subscription)
+    for checkpoint in checkpoints:
+        emit(db, job_id, CHECKPOINT, subscription, checkpoint=checkpoint)
     if "step" in values and PROGRESS in subscription.types:
         _progress(db, job_id, subscription)
 

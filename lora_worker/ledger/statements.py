@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lora_worker.ledger import outbox
-from lora_worker.ledger.checkpoints import CheckpointRow, record_in as record_checkpoints_in
+from lora_worker.ledger.checkpoints import CheckpointRow, event_data as checkpoint_data, \
+    record_in as record_checkpoints_in
 # The ledger's clock and its text, re-exported: models and callers take them from here.
 from lora_worker.ledger.timestamps import iso_utc as iso_utc, parse_utc as parse_utc, utcnow as utcnow
 from lora_worker.states import TERMINAL_STATES, TRANSITIONS, FailureClass, JobState
@@ -178,27 +179,33 @@ def update_running_in(db: Statements, job_id: int, points: Iterable[tuple[int, f
     `phases` are all the phases the run has entered, in order (the parser's `Progress.phases`): those past
     the ones already recorded become events (running → running, "phase <name>"). A write that failed, or a
     Slurm poller that re-read the log from its start, records none twice and misses none. `checkpoints`: the
-    step LoRAs and states seen (ledger/checkpoints.py), in the same transaction."""
+    step LoRAs and states seen (ledger/checkpoints.py), in the same transaction; a step LoRA's first recorded
+    verification is its `job.checkpoint` event (so again: none twice)."""
     columns = _checked(values)
     sql = _RUNNING_UPDATE_SQL.get(columns)
     if sql is None:
         assignments = "".join(f"{c} = ?, " for c in columns)
         sql = _RUNNING_UPDATE_SQL[columns] = (f"UPDATE jobs SET {assignments}updated_at = ?, version = version + 1 "
                                               f"WHERE id = ? AND status = '{JobState.RUNNING.value}'")
-    # Only a step or a phase makes a webhook event; the job's subscription and old phase are read first.
-    wanted = phases or {"step", "phase"} & values.keys()
+    checkpoints = list(checkpoints)
+    wanted = _may_make_events(phases, values, checkpoints)  # the job's subscription and old phase are read first
     before = db.execute(_EVENTS_BEFORE_SQL, (job_id,)).fetchone() if wanted else None
     if db.execute(sql, (*(bind(values[c]) for c in columns), iso_utc(utcnow()), job_id)).rowcount != 1:
         return False
     rows = [(job_id, step, loss, iso_utc(at)) for step, loss, at in points]
     if rows:
         db.executemany(PROGRESS_POINT_SQL, rows)
-    record_checkpoints_in(db, job_id, checkpoints)
+    verified = record_checkpoints_in(db, job_id, checkpoints)  # the step LoRAs verified for the first time
     entered = _record_phases(db, job_id, phases, actor)
     if before is not None and (subscription := outbox.Subscription.from_json(before[0])) is not None:
         outbox.emit_running(db, job_id, old_phase=before[1], values=values, subscription=subscription,
-                            entered=entered)
+                            entered=entered, checkpoints=[checkpoint_data(c) for c in verified])
     return True
+
+
+def _may_make_events(phases: Sequence[Any], values: dict[str, Any], checkpoints: Sequence[CheckpointRow]) -> bool:
+    """Only a step, a phase or a step LoRA's verification makes a webhook event."""
+    return bool(phases or {"step", "phase"} & values.keys() or any(c.verified is not None for c in checkpoints))
 
 
 def _record_phases(db: Statements, job_id: int, phases: Sequence[Any], actor: str) -> list[str]:

@@ -47,6 +47,9 @@ def describe(event: dict[str, object]) -> str:
         return f"{kind} → {data.get('phase')}"
     if kind == "job.progress":
         return f"{kind} step {data.get('step')}/{data.get('total_steps')}, loss {data.get('loss')}"
+    if kind == "job.checkpoint" and isinstance(checkpoint := data.get("checkpoint"), dict):
+        verdict = "verified" if checkpoint.get("verified") else f"NOT verified: {checkpoint.get('error')}"
+        return f"{kind} step {checkpoint.get('step')} {verdict}: {checkpoint.get('path')}"
     if kind == "job.succeeded":
         return f"{kind}: {data.get('lora_path')}"
     if kind == "job.failed":

@@ -143,7 +143,9 @@ WEBHOOKS: dict[str, Any] = {
         "data": {"type": "object", "description": "the job as GET /train/<id> shows it when the event was "
                                                   "written (worker_job_id, status, phase, step, total_steps, "
                                                   "loss, lora_path, lora_sha256, failure_class, error, …), "
-                                                  "plus `retryable`"}}},
+                                                  "plus `retryable`; `job.checkpoint` adds `checkpoint`, the "
+                                                  "step LoRA whose verification it tells (step, path, bytes, "
+                                                  "sha256, verified, error: a failed one is an event too)"}}},
 }
 
 

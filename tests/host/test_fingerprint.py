@@ -2,27 +2,17 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import shutil
 import sqlite3
-import sys
-import types
 
 import pytest
 
 from lora_worker.host.fingerprint import sd_scripts_commit, trainer_versions
 from lora_worker.dispatch.dataset import inspect_dataset
-from tests.helpers import FAKES, SD_SCRIPTS_COMMIT, TRAINER_VERSIONS
+from tests.helpers import SD_SCRIPTS_COMMIT, TRAINER_VERSIONS
+from tests.helpers.fake_trainer import load_fake_trainer
 from tests.helpers.runs import TERMINAL, modes, submit, wait_state
-
-
-def fake_trainer() -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location("fake_sdxl_train_network", FAKES / "sdxl_train_network.py")
-    assert spec is not None and spec.loader is not None
-    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
-    spec.loader.exec_module(module)  # its dataclasses look themselves up in sys.modules
-    return module
 
 
 def query(settings, sql: str, *params: object) -> list[tuple]:
@@ -44,7 +34,7 @@ def test_a_finished_job_carries_its_fingerprint_and_artifact_hash(client, host):
     assert done["sd_scripts_commit"] == SD_SCRIPTS_COMMIT and done["trainer_versions"] == TRAINER_VERSIONS
     assert done["dataset_sha256"] == inspect_dataset(host.dataset, "10_ohwx woman").sha256()
     # what the fake hashes for sd-scripts' calculate_sha256 (of a sparse checkpoint, its written extents)
-    assert done["base_model_sha256"] == fake_trainer().sha256_of(str(host.model))
+    assert done["base_model_sha256"] == load_fake_trainer().sha256_of(str(host.model))
     rows = query(host.settings, "SELECT json_extract(trainer_versions, '$.torch'), json_array_length(argv), "
                                 "sd_scripts_commit, lora_sha256 FROM jobs WHERE id = ?", job_id)
     assert rows == [("2.7.0", len(json.loads(query(host.settings, "SELECT argv FROM jobs")[0][0])),

@@ -169,9 +169,8 @@ class Settings:
         """config_tables.TIERS, or, for a test on the rig, with `rig_tier_sizes` replacing some sizes."""
         if not self.rig_tier_sizes:
             return TIERS
-        return MappingProxyType({name: replace(tier, **{k: int(v) for k, v in self.rig_tier_sizes.get(name, {}).items()
-                                                         if k != "save_every_n_steps"})
-                                 for name, tier in TIERS.items()})
+        sizes = self.rig_tier_sizes
+        return MappingProxyType({name: _resized(tier, sizes.get(name, {})) for name, tier in TIERS.items()})
 
     def save_every_n_steps(self, tier: str) -> int:
         return int(self.rig_tier_sizes.get(tier, {}).get("save_every_n_steps", SAVE_EVERY_N_STEPS[tier]))
@@ -256,6 +255,12 @@ class Settings:
 
     def with_overrides(self, **changes: Any) -> Settings:
         return replace(self, **changes)
+
+
+def _resized(tier: Tier, sizes: Mapping[str, int]) -> Tier:
+    return Tier(tier.name, max_train_steps=int(sizes.get("max_train_steps", tier.max_train_steps)),
+                network_dim=int(sizes.get("network_dim", tier.network_dim)),
+                resolution=int(sizes.get("resolution", tier.resolution)))
 
 
 def _check_tier_minimums(name: str, table: Mapping[str, int]) -> None:

@@ -114,7 +114,9 @@ def verify_step_lora(path: Path, expected: ExpectedLora, step: int) -> tuple[str
     """(why the step LoRA is not the one its save announced, or None; the artifact check)."""
     from lora_worker.host.safetensors import verify_lora  # loaded once the trainer runs (runner.py END_MODULES)
 
-    # A step LoRA says the steps trained so far (`ss_steps` = its step, rig capture step-lora-step4.header.json),
-    # not the run's: held to its own step, never to the final LoRA's.
-    check = verify_lora(path, replace(expected, trained_steps=step))
-    return check.problem, check
+    check = verify_lora(path, replace(expected, trained_steps=None))  # its steps are the save's, checked below
+    if check.problem is not None:
+        return check.problem, check
+    if (steps := check.metadata.get("ss_steps")) != str(step):
+        return f"ss_steps {steps!r} instead of {step}", check
+    return None, check

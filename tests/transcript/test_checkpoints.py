@@ -14,7 +14,7 @@ import pytest
 from lora_worker.host.fs import FileId
 from lora_worker.transcript.checkpoints import Checkpoints
 from lora_worker.transcript.parser import Parser, Save
-from tests.helpers import DATA, write_safetensors
+from tests.helpers import DATA
 from tests.helpers.fake_trainer import load_fake_trainer
 
 FAKE = load_fake_trainer()
@@ -189,16 +189,3 @@ def test_a_link_at_a_step_loras_path_is_not_followed(out, tmp_path):
 
 def test_saves_arrive_as_the_parser_keeps_them():
     assert Save("saving", "/o/x", 3) == Save("saving", "/o/x", 3)  # frozen, comparable: chunking tests rely on it
-
-
-def test_the_real_trainers_step_lora_is_verified_at_its_own_step_not_the_runs(out):
-    """The rig's R1 step LoRA (tests/data/rig/step-lora-step4.header.json: ss_steps 4 of ss_max_train_steps 8)
-    in a run of 8 steps: its ss_steps is the step it was saved at, never the run's total."""
-    header = json.loads((DATA / "rig" / "step-lora-step4.header.json").read_text())
-    metadata = header.pop("__metadata__")
-    write_safetensors(out / "ohwx-step00000004.safetensors",
-                      {name: (t["dtype"], t["shape"]) for name, t in header.items()}, metadata)
-    watcher = Checkpoints(Row(str(out), lora_steps=8))
-    parser = fed(Parser(), state_save_lines(str(out), 4))
-    [lora] = [r for r in watcher.take(parser.progress, ended=True) if r.kind == "lora"]
-    assert (lora.step, lora.verified, lora.error) == (4, True, None)

@@ -51,6 +51,9 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     config_path = environ.get(ENV_PREFIX + "CONFIG")
     if config_path:
         values.update(_read_toml(Path(config_path)))
+        if "rig_tier_sizes" in values:
+            raise ConfigError(f"{config_path}: rig_tier_sizes is for the real trainer's CPU rig in tests only; "
+                              "refused in a config file (the deployed settings are one)")
         if values.get("trainer_kind") == SIMULATED:
             raise ConfigError(f"{config_path}: trainer_kind = \"simulated\" is refused in a config file (the deployed "
                               f"settings are one); a development server sets {SIMULATED_ENV}=simulated instead")
@@ -107,7 +110,8 @@ def settings_from_json(text: str) -> Settings:
 
 
 _ENV_JSON_TABLES = {"slurm_time_limit_min", "slurm_mem_mb", "slurm_resources"}
-_TABLE_FIELDS = {"devices", "disk_mib", "stall_limits_s"} | _ENV_JSON_TABLES
+# Never read from the environment: rig_tier_sizes is test-only (config_settings.py).
+_TABLE_FIELDS = {"devices", "disk_mib", "stall_limits_s", "rig_tier_sizes"} | _ENV_JSON_TABLES
 _TIER_TABLE_DEFAULTS: Mapping[str, Mapping[str, int]] = MappingProxyType({
     "disk_mib": DEFAULT_DISK_MIB, "slurm_time_limit_min": DEFAULT_SLURM_TIME_LIMIT_MIN,
     "slurm_mem_mb": DEFAULT_SLURM_MEM_MB})
@@ -212,7 +216,11 @@ def _devices(table: Mapping[str, Any]) -> Mapping[int, DeviceProfile]:
     return MappingProxyType(profiles)
 
 
-_PARSERS = {"devices": _devices, "slurm_resources": parse_slurm_resources}
+def _rig_tier_sizes(table: Mapping[str, Any]) -> Mapping[str, Mapping[str, int]]:
+    return {str(tier): {str(k): int(v) for k, v in dict(sizes).items()} for tier, sizes in dict(table).items()}
+
+
+_PARSERS = {"devices": _devices, "slurm_resources": parse_slurm_resources, "rig_tier_sizes": _rig_tier_sizes}
 
 __all__ = ["Settings", "Tier", "DeviceProfile", "TIERS", "SDXL_HPARAMS", "LORA_TARGET_PRESETS",
            "DEFAULT_LORA_TARGETS", "SAVE_PRECISION_DTYPES", "LORA_DTYPE", "DEFAULT_DEVICES", "DEFAULT_STALL_LIMITS_S",

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -18,16 +19,19 @@ from lora_worker.config_tables import (
     DEFAULT_SLURM_MEM_MB,
     DEFAULT_SLURM_TIME_LIMIT_MIN,
     DEFAULT_STALL_LIMITS_S,
+    SAVE_EVERY_N_STEPS,
     SIMULATED,
     TIERS,
     TRAINER_KINDS,
     WEBHOOK_EVENT_TYPES,
     DeviceProfile,
+    Tier,
 )
 from lora_worker.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SANDBOXES = ("bwrap", "none")
+RIG_TIER_KEYS = frozenset({"max_train_steps", "network_dim", "resolution", "save_every_n_steps"})
 
 
 @dataclass(frozen=True)
@@ -116,8 +120,14 @@ class Settings:
     webhook_give_up_s: float = 24 * 3600.0
     webhook_connect_timeout_s: float = 3.0
     webhook_read_timeout_s: float = 10.0
+    # Test-only, for the real trainer's CPU rig (tests/rig/): a tier's size replaced, e.g. {"fast":
+    # {"max_train_steps": 7, "network_dim": 4, "resolution": 256, "save_every_n_steps": 2}}. Refused in a config
+    # file and never read from the environment: only code that builds Settings itself (a test) sets it, so a
+    # deployed worker trains config_tables' sizes and nothing else.
+    rig_tier_sizes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._check_rig_tier_sizes()
         if self.sandbox not in SANDBOXES:
             raise ConfigError(f"setting 'sandbox': {self.sandbox!r} is not one of {', '.join(SANDBOXES)}")
         if self.trainer_kind not in TRAINER_KINDS:
@@ -147,6 +157,23 @@ class Settings:
                      "webhook_read_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"setting {name!r}: {getattr(self, name)} must be above 0")
+
+    def _check_rig_tier_sizes(self) -> None:
+        for tier, sizes in self.rig_tier_sizes.items():
+            if tier not in TIERS or not set(sizes) <= RIG_TIER_KEYS or any(int(v) < 1 for v in sizes.values()):
+                raise ConfigError(f"setting 'rig_tier_sizes': {tier!r}: {dict(sizes)} is not a known tier with "
+                                  f"whole numbers above 0 for some of {sorted(RIG_TIER_KEYS)}")
+
+    @property
+    def tiers(self) -> Mapping[str, Tier]:
+        """config_tables.TIERS, or, for a test on the rig, with `rig_tier_sizes` replacing some sizes."""
+        if not self.rig_tier_sizes:
+            return TIERS
+        sizes = self.rig_tier_sizes
+        return MappingProxyType({name: _resized(tier, sizes.get(name, {})) for name, tier in TIERS.items()})
+
+    def save_every_n_steps(self, tier: str) -> int:
+        return int(self.rig_tier_sizes.get(tier, {}).get("save_every_n_steps", SAVE_EVERY_N_STEPS[tier]))
 
     @property
     def webhook_types(self) -> tuple[str, ...]:
@@ -228,6 +255,12 @@ class Settings:
 
     def with_overrides(self, **changes: Any) -> Settings:
         return replace(self, **changes)
+
+
+def _resized(tier: Tier, sizes: Mapping[str, int]) -> Tier:
+    return Tier(tier.name, max_train_steps=int(sizes.get("max_train_steps", tier.max_train_steps)),
+                network_dim=int(sizes.get("network_dim", tier.network_dim)),
+                resolution=int(sizes.get("resolution", tier.resolution)))
 
 
 def _check_tier_minimums(name: str, table: Mapping[str, int]) -> None:

@@ -8,7 +8,7 @@ no key ever comes from the request. `shlex.join` is for display only; nothing he
 from __future__ import annotations
 
 from lora_worker.config import LORA_TARGET_PRESETS, SDXL_HPARAMS, Settings
-from lora_worker.config_tables import SAVE_EVERY_N_STEPS, STATES_KEPT, STEP_LORAS_KEPT
+from lora_worker.config_tables import STATES_KEPT, STEP_LORAS_KEPT
 from lora_worker.dispatch.request import ResolvedRequest
 
 # Constant switches of the lean SDXL recipe: U-Net only, latents and text-encoder outputs cached in memory
@@ -107,9 +107,9 @@ def script_args(req: ResolvedRequest, settings: Settings) -> list[tuple[str, str
         "noise_offset": SDXL_HPARAMS["noise_offset"],
         "max_grad_norm": max_grad_norm,
         "max_train_steps": str(lora.steps),
-        "save_every_n_steps": str(SAVE_EVERY_N_STEPS[req.tier.name]),
-        "save_last_n_steps": str(keep_last(STEP_LORAS_KEPT, SAVE_EVERY_N_STEPS[req.tier.name])),
-        "save_last_n_steps_state": str(keep_last(STATES_KEPT, SAVE_EVERY_N_STEPS[req.tier.name])),
+        "save_every_n_steps": str(settings.save_every_n_steps(req.tier.name)),
+        "save_last_n_steps": str(keep_last(STEP_LORAS_KEPT, settings.save_every_n_steps(req.tier.name))),
+        "save_last_n_steps_state": str(keep_last(STATES_KEPT, settings.save_every_n_steps(req.tier.name))),
         "train_batch_size": str(batch_size),
         "max_data_loader_n_workers": SDXL_HPARAMS["max_data_loader_n_workers"],
         "seed": str(req.seed),

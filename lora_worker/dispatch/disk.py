@@ -13,7 +13,8 @@ def checkpoint_mib(network_dim: int) -> int:
     the old ones (train_network.py: save_model, then save_and_remove_state_stepwise, then remove_model), so each
     kind has one more than it keeps while a save runs; at the end it writes the end state `<name>-state/` beside
     the kept step state (and then the final LoRA, which `disk_mib` counts), again one state more than kept."""
-    return (STATES_KEPT + 1) * STATE_MIB[network_dim] + (STEP_LORAS_KEPT + 1) * STEP_LORA_MIB[network_dim]
+    known = network_dim if network_dim in STATE_MIB else max(STATE_MIB)  # a rig's tiny rank: an over-estimate
+    return (STATES_KEPT + 1) * STATE_MIB[known] + (STEP_LORAS_KEPT + 1) * STEP_LORA_MIB[known]
 
 
 def required_mib(disk_mib: int, network_dim: int) -> int:

@@ -164,7 +164,7 @@ class Dispatcher:
                                    suffix=".safetensors")
         paths.require_same_train_dir(dataset, output, root)
         return resolve_request(request, train_id=paths.train_id_of(dataset, root), dataset_dir=dataset,
-                               base_model_path=model, output_dir=output)
+                               base_model_path=model, output_dir=output, tiers=self.settings.tiers)
 
     def _columns(self, request: ResolvedRequest, manifest: DatasetManifest) -> dict[str, Any]:
         return {

@@ -53,7 +53,8 @@ def command_problems(job: Job, settings: Settings) -> list[Problem]:
                                 f"{batch_size_of(job.argv)}, the settings give {batch_now} now"))
     try:
         request = resolve_request(request_of(job), train_id=job.train_id, dataset_dir=Path(job.dataset_dir),
-                                  base_model_path=Path(job.base_model_path), output_dir=Path(job.output_dir))
+                                  base_model_path=Path(job.base_model_path), output_dir=Path(job.output_dir),
+                                  tiers=settings.tiers)
         argv_now = build_argv(request, settings)
     except LoraWorkerError as exc:
         return [*problems, Problem("fingerprint_unknown", f"the job's command cannot be built now: {exc.message}")]

@@ -6,6 +6,7 @@ Everything downstream (argv, the row, the artifact check) reads the resolved req
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,9 +90,10 @@ class ResolvedRequest:
 
 
 def resolve_request(request: TrainRequest, *, train_id: str, dataset_dir: Path, base_model_path: Path,
-                    output_dir: Path) -> ResolvedRequest:
-    """Bind a request to the paths dispatch resolved and contained, its tier, and the LoRA it must produce."""
-    tier = TIERS.get(request.tier)
+                    output_dir: Path, tiers: Mapping[str, Tier] = TIERS) -> ResolvedRequest:
+    """Bind a request to the paths dispatch resolved and contained, its tier (of `tiers`: Settings.tiers), and
+    the LoRA it must produce."""
+    tier = tiers.get(request.tier)
     if tier is None:
         raise InvalidRequest({"tier": [f"Unknown tier {request.tier!r}; known: {', '.join(TIERS)}."]})
     expected = ExpectedLora(rank=tier.network_dim, output_name=request.output_name, steps=tier.max_train_steps,

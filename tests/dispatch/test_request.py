@@ -67,13 +67,17 @@ def test_a_raw_request_has_no_train_id_to_forget():
 
 
 def _tier_lookups(source: str) -> list[int]:
-    """Lines that look a tier up by name: TIERS[...] or TIERS.get(...)."""
+    """Lines that look a tier up by name: TIERS[...] or TIERS.get(...), or the same of `tiers` or `x.tiers`
+    (Settings.tiers, TIERS with a test's rig_tier_sizes)."""
+    def is_tiers(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id in ("TIERS", "tiers")) or (
+            isinstance(node, ast.Attribute) and node.attr == "tiers")
     lines = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "TIERS":
+        if isinstance(node, ast.Subscript) and is_tiers(node.value):
             lines.append(node.lineno)
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "TIERS"):
+                and is_tiers(node.func.value)):
             lines.append(node.lineno)
     return lines
 

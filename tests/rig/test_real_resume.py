@@ -1,0 +1,175 @@
+"""Issue 26 on the REAL trainer, through the worker: the API (Flask test client), the detached supervisor, the
+sandbox, and sd-scripts from the CPU rig (LW_RIG_DIR, ../shared/rig). The `fast` tier is shrunk by the test's own
+settings (`rig_tier_sizes`: 7 steps at 256 px, rank 4, a state every 2 steps; refused in a config file).
+
+A run whose trainer group is SIGKILLed after its second state (step 4) is resumed through the API; the resume is
+killed in turn after its own state (step 6) and resumed again; the last attempt ends `succeeded` with a verified
+LoRA whose `ss_steps` is 7, and the three attempts' bars count 4 + 2 + 1 = 7 optimizer steps. A state truncated by
+hand is refused with a reason. Opt-in: run alone, `flock /tmp/lw-rig.lock`, with >= 21 GB free; about 10-25 min.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from lora_worker.config import Settings
+from lora_worker.host import sandbox
+from lora_worker.host.safetensors import read_header
+from lora_worker.ledger import repository as repo
+from lora_worker.ledger.db import Database
+from tests.helpers import fake_gpus, wait_for
+from tests.helpers.ledger import migrated_ledger
+from tests.helpers.runs import wait_state
+
+pytestmark = [pytest.mark.rig, pytest.mark.slow, pytest.mark.timeout(3600)]
+
+RIG = os.environ.get("LW_RIG_DIR")
+STEPS, EVERY = 7, 2
+BAR = re.compile(r"steps:[^|\n\r]*\|[^|\n\r]*\| (\d+)/(\d+)")
+KEY_LINES = re.compile(r"(resume training from.*|load train state from.*|skipping \d+ steps.*|saving state at step \d+"
+                       r"|removing old state.*|saving last state\.|model saved\.|total optimization steps.*"
+                       r"|Could not load random states|All \w+ (?:states|weights) loaded successfully)")
+
+
+def log_of(settings: Settings, job_id: int) -> str:
+    path = settings.log_dir / f"job-{job_id}.log"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def bar_steps(settings: Settings, job_id: int) -> int:
+    """The optimizer steps the trainer's bar counted in this attempt's run log (its highest redraw)."""
+    return max((int(n) for n, _ in BAR.findall(log_of(settings, job_id))), default=0)
+
+
+def bar_totals(settings: Settings, job_id: int) -> set[int]:
+    return {int(total) for _, total in BAR.findall(log_of(settings, job_id))}
+
+
+@pytest.fixture(scope="module")
+def rig_host(tmp_path_factory: pytest.TempPathFactory):
+    if not RIG:
+        pytest.skip("LW_RIG_DIR is not set: no real trainer rig")
+    rig, root = Path(RIG), tmp_path_factory.mktemp("rigresume")
+    dataset = root / "train" / "rig1" / "dataset"
+    # 3 images x 3 repeats at batch 1: one epoch of 9 batches covers the 7 steps (sd-scripts-resume.md section 4).
+    shutil.copytree(rig / "data/img/2_ohwx dog", dataset / "3_ohwx dog")
+    settings = Settings(
+        state_dir=root / "state", train_root=root / "train", model_dirs=(rig / "models",),
+        accelerate=rig / "venv/bin/accelerate", sd_scripts_dir=rig / "sd-scripts",
+        tokenizer_cache_dir=rig / "tokenizers", cpu_threads=2, nvml_fake_file=fake_gpus(root / "gpus.json"),
+        sandbox="bwrap" if sandbox.bwrap_executable() else "none", progress_interval_s=0.5,
+        rig_tier_sizes={"fast": {"max_train_steps": STEPS, "network_dim": 4, "resolution": 256,
+                                 "save_every_n_steps": EVERY}})
+    migrated_ledger(settings.database_path)
+    from lora_worker import create_app
+    app = create_app(settings)
+    app.config["TESTING"] = True
+    db = Database.open(settings.database_path)
+    body = {"dataset_dir": str(dataset), "base_model_path": str(rig / "models/sdxl_random.safetensors"),
+            "output_dir": str(dataset.parent / "output"), "output_name": "ohwx", "trigger": "ohwx",
+            "subject_class": "dog", "repeats": 3, "tier": "fast", "device_index": 0, "seed": 42}
+    yield settings, app.test_client(), db, body
+    db.dispose()
+    app.extensions["lora_worker"].db.dispose()
+
+
+def say(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S', time.gmtime())}Z] {text}", flush=True)
+
+
+def kill_after_state(client, db: Database, job_id: int, step: int) -> None:
+    """Wait until the worker has judged the step LoRA of `step` (it does so once a redraw follows the save, and
+    the state is saved between the step LoRA and that redraw: sd-scripts-resume.md section 1, so the state is then
+    whole and the older one gone), then SIGKILL the trainer's whole process group, as a kill or reboot would. The
+    run log is no trigger: it copies an open bar only every few seconds (transcript/logfile.py)."""
+    def judged() -> bool:
+        rows = client.get(f"/train/{job_id}").get_json()["checkpoints"]
+        return any(c["step"] == step and c["verified"] is not None for c in rows)
+    wait_for(judged, timeout=1800, interval=0.2, what=f"job {job_id}: the state of step {step}, complete")
+    pgid = repo.get_job(db, job_id).trainer_pid
+    assert pgid
+    say(f"job {job_id}: state {step} complete; SIGKILL to process group {pgid}")
+    os.killpg(pgid, signal.SIGKILL)
+    done = wait_state(client, job_id, "failed", "succeeded", timeout=120)
+    assert (done["status"], done["failure_class"]) == ("failed", "killed_by_signal"), done
+
+
+def resume(client, job_id: int, expect_step: int) -> int:
+    verdict = client.get(f"/train/{job_id}/resume").get_json()
+    say(f"GET /train/{job_id}/resume -> {verdict}")
+    assert verdict["resumable"] and verdict["from_step"] == expect_step, verdict
+    answer = client.post(f"/train/{job_id}/resume", headers={"Idempotency-Key": f"rig-resume-{job_id}"})
+    say(f"POST /train/{job_id}/resume -> {answer.status_code} {answer.get_json()}")
+    assert answer.status_code == 202, answer.get_json()
+    return int(answer.get_json()["worker_job_id"])
+
+
+def truncated_state_is_refused(client, db: Database, job_id: int, step: int) -> None:
+    """Cut the state's optimizer.bin to half, ask, then put the bytes back (the resume goes on from it)."""
+    state = Path(repo.get_job(db, job_id).output_dir) / f"ohwx-step{step:08d}-state"
+    optimizer, kept = state / "optimizer.bin", state.parent / "optimizer.bin.kept"
+    shutil.copy2(optimizer, kept)
+    os.truncate(optimizer, os.path.getsize(optimizer) // 2)
+    verdict = client.get(f"/train/{job_id}/resume").get_json()
+    answer = client.post(f"/train/{job_id}/resume")
+    say(f"truncated {optimizer.name} to half: GET -> {verdict}; POST -> {answer.status_code} {answer.get_json()}")
+    os.replace(kept, optimizer)
+    assert not verdict["resumable"] and [r["code"] for r in verdict["reasons"]] == ["state_archive_corrupt"]
+    assert answer.status_code == 422 and answer.get_json()["error"] == "not_resumable"
+
+
+def report(settings: Settings, client, db: Database, jobs: list[int]) -> None:
+    for job_id in jobs:
+        body = client.get(f"/train/{job_id}").get_json()
+        row = repo.get_job(db, job_id)
+        pre = (row.training_started_at - row.started_at).total_seconds() \
+            if row.training_started_at and row.started_at else None
+        say(f"job {job_id}: " + ", ".join(f"{k}={body.get(k)}" for k in (
+            "status", "failure_class", "step", "total_steps", "attempt", "resumed_from", "resume_step",
+            "lora_sha256", "checkpoints")))
+        say(f"job {job_id}: started_at={row.started_at} training_started_at={row.training_started_at} "
+            f"finished_at={row.finished_at}: pre-training phase {pre} s; bar steps {bar_steps(settings, job_id)}")
+        for event in repo.job_events(db, job_id):
+            say(f"  event {event.at} {event.from_status}->{event.to_status} {event.actor}: {event.reason}")
+        for line in KEY_LINES.findall(log_of(settings, job_id)):
+            say(f"  log: {line.strip()}")
+
+
+def test_killed_twice_and_resumed_twice_the_real_trainer_trains_exactly_max_train_steps(rig_host) -> None:
+    settings, client, db, body = rig_host
+    say(f"sandbox={settings.sandbox}, tier fast = {settings.tiers['fast']}, a state every "
+        f"{settings.save_every_n_steps('fast')} steps")
+    answer = client.post("/train", json=body)
+    assert answer.status_code == 202, answer.get_json()
+    first = int(answer.get_json()["worker_job_id"])
+    jobs = [first]
+    try:
+        kill_after_state(client, db, first, 4)  # its second state: 2, then 4
+        truncated_state_is_refused(client, db, first, 4)
+        second = resume(client, first, 4)
+        jobs.append(second)
+        kill_after_state(client, db, second, 6)  # the resume's own first state
+        third = resume(client, second, 6)
+        jobs.append(third)
+        done = wait_state(client, third, "succeeded", "failed", timeout=1800)
+    finally:
+        report(settings, client, db, jobs)
+    assert done["status"] == "succeeded", done
+    assert (done["step"], done["total_steps"], done["attempt"], done["resumed_from"]) == (STEPS, STEPS, 3, second)
+    header = read_header(Path(done["lora_path"])).metadata
+    say(f"final LoRA {done['lora_path']}: ss_steps={header['ss_steps']} ss_max_train_steps="
+        f"{header['ss_max_train_steps']} ss_epoch={header['ss_epoch']}")
+    assert (header["ss_steps"], header["ss_max_train_steps"]) == (str(STEPS), str(STEPS))
+    assert [bar_steps(settings, j) for j in jobs] == [4, 2, 1]  # 4 + 2 + 1 == max_train_steps
+    assert [bar_totals(settings, j) for j in jobs] == [{7}, {3}, {1}]  # a resume's bar counts the steps left
+    # Each attempt's newest step LoRA, verified at its own step (ss_steps 4, 6) while the run was cut off.
+    assert [[(c["step"], c["verified"]) for c in client.get(f"/train/{j}").get_json()["checkpoints"]]
+            for j in jobs[:2]] == [[(4, True)], [(6, True)]]
+    assert "skipping 4 steps" in log_of(settings, second) and "skipping 6 steps" in log_of(settings, third)
+    assert not [p.name for p in Path(done["output_dir"]).iterdir() if p.name.endswith("-state")]

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from lora_worker.host.safetensors import inspect_lora, read_header
-from tests.helpers import SDXL_TINY, install_fake_trainer, make_dataset, write_safetensors
-from tests.helpers.fake_trainer import run
+from tests.helpers.fake_trainer import fake_rig, run
 
 pytestmark = pytest.mark.slow
 
@@ -22,12 +21,7 @@ SAVES = ("--save_state", "--save_every_n_steps=2", "--save_last_n_steps=1", "--s
 
 @pytest.fixture
 def rig(tmp_path: Path) -> dict:
-    install = install_fake_trainer(tmp_path / "opt")
-    model = tmp_path / "models" / "sdxl_random.safetensors"
-    write_safetensors(model, SDXL_TINY)
-    # 3 images x 2 repeats: 6 steps an epoch
-    dataset = make_dataset(tmp_path / "train", "t1", "2_ohwx dog", images=3)
-    return {**install, "model": model, "dataset": dataset, "out": tmp_path / "train" / "t1" / "output" / "run1"}
+    return fake_rig(tmp_path)
 
 
 def names(out: Path) -> list[str]:

@@ -17,19 +17,14 @@ import pytest
 
 from lora_worker.host.safetensors import inspect_lora, read_header
 from lora_worker.states import Phase
-from tests.helpers import (DATA, SDXL_TINY, install_fake_trainer, make_dataset, pid_alive, set_modes, wait_for,
+from tests.helpers import (DATA, SDXL_TINY, pid_alive, set_modes, wait_for,
                            write_safetensors, write_tokenizer)
-from tests.helpers.fake_trainer import ENV, argv, run
+from tests.helpers.fake_trainer import ENV, argv, fake_rig, run
 
 
 @pytest.fixture
 def rig(tmp_path: Path) -> dict:
-    install = install_fake_trainer(tmp_path / "opt")
-    model = tmp_path / "models" / "sdxl_random.safetensors"
-    write_safetensors(model, SDXL_TINY)
-    # the capture's dataset: 3 images with captions in "2_ohwx dog"
-    dataset = make_dataset(tmp_path / "train", "t1", "2_ohwx dog", images=3)
-    return {**install, "model": model, "dataset": dataset, "out": tmp_path / "train" / "t1" / "output" / "run1"}
+    return fake_rig(tmp_path)
 
 
 def capture(name: str, stream: str) -> bytes:

@@ -7,11 +7,21 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from tests.helpers import DATA, set_modes
+from tests.helpers import DATA, SDXL_TINY, install_fake_trainer, make_dataset, set_modes, write_safetensors
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
 
 ENV = {"PATH": "/usr/bin:/bin", "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "250"}
+
+
+def fake_rig(root: Path) -> dict:
+    """The fake trainer installed under `root`, a tiny SDXL checkpoint and the captures' dataset (3 images with
+    captions in `2_ohwx dog`: 6 steps an epoch at batch 1), as the real runs in tests/data were made."""
+    install = install_fake_trainer(root / "opt")
+    model = root / "models" / "sdxl_random.safetensors"
+    write_safetensors(model, SDXL_TINY)
+    dataset = make_dataset(root / "train", "t1", "2_ohwx dog", images=3)
+    return {**install, "model": model, "dataset": dataset, "out": root / "train" / "t1" / "output" / "run1"}
 
 
 def argv(rig: dict, *extra: str, steps: int = 3) -> list[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from lora_worker.transcript.checkpoints import Checkpoints
 from lora_worker.transcript.parser import Parser, Save
 from tests.helpers import DATA
 from tests.helpers.fake_trainer import load_fake_trainer
+from tests.helpers.checkpoints import WatchedJob
 
 FAKE = load_fake_trainer()
 BAR = "\rsteps:  {pct}%|█         | {n}/9 [00:01<00:02,  3.90it/s, avr_loss=0.5]"
@@ -88,17 +88,6 @@ def test_cut_anywhere_the_saves_are_the_same():
 
 # -- the rows ------------------------------------------------------------------------------------------------------
 
-@dataclass
-class Row:
-    """A job's row as the supervisor reads it: what Checkpoints needs."""
-
-    output_dir: str
-    output_name: str = "ohwx"
-    lora_rank: int = 4
-    lora_steps: int = 9
-    seed: int = 42
-    lora_dtype: str = "F16"
-    output_dev_ino: str | None = None
 
 
 def write_step_lora(out: Path, step: int, **overrides: str) -> Path:
@@ -124,7 +113,7 @@ def fed(parser: Parser, text: str) -> Parser:
 
 def test_a_step_lora_is_verified_only_once_a_redraw_follows_its_save(out):
     lora = write_step_lora(out, 2)
-    watcher = Checkpoints(Row(str(out), output_dev_ino=str(FileId.of(out.stat()))))
+    watcher = Checkpoints(WatchedJob(str(out), output_dev_ino=str(FileId.of(out.stat()))))
     parser = fed(Parser(), BAR.format(pct=22, n=2) + state_save_lines(str(out), 2))
     first = watcher.take(parser.progress, ended=False)
     assert sorted((r.kind, r.step, r.verified) for r in first) == [("lora", 2, None), ("state", 2, None)]
@@ -137,7 +126,7 @@ def test_a_step_lora_is_verified_only_once_a_redraw_follows_its_save(out):
 
 def test_at_the_end_the_last_step_lora_is_verified_without_a_redraw(out):
     write_step_lora(out, 2)
-    watcher = Checkpoints(Row(str(out)))
+    watcher = Checkpoints(WatchedJob(str(out)))
     parser = fed(Parser(), BAR.format(pct=22, n=2) + state_save_lines(str(out), 2))
     watcher.take(parser.progress, ended=False)
     assert [r.verified for r in watcher.take(parser.progress, ended=True)] == [True]
@@ -148,7 +137,7 @@ def test_a_cut_or_wrong_step_lora_is_recorded_unverified_with_why(out):
     with cut.open("r+b") as fh:
         fh.truncate(cut.stat().st_size // 2)  # killed mid-write: written in place
     write_step_lora(out, 4, ss_steps="3")
-    watcher = Checkpoints(Row(str(out)))
+    watcher = Checkpoints(WatchedJob(str(out)))
     parser = fed(Parser(), state_save_lines(str(out), 2) + state_save_lines(str(out), 4))
     rows = {r.step: r for r in watcher.take(parser.progress, ended=True) if r.kind == "lora"}
     assert rows[2].verified is False and "truncated" in (rows[2].error or "") and rows[2].sha256 is None
@@ -157,7 +146,7 @@ def test_a_cut_or_wrong_step_lora_is_recorded_unverified_with_why(out):
 
 def test_a_step_lora_the_trainer_removed_is_marked_removed_not_failed(out):
     write_step_lora(out, 4)  # step 2's file is gone: the trainer removed it
-    watcher = Checkpoints(Row(str(out)))
+    watcher = Checkpoints(WatchedJob(str(out)))
     parser = fed(Parser(), BAR.format(pct=22, n=2) + state_save_lines(str(out), 2) + BAR.format(pct=44, n=4)
                  + state_save_lines(str(out), 4, old=2) + BAR.format(pct=55, n=5))
     rows = {(r.kind, r.step): r for r in watcher.take(parser.progress, ended=False)}
@@ -169,7 +158,7 @@ def test_a_step_lora_the_trainer_removed_is_marked_removed_not_failed(out):
 
 def test_saves_of_another_directory_or_name_and_the_final_lora_are_no_checkpoints(out, tmp_path):
     write_step_lora(out, 2)
-    watcher = Checkpoints(Row(str(out)))
+    watcher = Checkpoints(WatchedJob(str(out)))
     other = tmp_path / "elsewhere"
     parser = fed(Parser(), f"saving checkpoint: {other}/ohwx-step00000002.safetensors\n"
                            f"saving checkpoint: {out}/other-step00000002.safetensors\n"
@@ -181,7 +170,7 @@ def test_saves_of_another_directory_or_name_and_the_final_lora_are_no_checkpoint
 def test_a_link_at_a_step_loras_path_is_not_followed(out, tmp_path):
     real = write_step_lora(tmp_path, 2)
     (out / real.name).symlink_to(real)
-    watcher = Checkpoints(Row(str(out)))
+    watcher = Checkpoints(WatchedJob(str(out)))
     parser = fed(Parser(), state_save_lines(str(out), 2))
     [row] = [r for r in watcher.take(parser.progress, ended=True) if r.kind == "lora"]
     assert row.verified is False and row.sha256 is None

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,22 +16,12 @@ from lora_worker.transcript.outcome import decide
 from lora_worker.transcript.parser import Parser
 from lora_worker.states import FailureClass, JobState
 from tests.helpers.rig_captures import RIG, flag, meta, stream
+from tests.helpers.checkpoints import WatchedJob
 
 R1, R2, R6, R7 = ("states_killed_after_step4", "resume_skip_from_step4", "resume_skip_past_epoch1",
                   "resume_truncated_optimizer")
 
 
-@dataclass
-class Row:
-    """A job's row as the supervisor reads it (what Checkpoints needs), as the rig's runs asked."""
-
-    output_dir: str
-    output_name: str = "ohwx"
-    lora_rank: int = 4
-    lora_steps: int = 8
-    seed: int = 42
-    lora_dtype: str = "F16"
-    output_dev_ino: str | None = None
 
 
 def parsed(name: str, out: Path, step_offset: int = 0) -> Parser:
@@ -57,7 +46,7 @@ def write_real_step_lora(out: Path, step: int) -> None:
 
 
 def rows(parser: Parser, out: Path) -> list[tuple[str, int, str, bool | None, bool]]:
-    taken = Checkpoints(Row(str(out))).take(parser.progress, ended=True)
+    taken = Checkpoints(WatchedJob(str(out), lora_steps=8)).take(parser.progress, ended=True)
     return sorted((r.kind, r.step, Path(r.path).name, r.verified, r.removed_at is not None) for r in taken)
 
 

@@ -4,7 +4,7 @@ subscribe to it sends none."""
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,6 +21,7 @@ from lora_worker.transcript.parser import Parser
 from tests.helpers.fake_trainer import load_fake_trainer
 from tests.helpers.ledger import columns, sql
 from tests.webhooks.jobs import ALL, events
+from tests.helpers.checkpoints import WatchedJob
 
 AT = utcnow()
 PATH = "/train/t1/output/ohwx-step00000150.safetensors"
@@ -138,17 +139,6 @@ FAKE = load_fake_trainer()
 BAR = "\rsteps:  {pct}%|█         | {n}/9 [00:01<00:02,  3.90it/s, avr_loss=0.5]"
 
 
-@dataclass
-class Row:
-    """The job's row as the poller reads it: what Checkpoints needs."""
-
-    output_dir: str
-    output_name: str = "ohwx"
-    lora_rank: int = 4
-    lora_steps: int = 9
-    seed: int = 42
-    lora_dtype: str = "F16"
-    output_dev_ino: str | None = None
 
 
 def test_a_log_read_again_from_the_start_by_a_new_reader_sends_no_second_event(hooked_db, tmp_path: Path):
@@ -162,7 +152,7 @@ def test_a_log_read_again_from_the_start_by_a_new_reader_sends_no_second_event(h
     for _ in range(2):  # the poller, then the poller started again: a fresh reader of the whole log
         parser = Parser()
         parser.feed(log)
-        rows = Checkpoints(Row(str(out))).take(parser.progress, ended=False)
+        rows = Checkpoints(WatchedJob(str(out))).take(parser.progress, ended=False)
         assert [r.verified for r in rows] == [True]
         assert repo.update_running(hooked_db, job_id, step=3, checkpoints=rows)
     [data] = checkpoint_events(hooked_db, job_id)

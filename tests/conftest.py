@@ -88,6 +88,17 @@ def nvml(settings: Settings):
     return FakeNvml.from_file(settings.nvml_fake_file)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C reaches every process a test starts, however the suite was started. `make test` runs the cluster's
+    tests as a background job (`&`) of a non-interactive shell, which starts it with SIGINT (and SIGQUIT) ignored
+    (POSIX, "asynchronous lists"), and an ignored signal stays ignored across exec: the demo the cluster test
+    stops with SIGINT never saw it. A handler of our own is reset to the default at each child's exec."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 # `make test-fast` (LW_TEST_FAST=1, `-m "not slow"`): the edit-test loop, without real processes. A test there that
 # starts one anyway fails, naming itself, so the split stays true: mark it `slow`.
 FAST = os.environ.get("LW_TEST_FAST") == "1"

@@ -182,7 +182,10 @@ def test_a_cancel_in_each_phase_ends_cancelled_and_leaves_no_process_on_the_node
         worker: Worker, cluster: Cluster, phase: str, modes: dict) -> None:
     worker.modes(release_file=str(worker.host.root / "never"), **modes)
     job_id = worker.post()
-    worker.in_phase(job_id, phase)
+    # The final save's phase, not a step checkpoint's: those pass through `saving` too, back to training at the
+    # next redraw (SAVE_EVERY_N_STEPS).
+    worker.wait(job_id, lambda j: j["status"] == "running" and j["phase"] == phase
+                and (phase != "saving" or j["step"] == j["total_steps"]), 60, f"job {job_id} running in {phase}")
     sid = worker.slurm_job_id(job_id)
     assert worker.job_processes(sid)
     assert worker.cancel(job_id)["cancel_requested_at"] is not None

@@ -88,7 +88,9 @@ class JobLog:
         self._tail_size = 0
         self._open = b""  # the open line: the newest redraw of a bar, or a line still without its newline
         self._redraw_dirty = False
-        self._redraw_at = time.monotonic()
+        # In the clock of whoever ticks (the runner's, a poller's, a test's fake one), so it starts at the first
+        # tick: a time taken here from time.monotonic() would be compared with another clock's readings.
+        self._redraw_at: float | None = None
         self.write_errors = 0
 
     def feed(self, data: bytes | str) -> bytes:
@@ -111,6 +113,8 @@ class JobLog:
     def tick(self, now: float | None = None) -> None:
         """Copy an open progress bar into the log now and then, so the log shows a long run moving."""
         now = time.monotonic() if now is None else now
+        if self._redraw_at is None:
+            self._redraw_at = now
         if self._redraw_dirty and now - self._redraw_at >= REDRAW_EVERY_S:
             cr = self._open.rfind(b"\r")
             bar = self._open[cr + 1:].decode("utf-8", "replace").rstrip() if cr >= 0 else ""

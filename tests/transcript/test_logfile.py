@@ -1,7 +1,9 @@
 """The run log: redraws collapsed, bounded with head and tail, followed by logical offset without loss."""
 from __future__ import annotations
 
-from lora_worker.transcript.logfile import JobLog
+import pytest
+
+from lora_worker.transcript.logfile import REDRAW_EVERY_S, JobLog
 from lora_worker.transcript.logreader import LogReader
 
 
@@ -34,14 +36,31 @@ def test_the_error_tail_keeps_the_same_segment_of_a_redrawn_line_as_the_log(tmp_
 
 def test_an_open_bar_is_copied_into_the_log_now_and_then(tmp_path):
     log = JobLog(tmp_path, 1, head_bytes=1 << 20, tail_bytes=1 << 20)
+    log.tick(now=1e9)  # the first tick starts the interval, in the ticker's clock
     log.feed("\rsteps:  10%|█ | 10/100 [00:10<01:30, 1.0s/it, avr_loss=0.5]")
-    log.tick(now=1e9)
+    log.tick(now=1e9 + REDRAW_EVERY_S - 1)  # too soon
+    log.tick(now=1e9 + REDRAW_EVERY_S)
     log.feed("\rsteps:  11%|█ | 11/100 [00:11<01:29, 1.0s/it, avr_loss=0.5]")
-    log.tick(now=1e9 + 1)  # too soon for another copy
+    log.tick(now=1e9 + REDRAW_EVERY_S + 1)  # too soon for another copy
     log.close()
     text = (tmp_path / "job-1.log").read_text().splitlines()
     assert text == ["steps:  10%|█ | 10/100 [00:10<01:30, 1.0s/it, avr_loss=0.5]",
                     "steps:  11%|█ | 11/100 [00:11<01:29, 1.0s/it, avr_loss=0.5]"]
+
+
+@pytest.mark.parametrize("start", [0.0, 1000.0, 1e9])
+def test_the_copy_interval_is_counted_in_the_tickers_clock_whatever_its_origin(tmp_path, start):
+    """A fake clock at 1000 s read against time.monotonic() on a host up for less than that copied the bar at the
+    first tick (the Slurm poller's restart test failed on a freshly booted machine); one far ahead never did."""
+    log = JobLog(tmp_path, 1, head_bytes=1 << 20, tail_bytes=1 << 20)
+    log.feed("\rsteps:  10%|█ | 10/100 [00:10<01:30, 1.0s/it, avr_loss=0.5]")
+    log.tick(now=start)
+    log.tick(now=start + REDRAW_EVERY_S - 1)
+    too_soon = (tmp_path / "job-1.log").read_text()
+    log.tick(now=start + REDRAW_EVERY_S)
+    copied = (tmp_path / "job-1.log").read_text()
+    log.close()
+    assert (too_soon, copied) == ("", "steps:  10%|█ | 10/100 [00:10<01:30, 1.0s/it, avr_loss=0.5]\n")
 
 
 def test_an_unterminated_last_redraw_is_kept_at_the_end(tmp_path):

@@ -9,7 +9,6 @@ wrote is parsed again, not logged again.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 from lora_worker.transcript.logfile import TAIL_HEADER, JobLog, log_paths
@@ -34,7 +33,7 @@ class ResumedLog(JobLog):
         self._resume_tail()
         self._open = b""
         self._redraw_dirty = False
-        self._redraw_at = time.monotonic()
+        self._redraw_at = None  # the first tick starts it, in the ticker's clock (JobLog)
         self.write_errors = 0
         self.muted = False
 

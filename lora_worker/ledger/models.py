@@ -158,6 +158,9 @@ class Job(Base):
               sqlite_where=text("idempotency_key IS NOT NULL")),
         Index("ix_jobs_history", "tier", "device_index", "image_count", "status"),
         Index("ix_jobs_resumed_from", "resumed_from"),
+        # The failed jobs of one class without reading every failed row: reconcile's look for the jobs a reboot
+        # cut off runs on every start-up and /metrics scrape (migration 0015).
+        Index("ix_jobs_status_failure_class", "status", "failure_class", "id"),
         {"sqlite_autoincrement": True},  # ids are never reused, not even after prune (migration 0007)
     )
 

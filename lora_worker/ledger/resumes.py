@@ -2,7 +2,7 @@
 a reboot cut off that no resume has looked at yet."""
 from __future__ import annotations
 
-from sqlalchemy import exists, select
+from sqlalchemy import Select, exists, select
 
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.checkpoints import STATE
@@ -36,10 +36,15 @@ def note(db: Database, job_id: int, *, actor: str, reason: str) -> None:
 
 def cut_off_unlooked(db: Database, limit: int = 20) -> list[Job]:
     """Failed `host_rebooted` jobs no resume follows and no `resume: ` event has looked at, oldest first."""
+    with db.read() as s:
+        return list(s.scalars(cut_off_query(limit)))
+
+
+def cut_off_query(limit: int) -> Select[Job]:
+    """Read through `ix_jobs_status_failure_class` (migration 0015): every web reconcile runs it, so its cost
+    must not grow with the failed jobs of other classes."""
     later = select(Job.resumed_from).where(Job.resumed_from.is_not(None))
     looked = exists().where(JobEvent.job_id == Job.id, JobEvent.reason.like(f"{NOTE_PREFIX}%"))
-    query = (select(Job).where(Job.status == JobState.FAILED.value,
-                               Job.failure_class == FailureClass.HOST_REBOOTED.value,
-                               Job.id.not_in(later), ~looked).order_by(Job.id).limit(limit))
-    with db.read() as s:
-        return list(s.scalars(query))
+    return (select(Job).where(Job.status == JobState.FAILED.value,
+                              Job.failure_class == FailureClass.HOST_REBOOTED.value,
+                              Job.id.not_in(later), ~looked).order_by(Job.id).limit(limit))

@@ -144,6 +144,13 @@ def write_sparse_safetensors(path: Path, tensors: Mapping[str, tuple[str, list[i
     the end of the file. The data is a hole (the file is truncated to size, never written), so a full SDXL header
     makes a 6.9 GB file that costs ~200 KB of disk. `truncate_by` cuts that many bytes off its end (a broken file,
     for tests)."""
+    return write_sparse_layout(path, sparse_safetensors_layout(tensors, metadata), truncate_by=truncate_by)
+
+
+def sparse_safetensors_layout(tensors: Mapping[str, tuple[str, list[int]]],
+                              metadata: dict[str, str] | None = None) -> tuple[bytes, int]:
+    """Such a file's first bytes (the header's length and the header) and the length of the data after them:
+    built once, a layout is written again in microseconds (the tests write the SDXL one for every host)."""
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, (dtype, shape) in tensors.items():
@@ -152,10 +159,15 @@ def write_sparse_safetensors(path: Path, tensors: Mapping[str, tuple[str, list[i
         offset += size
     raw = json.dumps(header).encode()
     raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw, offset
+
+
+def write_sparse_layout(path: Path, layout: tuple[bytes, int], *, truncate_by: int = 0) -> Path:
+    head, data_bytes = layout
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)) + raw)
-        fh.truncate(8 + len(raw) + offset - truncate_by)
+        fh.write(head)
+        fh.truncate(len(head) + data_bytes - truncate_by)
     return path
 
 

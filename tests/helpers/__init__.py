@@ -1,6 +1,7 @@
 """Builders for what the tests need on disk: a fake trainer installation, datasets, models, fake GPUs."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import sqlite3
@@ -18,7 +19,8 @@ from typing import Any
 from lora_worker.config import Settings
 # One installer for the demo and the tests; the tokenizer builders are re-exported for the tests' own cases.
 from lora_worker.ops.simulated import clip_tokenizer_files, install_simulated_trainer, sdxl_checkpoint_tensors  # noqa: F401
-from lora_worker.ops.simulated import write_sparse_safetensors, write_tokenizer  # noqa: F401
+from lora_worker.ops.simulated import sparse_safetensors_layout, write_sparse_layout, write_sparse_safetensors
+from lora_worker.ops.simulated import write_tokenizer  # noqa: F401
 
 TESTS = Path(__file__).parent.parent
 FAKES = TESTS / "fakes"
@@ -34,11 +36,19 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]], met
                       *, truncate_by: int = 0) -> None:
     """A well-formed safetensors file (zero data, written sparse) with the given tensor names, dtypes and shapes:
     what the real loader opens. The demo's simulated checkpoint is written by the same function."""
-    write_sparse_safetensors(path, tensors, metadata, truncate_by=truncate_by)
+    if tensors is SDXL_TINY and metadata is None:  # every host's base model: its 2514-tensor header built once
+        write_sparse_layout(path, _sdxl_tiny_layout(), truncate_by=truncate_by)
+    else:
+        write_sparse_safetensors(path, tensors, metadata, truncate_by=truncate_by)
 
 
 # The full SDXL key set (2514 tensors), written sparse: what the preflight and the real loader accept.
 SDXL_TINY = sdxl_checkpoint_tensors()
+
+
+@functools.cache
+def _sdxl_tiny_layout() -> tuple[bytes, int]:
+    return sparse_safetensors_layout(SDXL_TINY)
 
 
 def png_bytes(width: int = 8, height: int = 8) -> bytes:

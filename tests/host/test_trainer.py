@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,27 @@ def test_hollow_tokenizers_are_a_503_that_changes_nothing(api, host, launches):
     for name in ("vocab.json", "merges.txt", "tokenizer_config.json"):
         assert str(Path(folder, name)) in body["message"]
     assert job_rows(host.settings) == 0 and launches == []
+
+
+def test_a_file_that_passed_is_not_parsed_again_until_it_changes(tmp_path, monkeypatch):
+    """The check parses ~1 MB of JSON per vocab.json (16 ms of each dispatch); the very file that passed is
+    taken as passed, and any write to it (a new ctime) or a file renamed over it (a new inode) is checked again."""
+    from lora_worker.host import trainer
+
+    folder = write_tokenizer(tmp_path / "tok")
+    parsed: list[int] = []
+    real = trainer.check_vocab
+    monkeypatch.setitem(trainer.FILE_CHECKS, "vocab.json", lambda data: (parsed.append(len(data)), real(data)))
+    assert tokenizer_problems(folder) == [] and tokenizer_problems(folder) == [] and len(parsed) == 1
+    vocab = folder / "vocab.json"
+    time.sleep(0.02)  # past a coarse clock's tick (the kernel's file times may move in jiffies)
+    with vocab.open("r+b") as fh:  # the same size, in place: only its times say it changed
+        fh.write(b"[")
+    assert "not JSON" in tokenizer_problems(folder)[0]
+    assert "not JSON" in tokenizer_problems(folder)[0] and len(parsed) == 3  # a refusal is never remembered
+    replacement = tmp_path / "vocab.json"
+    replacement.write_bytes(GOOD["vocab.json"])
+    os.replace(replacement, vocab)
+    assert tokenizer_problems(folder) == [] and len(parsed) == 4
+    os.replace(folder / "tokenizer_config.json", vocab)  # another file, another inode: checked, and refused
+    assert "tokens; CLIP's vocabulary has" in tokenizer_problems(folder)[0]

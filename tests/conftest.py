@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -11,7 +13,7 @@ import pytest
 
 from lora_worker.config import Settings
 from lora_worker.ledger.db import Database
-from tests.helpers import Host, Launches, make_host
+from tests.helpers import Host, Launches, make_host, shared_tokenizers, tokenizer_identities
 from tests.helpers.ledger import migrated_ledger
 from tests.helpers.processes import not_zombie, pids, processes_of, start_recorder
 from tests.helpers.wakeup import start_listener
@@ -19,9 +21,25 @@ from tests.helpers.wakeup import start_listener
 pytest_plugins = ["tests.webhooks.fixtures"]  # the webhook target: tests/webhooks and tests/chaos
 
 
+@pytest.fixture(scope="session")
+def _shared_tokenizers(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return shared_tokenizers(tmp_path_factory.mktemp("tokenizers"))
+
+
 @pytest.fixture
-def host(tmp_path: Path) -> Host:
-    return make_host(tmp_path)
+def host(request: pytest.FixtureRequest, tmp_path: Path, _shared_tokenizers: Path) -> Iterator[Host]:
+    """A host whose tokenizer cache is the process's shared one, unless the test is marked `own_tokenizers`
+    (it changes them). A test that changes the shared one unmarked fails, and the cache is written afresh."""
+    if request.node.get_closest_marker("own_tokenizers"):
+        yield make_host(tmp_path)
+        return
+    before = tokenizer_identities(_shared_tokenizers)
+    yield make_host(tmp_path, tokenizers=_shared_tokenizers)
+    if tokenizer_identities(_shared_tokenizers) != before:
+        shutil.rmtree(_shared_tokenizers)
+        shared_tokenizers(_shared_tokenizers)
+        pytest.fail(f"{request.node.nodeid} changed the tokenizer cache every host of this process shares: mark it "
+                    "@pytest.mark.own_tokenizers", pytrace=False)
 
 
 @pytest.fixture

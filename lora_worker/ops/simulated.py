@@ -37,10 +37,13 @@ DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I64": 8}  # the dtypes of the rea
 REAL_HEADERS = ("lora-header-run1_simple.json", "sdxl-checkpoint-header.json")
 
 
-def install_simulated_trainer(root: Path, python: str = sys.executable) -> dict[str, Path]:
+def install_simulated_trainer(root: Path, python: str = sys.executable,
+                              tokenizers: Path | None = None) -> dict[str, Path]:
     """Lay out a trainer install shaped like fluxgym's under `root`: venv/bin/accelerate, sd-scripts/, tokenizers/.
 
-    Returns the three settings that point the worker at it. Safe to run again over an earlier install."""
+    Returns the three settings that point the worker at it. Safe to run again over an earlier install.
+    `tokenizers`: a tokenizer cache laid out already, named instead of writing one (3.8 MB; the test suite
+    shares one among the hosts of a process)."""
     if not (FAKES / LAUNCHER).is_file():
         raise FileNotFoundError(f"the simulated trainer is not in this checkout: {FAKES} is missing")
     venv_bin = root / "venv" / "bin"
@@ -56,9 +59,10 @@ def install_simulated_trainer(root: Path, python: str = sys.executable) -> dict[
             shutil.copy(source, sd_scripts / source.name)
     for name in REAL_HEADERS:
         shutil.copy(DATA / name, sd_scripts / name)
-    tokenizers = root / "tokenizers"
-    for name in TOKENIZER_DIRS:  # shaped as an offline install's: the worker's preflight checks them
-        write_tokenizer(tokenizers / name)
+    if tokenizers is None:
+        tokenizers = root / "tokenizers"
+        for name in TOKENIZER_DIRS:  # shaped as an offline install's: the worker's preflight checks them
+            write_tokenizer(tokenizers / name)
     return {"accelerate": launcher, "sd_scripts_dir": sd_scripts, "tokenizer_cache_dir": tokenizers}
 
 

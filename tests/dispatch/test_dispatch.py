@@ -140,6 +140,7 @@ def test_a_missing_trainer_is_a_503_naming_the_path(api, host, launches):
     assert str(host.settings.accelerate) in " ".join(body["details"]["missing"])
 
 
+@pytest.mark.own_tokenizers  # it breaks its host's tokenizers
 def test_missing_tokenizers_are_a_503(api, host, launches):
     (host.settings.tokenizer_cache_dir / "laion_CLIP-ViT-bigG-14-laion2B-39B-b160k" / "vocab.json").unlink()
     body = assert_refused(api.post("/train", json=host.payload()), 503, "trainer_unavailable", host.settings,

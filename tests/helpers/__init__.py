@@ -73,10 +73,11 @@ def make_dataset(train_root: Path, train_id: str = "t1", folder: str = "10_ohwx 
     return dataset
 
 
-def install_fake_trainer(root: Path) -> dict[str, Path]:
+def install_fake_trainer(root: Path, tokenizers: Path | None = None) -> dict[str, Path]:
     """A trainer installation shaped like fluxgym's (the demo's simulated one: venv/bin/accelerate, sd-scripts/,
-    tokenizers/), plus what the fingerprint reads: package metadata in the venv and the checkout's HEAD."""
-    install = install_simulated_trainer(root)
+    tokenizers/), plus what the fingerprint reads: package metadata in the venv and the checkout's HEAD.
+    `tokenizers`: an existing tokenizer cache to name instead of writing one (`shared_tokenizers`)."""
+    install = install_simulated_trainer(root, tokenizers=tokenizers)
     site = root / "venv" / "lib" / "python3.11" / "site-packages"
     for name, version in TRAINER_VERSIONS.items():
         info = site / f"{name}-{version}.dist-info"
@@ -209,12 +210,13 @@ class Host:
         return payload(self.dataset, self.model, **overrides)
 
 
-def make_host(root: Path, **settings: Any) -> Host:
+def make_host(root: Path, *, tokenizers: Path | None = None, **settings: Any) -> Host:
     """A fake trainer install, a base model, a dataset and fake GPUs under `root`, and settings naming them.
 
     The defaults make supervision quick for tests (progress every 0.1 s, a 1 s cancel grace); `settings`
-    overrides them (the benchmarks run with the production intervals)."""
-    install = install_fake_trainer(root / "opt")
+    overrides them (the benchmarks run with the production intervals). `tokenizers`: a tokenizer cache to name
+    instead of writing one under `root` (the `host` fixture's, shared by a process's hosts)."""
+    install = install_fake_trainer(root / "opt", tokenizers)
     model = root / "models" / "sdxl_tiny.safetensors"
     write_safetensors(model, SDXL_TINY)
     train_root = root / "train"
@@ -228,3 +230,20 @@ def make_host(root: Path, **settings: Any) -> Host:
         "sandbox": "none", **install, **settings,
     }
     return Host(root=root, settings=Settings(**values), dataset=dataset, model=model)
+
+
+def shared_tokenizers(folder: Path) -> Path:
+    """The tokenizer cache the `host` fixture's hosts share: 3.8 MB written once per process instead of per test
+    (the bulk of what a host writes). `tokenizer_identities` tells whether a test changed it."""
+    for name in TOKENIZER_DIRS:
+        write_tokenizer(folder / name)
+    return folder
+
+
+def tokenizer_identities(folder: Path) -> list[tuple[str, int, int, int, int]]:
+    """Each path under `folder` with its inode, size and times: any write, removal or replacement changes it."""
+    found = []
+    for path in sorted(folder.rglob("*")):
+        info = path.lstat()
+        found.append((str(path.relative_to(folder)), info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns))
+    return found

@@ -67,6 +67,7 @@ def test_a_directory_or_a_huge_file_in_place_of_a_tokenizer_file_is_refused(tmp_
     assert any("tokenizer_config.json" in p and "more than a tokenizer file ever has" in p for p in problems)
 
 
+@pytest.mark.own_tokenizers  # it breaks its host's tokenizers
 def test_the_install_check_names_every_broken_file_of_both_tokenizers(settings):
     first, second = (settings.tokenizer_cache_dir / name for name in TOKENIZER_DIRS)
     (first / "vocab.json").write_bytes(b"{}")
@@ -79,6 +80,7 @@ def test_the_install_check_names_every_broken_file_of_both_tokenizers(settings):
     assert str(first / "vocab.json") in caught.value.message and caught.value.details["missing"] == missing
 
 
+@pytest.mark.own_tokenizers  # it breaks its host's tokenizers
 def test_hollow_tokenizers_are_a_503_that_changes_nothing(api, host, launches):
     folder = host.settings.tokenizer_cache_dir / TOKENIZER_DIRS[1]
     write_tokenizer(folder, vocab_json=b"{}", merges_txt=b"")

@@ -189,6 +189,7 @@ def test_a_dataset_broken_after_acceptance_is_dataset_invalid(client, host):
     assert "caption file is empty" in done["error"]
 
 
+@pytest.mark.own_tokenizers  # it breaks its host's tokenizers
 def test_tokenizers_removed_after_acceptance_is_tokenizer_missing(client, host):
     modes(host, launcher_delay_s=1.0)
     job_id = submit(client, host)

@@ -27,19 +27,25 @@ def _shared_tokenizers(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def host(request: pytest.FixtureRequest, tmp_path: Path, _shared_tokenizers: Path) -> Iterator[Host]:
-    """A host whose tokenizer cache is the process's shared one, unless the test is marked `own_tokenizers`
-    (it changes them). A test that changes the shared one unmarked fails, and the cache is written afresh."""
+def tokenizers(request: pytest.FixtureRequest, _shared_tokenizers: Path) -> Iterator[Path | None]:
+    """The tokenizer cache for this test's hosts (`make_host(..., tokenizers=)`): the process's shared one, or
+    None (each host writes its own) for a test marked `own_tokenizers` (it changes them). A test that changes the
+    shared one unmarked fails, and the cache is written afresh."""
     if request.node.get_closest_marker("own_tokenizers"):
-        yield make_host(tmp_path)
+        yield None
         return
     before = tokenizer_identities(_shared_tokenizers)
-    yield make_host(tmp_path, tokenizers=_shared_tokenizers)
+    yield _shared_tokenizers
     if tokenizer_identities(_shared_tokenizers) != before:
         shutil.rmtree(_shared_tokenizers)
         shared_tokenizers(_shared_tokenizers)
         pytest.fail(f"{request.node.nodeid} changed the tokenizer cache every host of this process shares: mark it "
                     "@pytest.mark.own_tokenizers", pytrace=False)
+
+
+@pytest.fixture
+def host(tmp_path: Path, tokenizers: Path | None) -> Host:
+    return make_host(tmp_path, tokenizers=tokenizers)
 
 
 @pytest.fixture

@@ -50,11 +50,11 @@ def host() -> FakeHost:  # type: ignore[override]  # this module's host is the f
 
 
 @pytest.fixture
-def settings(tmp_path) -> Settings:
+def settings(tmp_path, tokenizers) -> Settings:
     from tests.helpers import make_host
     from tests.helpers.ledger import migrated_ledger
 
-    values = make_host(tmp_path).settings
+    values = make_host(tmp_path, tokenizers=tokenizers).settings
     migrated_ledger(values.database_path)
     return replace(values, cancel_grace_s=5.0, progress_interval_s=1.0)
 

@@ -99,7 +99,7 @@ chaos: $(VENV)/.installed
 # sizes (tests/test_bench_smoke.py) to check it still works.
 # Every row also goes to var/bench.json as data (value, baseline, ratio, target, met): `python -m bench --json`.
 # bench/status.py's throughput rows need wrk (apt-get install -y wrk); without it they are skipped, and said so.
-# About 12 minutes.
+# About 9 minutes on the 2-core build machine (2026-12-05, docs/benchmarks.md).
 bench: $(VENV)/.installed
 	mkdir -p var
 	$(BIN)/python -m bench --json var/bench.json

@@ -60,9 +60,7 @@ def install_simulated_trainer(root: Path, python: str = sys.executable,
     for name in REAL_HEADERS:
         shutil.copy(DATA / name, sd_scripts / name)
     if tokenizers is None:
-        tokenizers = root / "tokenizers"
-        for name in TOKENIZER_DIRS:  # shaped as an offline install's: the worker's preflight checks them
-            write_tokenizer(tokenizers / name)
+        tokenizers = write_tokenizer_cache(root / "tokenizers")
     return {"accelerate": launcher, "sd_scripts_dir": sd_scripts, "tokenizer_cache_dir": tokenizers}
 
 
@@ -75,6 +73,13 @@ def clip_tokenizer_files() -> dict[str, bytes]:
     config = {"model_max_length": 77, "tokenizer_class": "CLIPTokenizer", "pad_token": "<|endoftext|>"}
     return {"vocab.json": json.dumps(vocab).encode(), "merges.txt": merges.encode(),
             "tokenizer_config.json": json.dumps(config).encode()}
+
+
+def write_tokenizer_cache(folder: Path) -> Path:
+    """Both SDXL tokenizers, shaped as an offline install's `--tokenizer_cache_dir` (the preflight checks them)."""
+    for name in TOKENIZER_DIRS:
+        write_tokenizer(folder / name)
+    return folder
 
 
 def write_tokenizer(folder: Path, **overrides: bytes | None) -> Path:

@@ -20,7 +20,7 @@ from lora_worker.config import Settings
 # One installer for the demo and the tests; the tokenizer builders are re-exported for the tests' own cases.
 from lora_worker.ops.simulated import clip_tokenizer_files, install_simulated_trainer, sdxl_checkpoint_tensors  # noqa: F401
 from lora_worker.ops.simulated import sparse_safetensors_layout, write_sparse_layout, write_sparse_safetensors
-from lora_worker.ops.simulated import write_tokenizer  # noqa: F401
+from lora_worker.ops.simulated import write_tokenizer, write_tokenizer_cache  # noqa: F401
 
 TESTS = Path(__file__).parent.parent
 FAKES = TESTS / "fakes"
@@ -235,9 +235,7 @@ def make_host(root: Path, *, tokenizers: Path | None = None, **settings: Any) ->
 def shared_tokenizers(folder: Path) -> Path:
     """The tokenizer cache the `host` fixture's hosts share: 3.8 MB written once per process instead of per test
     (the bulk of what a host writes). `tokenizer_identities` tells whether a test changed it."""
-    for name in TOKENIZER_DIRS:
-        write_tokenizer(folder / name)
-    return folder
+    return write_tokenizer_cache(folder)
 
 
 def tokenizer_identities(folder: Path) -> list[tuple[str, int, int, int, int]]:

@@ -14,7 +14,7 @@ from lora_worker.slurm.sbatch import job_name
 from tests.cluster.cluster import Cluster
 from tests.cluster.worker import fill_node
 from tests.cluster.worker import Worker, start_worker
-from tests.helpers import make_dataset
+from tests.helpers import make_dataset, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -101,5 +101,12 @@ def test_an_sbatch_that_queued_the_job_then_failed_leaves_it_followed_not_runnin
     job_id = worker.post()
     job = worker.ended(job_id, timeout=90)
     assert job["status"] == "succeeded" and job["slurm_job_id"], job  # adopted by its name, followed to the end
-    named = cluster.run("sacct", "-n", "-X", "-P", f"--name={job_name(worker.settings, job_id)}", "-o", "JobID")
-    assert named.stdout.split() == [str(job["slurm_job_id"])]  # one job of that name on the cluster: this one
+    name, sid = job_name(worker.settings, job_id), str(job["slurm_job_id"])
+    # One job of that name on the cluster: this one. slurmctld knows at once (squeue lists ended jobs for
+    # MinJobAge); slurmdbd gets the record from slurmctld's agent, so sacct may list it a while later.
+    queued = cluster.run("squeue", "--noheader", "--states=all", f"--name={name}", "--format=%i")
+    assert queued.stdout.split() == [sid]
+
+    def accounted() -> list[str]:
+        return cluster.run("sacct", "-n", "-X", "-P", f"--name={name}", "-o", "JobID").stdout.split()
+    assert wait_for(accounted, timeout=30, what=f"slurmdbd's record of job {sid}") == [sid]

@@ -71,8 +71,19 @@ def assert_no_process_left(w: Worker, slurm_job_id: str) -> None:
              what=f"no process of Slurm job {slurm_job_id} on the node")
 
 
-def sacct(cluster: Cluster, slurm_job_id: str) -> str:
-    return cluster.run("sacct", "-n", "-X", "-P", "-j", slurm_job_id, "-o", "State,ExitCode").stdout.strip()
+UNSETTLED = ("", "PENDING", "RUNNING", "REQUEUED", "SUSPENDED", "COMPLETING", "CONFIGURING")
+
+
+def sacct(cluster: Cluster, slurm_job_id: str, timeout: float = 30) -> str:
+    """slurmdbd's `State|ExitCode` of an ended job. slurmctld's agent sends the record on its own time, so
+    sacct may not know the end (or the job) yet when the worker, which asks squeue first, has seen it: wait for
+    a terminal state, then answer whatever sacct last said."""
+    deadline = time.monotonic() + timeout
+    while True:
+        said = cluster.run("sacct", "-n", "-X", "-P", "-j", slurm_job_id, "-o", "State,ExitCode").stdout.strip()
+        if said.split("|")[0].split(" ")[0] not in UNSETTLED or time.monotonic() > deadline:
+            return said
+        time.sleep(0.2)
 
 
 # -- it works --------------------------------------------------------------------------------------------------

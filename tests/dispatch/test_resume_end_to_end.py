@@ -70,7 +70,10 @@ def assert_succeeded(client, db, host, job_id: int) -> dict:
     assert (body["step"], body["total_steps"]) == (STEPS, STEPS) and body["lora_sha256"]
     assert read_header(Path(body["lora_path"])).metadata["ss_steps"] == str(STEPS)
     output = Path(body["output_dir"])
-    assert not [p.name for p in output.iterdir() if p.name.endswith("-state")]  # removed after the success
+    # The states go just after the success is written (the outcome first, then the best-effort cleanup), so a
+    # poll can see `succeeded` a moment before they are gone.
+    wait_for(lambda: not [p.name for p in output.iterdir() if p.name.endswith("-state")], timeout=10,
+             what=f"the states in {output} removed after the success")
     return body
 
 

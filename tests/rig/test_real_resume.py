@@ -172,4 +172,6 @@ def test_killed_twice_and_resumed_twice_the_real_trainer_trains_exactly_max_trai
     assert [[(c["step"], c["verified"]) for c in client.get(f"/train/{j}").get_json()["checkpoints"]]
             for j in jobs[:2]] == [[(4, True)], [(6, True)]]
     assert "skipping 4 steps" in log_of(settings, second) and "skipping 6 steps" in log_of(settings, third)
-    assert not [p.name for p in Path(done["output_dir"]).iterdir() if p.name.endswith("-state")]
+    output = Path(done["output_dir"])  # its states go just after the success is written
+    wait_for(lambda: not [p.name for p in output.iterdir() if p.name.endswith("-state")], timeout=10,
+             what="the states removed after the success")

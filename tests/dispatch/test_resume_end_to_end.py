@@ -15,7 +15,7 @@ import pytest
 from lora_worker.host.safetensors import read_header
 from lora_worker.ledger import repository as repo
 from tests.helpers import make_dataset, set_modes, wait_for
-from tests.helpers.runs import wait_state
+from tests.helpers.runs import wait_state, wait_states_removed
 
 pytestmark = pytest.mark.slow
 
@@ -69,11 +69,7 @@ def assert_succeeded(client, db, host, job_id: int) -> dict:
     assert body["status"] == "succeeded", body
     assert (body["step"], body["total_steps"]) == (STEPS, STEPS) and body["lora_sha256"]
     assert read_header(Path(body["lora_path"])).metadata["ss_steps"] == str(STEPS)
-    output = Path(body["output_dir"])
-    # The states go just after the success is written (the outcome first, then the best-effort cleanup), so a
-    # poll can see `succeeded` a moment before they are gone.
-    wait_for(lambda: not [p.name for p in output.iterdir() if p.name.endswith("-state")], timeout=10,
-             what=f"the states in {output} removed after the success")
+    wait_states_removed(Path(body["output_dir"]))
     return body
 
 

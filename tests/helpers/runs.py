@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from lora_worker.states import TERMINAL_STATES
 from tests.helpers import pid_alive, set_modes, wait_for
@@ -22,6 +23,13 @@ def job(client, job_id: int) -> dict:
 def wait_state(client, job_id: int, *states: str, timeout: float = 30) -> dict:
     return wait_for(lambda: (j := job(client, job_id))["status"] in states and j, timeout=timeout,
                     what=f"job {job_id} in {states}")
+
+
+def wait_states_removed(output_dir: Path, timeout: float = 10) -> None:
+    """A verified success's states go just after the success is written (the outcome first, then the
+    best-effort cleanup: transcript/ending.py), so a poll can see `succeeded` a moment before they are gone."""
+    wait_for(lambda: not [p.name for p in output_dir.iterdir() if p.name.endswith("-state")], timeout=timeout,
+             what=f"the states in {output_dir} removed after the success")
 
 
 def wait_phase(client, job_id: int, phase: str) -> dict:

@@ -25,7 +25,7 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from tests.helpers import fake_gpus, wait_for
 from tests.helpers.ledger import migrated_ledger
-from tests.helpers.runs import wait_state
+from tests.helpers.runs import wait_state, wait_states_removed
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -172,6 +172,4 @@ def test_killed_twice_and_resumed_twice_the_real_trainer_trains_exactly_max_trai
     assert [[(c["step"], c["verified"]) for c in client.get(f"/train/{j}").get_json()["checkpoints"]]
             for j in jobs[:2]] == [[(4, True)], [(6, True)]]
     assert "skipping 4 steps" in log_of(settings, second) and "skipping 6 steps" in log_of(settings, third)
-    output = Path(done["output_dir"])  # its states go just after the success is written
-    wait_for(lambda: not [p.name for p in output.iterdir() if p.name.endswith("-state")], timeout=10,
-             what="the states removed after the success")
+    wait_states_removed(Path(done["output_dir"]))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import wait_for
-from tests.helpers.runs import TERMINAL, job, modes, recorded, submit, wait_state
+from tests.helpers.runs import TERMINAL, job, modes, recorded, submit, wait_state, wait_states_removed
 
 pytestmark = pytest.mark.slow
 
@@ -49,10 +49,8 @@ def test_each_save_is_recorded_and_the_kept_step_lora_is_verified_and_listed(cli
     assert state150 == ("state", 150, str(out / "ohwx_lora-step00000150-state"), None, None, 1)
     assert state300 == ("state", 300, str(out / "ohwx_lora-step00000300-state"), None, None, 0)
     assert end_state == ("state", 400, str(out / "ohwx_lora-state"), None, None, 0)
-    # a verified success removes the states (docs/resume.md): nothing is left to resume, and they are large;
-    # they go just after the success is written, so a poll may see `succeeded` first
-    wait_for(lambda: not (out / "ohwx_lora-step00000300-state").exists() and not (out / "ohwx_lora-state").exists(),
-             timeout=10, what="the states removed after the success")
+    # a verified success removes the states (docs/resume.md): nothing is left to resume, and they are large
+    wait_states_removed(out)
 
 
 def test_a_run_killed_after_a_step_save_fails_and_keeps_its_verified_step_lora(client, host):

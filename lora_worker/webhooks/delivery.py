@@ -149,7 +149,7 @@ def _error_of(status: int, answer: bytes) -> str | None:
     if 300 <= status < 400:
         return f"HTTP {status}: a redirect, which is never followed (set webhook_url to where it points)"
     text = answer[:MAX_ERROR_CHARS].decode("utf-8", "replace").strip()
-    return f"HTTP {status}" + (f": {text}" if text else "")
+    return (f"HTTP {status}" + (f": {text}" if text else ""))[:MAX_ERROR_CHARS]
 
 
 def _describe(exc: BaseException) -> str:

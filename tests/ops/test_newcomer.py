@@ -1,7 +1,8 @@
 """What a newcomer meets first: `make demo PORT=…`; a taken port is one line naming its holder; the demo and
 everything it started die with the terminal (a closed pty, SIGHUP) or with the process above it (make, a shell)
-killed, its detached webhook sender too, even when the demo's whole group is SIGKILLed; `make run` on a non-loopback bind without a token is a one-line refusal; and a CLI pointed at no ledger
-says which settings it read before advising `migrate`."""
+killed, its detached webhook sender too, even when the demo's whole group is SIGKILLed; `make run` on a
+non-loopback bind without a token is a one-line refusal; and a CLI pointed at no ledger says which settings it
+read before advising `migrate`."""
 from __future__ import annotations
 
 import ctypes

@@ -101,8 +101,10 @@ def serve(ready_fd: int) -> int:
         keys = Keyring.watching(settings)
     except ConfigError as exc:  # no signed request can leave: say why once, and let the events wait
         log.error("webhooks: %s", exc)
-        os.close(ready_fd)
+        # The lock first: the starter acts on the pipe's EOF at once (ensure_sender asks whether a sender runs),
+        # and this process may be descheduled between two closes for as long as a loaded machine likes.
         os.close(lock_fd)
+        os.close(ready_fd)
         return 1
     try:
         _deliver(settings, keys, lifeline, ready_fd)

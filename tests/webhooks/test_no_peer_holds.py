@@ -19,9 +19,8 @@ from lora_worker.webhooks import delivery
 from lora_worker.webhooks.process import ensure_sender, sender_lock_path
 from lora_worker.host.locks import lock_state
 from tests.helpers import wait_for
-from tests.webhooks.jobs import a_finished_job, states
+from tests.webhooks.jobs import a_finished_job, run_until, sender_for, states
 from tests.webhooks.receiver import Answer, new_secret, write_secrets
-from tests.webhooks.test_sender import run_until, sender_for
 
 DRIP_S = 12.0  # how long the dripping receiver goes on: far past any deadline below
 GENEROUS_MS = 3000.0  # a loaded machine's slack over a deadline: still far below DRIP_S
@@ -112,8 +111,16 @@ def test_a_receiver_stalling_one_jobs_event_holds_no_other_jobs_events(hooked, h
     assert [j for j in got if j == job_a] == [job_a] * 3
 
 
+def tried_often(db, job_id: int) -> None:
+    """As if the job's head had been tried 10 times: its next backoff is minutes (at full jitter), so a test
+    may see that it is set aside, and not tried again at once, however slow the machine."""
+    with db.writing() as d:
+        d.execute("UPDATE webhook_events SET attempts = 10 WHERE job_id = ?", (job_id,))
+
+
 def test_a_fault_in_one_events_attempt_is_that_events_alone(hooked, hooked_db, receiver):
     job_a, job_b = a_finished_job(hooked_db), a_finished_job(hooked_db)
+    tried_often(hooked_db, job_a)
     with hooked_db.reading() as d:
         poison = outbox.bodies(d, job_a)[0][0]
 
@@ -122,7 +129,7 @@ def test_a_fault_in_one_events_attempt_is_that_events_alone(hooked, hooked_db, r
             raise RuntimeError("a fault of the sender's own")
         return delivery.post(url, body, headers, **timeouts)
 
-    sender = replace_post(sender_for(hooked, hooked_db), post)
+    sender = replace_post(sender_for(hooked, hooked_db, rng=lambda: 1.0), post)
     run_until(sender, lambda: states(hooked_db, job_b) == ["delivered"] * 3)
     with hooked_db.reading() as d:
         head = outbox.deliveries(d, job_a)[0]
@@ -135,6 +142,7 @@ def test_a_fault_in_one_events_attempt_is_that_events_alone(hooked, hooked_db, r
 def test_a_ledger_fault_recording_one_events_answer_is_that_events_alone(hooked, hooked_db, receiver,
                                                                           monkeypatch):
     job_a, job_b = a_finished_job(hooked_db), a_finished_job(hooked_db)
+    tried_often(hooked_db, job_a)
     real = outbox.finish_attempt
 
     def finish(db, attempt_id, **answer):
@@ -144,7 +152,7 @@ def test_a_ledger_fault_recording_one_events_answer_is_that_events_alone(hooked,
         real(db, attempt_id, **answer)
 
     monkeypatch.setattr(outbox, "finish_attempt", finish)
-    sender = sender_for(hooked, hooked_db)
+    sender = sender_for(hooked, hooked_db, rng=lambda: 1.0)
     run_until(sender, lambda: states(hooked_db, job_b) == ["delivered"] * 3)
     assert sender.cycle() == 0  # job A is set aside for its backoff, not retried twice a second
     assert [d.event["data"]["worker_job_id"] for d in receiver.deliveries].count(job_a) == 1

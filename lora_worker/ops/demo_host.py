@@ -4,8 +4,10 @@ stand-in and the server beside it, and what makes them die with the demo.
 Everything the demo starts dies with it, however it ends: Ctrl-C, SIGTERM, SIGHUP (the terminal closed) or a
 SIGKILL of the demo or of the `make` above it. The demo asks the kernel for SIGTERM when its parent dies, and
 its children (gunicorn, the TTS stand-in) for SIGTERM when the demo dies (PR_SET_PDEATHSIG), so nothing outlives
-it even when it has no chance to clean up. A job's supervisor is the exception by design (detached, it outlives
-the web); the demo cancels its jobs on every way out it gets to run.
+it even when it has no chance to clean up. The webhook sender, detached so that it outlives a web restart, is
+told to die with the demo (webhooks/lifeline.py): it stops once the demo is gone, whatever killed it. A job's
+supervisor is the exception by design (detached, it outlives the web); the demo cancels its jobs on every way
+out it gets to run.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import current_revision, prepare_state_dir, upgrade
 from lora_worker.ops import simulated
 from lora_worker.slurm.process import poller_lock_path
+from lora_worker.webhooks.lifeline import LIFELINE_ENV, lifeline_of
 from lora_worker.webhooks.process import stop_sender
 from lora_worker.states import ACTIVE_STATES, JobState
 
@@ -124,7 +127,9 @@ def server(host: Host, out: TextIO) -> Iterator[str]:
     with log_path.open("ab") as log:
         proc = subprocess.Popen(  # noqa: S603 - fixed argv
             [str(gunicorn), "-c", str(REPO_ROOT / "systemd" / "gunicorn.conf.py"), "lora_worker.wsgi:app"],
-            env=host.env, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            # The sender the web starts dies with the demo (webhooks/lifeline.py), not with this web.
+            env={**host.env, LIFELINE_ENV: lifeline_of(os.getpid())}, cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
+            stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches the demo only; it stops the server in order
             preexec_fn=_die_with_the_demo)
     try:
@@ -137,7 +142,7 @@ def server(host: Host, out: TextIO) -> Iterator[str]:
         simulated.stop_process(proc, grace_s=30.0)
         if not backend_for(host.settings).places_here:  # the Slurm poller outlives the web by design
             _stop_poller(host.settings)
-        stop_sender(host.settings)  # the sender outlives the web by design; the demo's has nothing left to send
+        stop_sender(host.settings)  # at once: it would stop with the demo anyway
         say(out, f"server stopped; the ledger, run logs and LoRAs stay in {short(host.root)}")
 
 

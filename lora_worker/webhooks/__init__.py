@@ -9,8 +9,10 @@ writes the event with its row and carries no HTTP code. Nothing is kept in memor
 point leaves every event in the outbox, and the next one sends what is not delivered (at least once, under
 the same `webhook-id`).
 
-  signing.py   the spec's headers, HMAC-SHA256 over `id.timestamp.body`, one signature per active secret
-  delivery.py  one POST: short timeouts, no redirects, at most 64 KiB of the answer read
-  sender.py    the loop: per job in order, exponential backoff with jitter, Retry-After, 410 Gone, give-up age
-  process.py   the one sender (a lock), its start from the web, its signals
+  signing.py   the spec's headers, HMAC-SHA256 over `id.timestamp.body`, one signature per active secret; the
+               secret file re-read when it changes
+  delivery.py  one POST under one deadline, no redirects, at most 64 KiB of the answer read, Retry-After
+  sender.py    the loop: per job in order, a few jobs at once, backoff with jitter, Retry-After, 410, give-up age
+  process.py   the one sender (a lock), its start from the web (none under systemd), its signals
+  lifeline.py  the process a sender dies with, where one is named (the demo)
 """

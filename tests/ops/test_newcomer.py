@@ -1,7 +1,8 @@
 """What a newcomer meets first: `make demo PORT=…`; a taken port is one line naming its holder; the demo and
 everything it started die with the terminal (a closed pty, SIGHUP) or with the process above it (make, a shell)
-killed; `make run` on a non-loopback bind without a token is a one-line refusal; and a CLI pointed at no ledger
-says which settings it read before advising `migrate`."""
+killed, its detached webhook sender too, even when the demo's whole group is SIGKILLed; `make run` on a
+non-loopback bind without a token is a one-line refusal; and a CLI pointed at no ledger says which settings it
+read before advising `migrate`."""
 from __future__ import annotations
 
 import ctypes
@@ -19,7 +20,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lora_worker.config import REPO_ROOT
+from lora_worker.config import REPO_ROOT, SIMULATED, SIMULATED_ENV, load_settings
+from lora_worker.host.locks import lock_state
+from lora_worker.webhooks.process import sender_lock_path
 from tests.helpers.deploy import recipe
 from tests.helpers.service import free_port
 
@@ -132,6 +135,28 @@ def test_the_demo_stops_on_a_sigterm_another_of_its_threads_takes(tmp_path):
         assert demo.wait(STOP_BOUND_S) == 0
         assert_all_gone(family)
         assert b"demo: stopped" in demo.stdout.read()
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+        demo.stdout.close()
+
+
+def test_the_demos_webhook_sender_dies_when_the_demos_whole_group_is_sigkilled(tmp_path):
+    # A terminal closed the hard way: `kill -9 -- -PGID`. Nothing of the demo runs to stop the sender, which is
+    # detached (a session of its own, so the group's SIGKILL misses it): it must see the demo go by itself.
+    demo = subprocess.Popen(demo_argv(tmp_path, free_port()), env=clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        read_until(demo.stdout.fileno(), UP)
+        settings = load_settings({"LORA_WORKER_CONFIG": str(tmp_path / "demo" / "worker.toml"),
+                                  SIMULATED_ENV: SIMULATED})
+        sender = lock_state(sender_lock_path(settings)).holder_pid
+        assert sender is not None, "the demo's web started no webhook sender"
+        assert os.getsid(sender) != os.getsid(demo.pid)  # outside the group: the kill below does not reach it
+        survivor = psutil.Process(sender)
+        os.killpg(demo.pid, signal.SIGKILL)
+        demo.wait()
+        assert_all_gone([survivor])
     finally:
         if demo.poll() is None:
             demo.kill()

@@ -11,7 +11,7 @@ import pytest
 from lora_worker.config import Settings
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import upgrade
-from lora_worker.webhooks.process import stop_sender
+from lora_worker.webhooks.process import SYSTEMD_ENV, stop_sender
 from tests.helpers import Host
 from tests.webhooks.receiver import Receiver, new_secret, write_secrets
 
@@ -29,8 +29,11 @@ def secret() -> str:
 
 
 @pytest.fixture
-def hooked(host: Host, receiver: Receiver, secret: str, tmp_path: Path) -> Iterator[Settings]:
-    """Migrated settings with webhooks on: every event type, progress at most every 0.5 s."""
+def hooked(host: Host, receiver: Receiver, secret: str, tmp_path: Path,
+           monkeypatch: pytest.MonkeyPatch) -> Iterator[Settings]:
+    """Migrated settings with webhooks on: every event type, progress at most every 0.5 s. The web starts the
+    sender here as in a checkout, even when the tests themselves run in a systemd unit (a CI runner's)."""
+    monkeypatch.delenv(SYSTEMD_ENV, raising=False)
     settings = replace(host.settings, webhook_url=receiver.url,
                        webhook_secret_file=write_secrets(tmp_path / "webhook_secret", secret),
                        webhook_progress_interval_s=0.5, webhook_connect_timeout_s=1.0, webhook_read_timeout_s=2.0)

@@ -1,13 +1,17 @@
-"""Jobs with a webhook subscription, written straight to the ledger, and what their outbox holds."""
+"""Jobs with a webhook subscription, written straight to the ledger, and what their outbox holds; a sender run
+in the test's own process."""
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 from typing import Any
 
 from lora_worker.ledger import outbox
 from lora_worker.ledger import repository as repo
 from lora_worker.states import JobState
+from lora_worker.webhooks import signing
+from lora_worker.webhooks.sender import Sender
 from tests.helpers.ledger import columns
 
 ALL = outbox.Subscription(frozenset(outbox.EVENT_TYPES), progress_interval_s=0.5)
@@ -46,3 +50,15 @@ def deliver_all(db) -> None:
                 outbox.delivered(d, e.pk)
         if not heads:
             return
+
+
+def sender_for(settings, db, *, keys=None, rng=lambda: 0.0) -> Sender:
+    return Sender(settings, db, keys or signing.load_secrets(settings), rng=rng)
+
+
+def run_until(sender: Sender, done, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "the sender did not get there in time"
+        if sender.cycle() == 0:
+            time.sleep(0.02)

@@ -16,21 +16,9 @@ from lora_worker.errors import ConfigError
 from lora_worker.ledger import outbox
 from lora_worker.ledger.timestamps import iso_utc, utcnow
 from lora_worker.webhooks import delivery, signing
-from lora_worker.webhooks.sender import Sender, backoff_s
+from lora_worker.webhooks.sender import backoff_s
 from tests.webhooks.receiver import Answer, Delivery, new_secret, write_secrets
-from tests.webhooks.jobs import a_finished_job, states
-
-
-def sender_for(settings, db, *, keys=None) -> Sender:
-    return Sender(settings, db, keys or signing.load_secrets(settings), rng=lambda: 0.0)
-
-
-def run_until(sender: Sender, done, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, "the sender did not get there in time"
-        if sender.cycle() == 0:
-            time.sleep(0.02)
+from tests.webhooks.jobs import a_finished_job, run_until, sender_for, states
 
 
 def test_every_event_arrives_in_order_and_verifies_with_standardwebhooks(hooked, hooked_db, receiver, secret):

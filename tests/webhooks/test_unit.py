@@ -1,10 +1,12 @@
 """The sender's own unit: run in place by systemd, restarted always, the secret a credential, installed and
-enabled beside the service."""
+enabled beside the service; its cgroup ends it, and the web starts no sender of its own there."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from lora_worker.config import REPO_ROOT
+from lora_worker.webhooks import process
 from lora_worker.webhooks.__main__ import USAGE
 from lora_worker.webhooks.signing import CREDENTIAL
 from tests.helpers import install_script
@@ -42,3 +44,16 @@ def test_the_installer_installs_and_enables_the_sender(monkeypatch):
     assert ["systemctl", "enable", "lora-worker-webhooks.service"] in ran
     assert ran.index(["systemctl", "daemon-reload"]) < ran.index(["systemctl", "enable",
                                                                    "lora-worker-webhooks.service"])
+
+
+def test_the_units_cgroup_ends_the_sender_and_the_web_starts_none_under_systemd(hooked, monkeypatch):
+    unit = directives("lora-worker-webhooks.service")
+    assert unit.get("KillMode", ["control-group"]) == ["control-group"]  # a stop ends every process of the unit
+    started: list[list[str]] = []
+    monkeypatch.setattr(process, "start_detached", lambda argv, env, **kw: started.append(argv))
+    monkeypatch.setenv(process.SYSTEMD_ENV, "5f1c")  # the web under lora-worker.service
+    process.ensure_sender(hooked)
+    assert started == []  # a sender it started would live in the web's unit, outside the sender's
+    monkeypatch.delenv(process.SYSTEMD_ENV)
+    process.ensure_sender(hooked)  # a checkout: the web starts one
+    assert started == [[sys.executable, "-m", "lora_worker.webhooks"]]

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from lora_worker.backends import backend_for
+from lora_worker.backends import Backend, backend_for
 from lora_worker.checks import Check
 from lora_worker.config import Settings
 from lora_worker.errors import NvmlUnavailable
@@ -46,12 +46,13 @@ DEV = Path("/dev")
 
 
 def deep_checks(settings: Settings, nvml: Nvml, *, trainer: bool = True,
-                namespaces: Callable[[Settings], str | None] | None = None) -> list[Check]:
-    """The checks that say whether a job can run where the backend of new jobs places it: this host's own when
-    it places them here, then the backend's (`Backend.readiness`; under Slurm, the cluster's). `trainer`: also
-    start the trainer's interpreter in the sandbox (seconds: it imports torch; under Slurm, on a node, opt-in).
-    `namespaces`: how the bwrap probe is asked (default: afresh)."""
-    backend = backend_for(settings)
+                namespaces: Callable[[Settings], str | None] | None = None,
+                backend: Backend | None = None) -> list[Check]:
+    """The checks that say whether a job can run where the backend of new jobs (`backend`, default the settings')
+    places it: this host's own when it places them here, then the backend's (`Backend.readiness`; under Slurm, the
+    cluster's). `trainer`: also start the trainer's interpreter in the sandbox (seconds: it imports torch; under
+    Slurm, on a node, opt-in). `namespaces`: how the bwrap probe is asked (default: afresh)."""
+    backend = backend or backend_for(settings)
     checks = host_checks(settings, nvml, trainer=trainer, namespaces=namespaces) if backend.places_here else []
     return checks + backend.readiness(settings, trainer=trainer)
 
@@ -142,8 +143,8 @@ class DeepHealth:
     """The deep checks, run once on a background thread (start-up must not wait seconds for torch), kept for
     /healthz?deep=1. Until they finish the answer is `pending`, which a gate reads as not yet."""
 
-    def __init__(self, settings: Settings, nvml: Nvml) -> None:
-        self.settings, self.nvml = settings, nvml
+    def __init__(self, settings: Settings, nvml: Nvml, backend: Backend | None = None) -> None:
+        self.settings, self.nvml, self.backend = settings, nvml, backend
         self._lock = threading.Lock()
         self._result: dict[str, Any] = {"status": "pending", "checks": [], "checked_at": None}
         self._thread: threading.Thread | None = None
@@ -156,7 +157,7 @@ class DeepHealth:
     def run(self) -> dict[str, Any]:
         started = time.monotonic()
         try:
-            checks = deep_checks(self.settings, self.nvml, namespaces=sandbox.probed_problem)
+            checks = deep_checks(self.settings, self.nvml, namespaces=sandbox.probed_problem, backend=self.backend)
         except Exception as exc:  # noqa: BLE001 - a check that raised is a failed gate, never a dead thread
             log.exception("deep health check raised")
             checks = [Check("deep checks", False, f"raised {type(exc).__name__}: {exc}")]

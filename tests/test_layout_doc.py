@@ -3,7 +3,6 @@ its parent's line), every module beside them, and every migration in migrations/
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from lora_worker.config import REPO_ROOT
 

@@ -11,7 +11,14 @@ The seam:
   - `abandon`: reconcile is about to fail the row: make sure nothing of the job still runs (the pids killed);
     None if that cannot be made sure now, and the row is left for a later reconcile;
   - `places_here`: whether the job runs on this host's GPUs (so dispatch admits it by NVML, the GPU lock and
-    the sandbox here) or the scheduler's;
+    the sandbox here, `device_index` picks the card, and the ETA history is that card's) or the scheduler's
+    (`device_index` is accepted and has no effect);
+  - `profile`: the batch size and precision the trainer is told for a job (the local card's profile, or the
+    tier's Slurm resources); a resume's fingerprint rebuilds the argv with the row's backend's, never another's;
+  - `visible_devices`: the CUDA_VISIBLE_DEVICES a job's recorded environment names, or None where the
+    scheduler sets it on the node;
+  - `readiness`: the deep health checks of where the backend places jobs, beyond this host's own (local: none;
+    Slurm: the controller, the partition's nodes for each tier, the opt-in probe job);
   - `slots`: the one-active-job index's slots a new row may take, tried in order;
   - `cancels_queued_at_once`: whether a cancel of a queued row ends it at once (nothing has started it) or only
     flags it (it may start on a node any moment).
@@ -24,7 +31,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from lora_worker import slurm
-from lora_worker.config import Settings
+from lora_worker.checks import Check
+from lora_worker.config import Settings, TrainerProfile
 from lora_worker.run.local import Launch, LaunchOnly, LocalBackend
 
 if TYPE_CHECKING:
@@ -54,6 +62,17 @@ class Backend(Protocol):
     def slots(self, settings: Settings) -> list[str]:
         """The slots a new row may take, tried in order."""
 
+    def profile(self, settings: Settings, tier: str, device_index: int) -> TrainerProfile:
+        """The batch size and precision of a job of `tier` asked for `device_index` (KeyError: a card the
+        settings do not name, where the card decides)."""
+
+    def visible_devices(self, device_index: int) -> str | None:
+        """CUDA_VISIBLE_DEVICES for a job's recorded environment, or None: the scheduler sets it on the node."""
+
+    def readiness(self, settings: Settings, *, trainer: bool) -> list[Check]:
+        """The deep checks of where the backend places jobs, beyond this host's own; `trainer`: also those that
+        start the trainer (seconds, or a node's time)."""
+
 
 def backend_for(settings: Settings, launch: Launch | None = None) -> Backend:
     """The backend new jobs get (`backend = "local"` or Slurm's), or a local one that starts runs with
@@ -64,6 +83,8 @@ def backend_for(settings: Settings, launch: Launch | None = None) -> Backend:
 
 
 def named(name: str) -> Backend:
+    """The backend of a row's `backend` column (or of the `backend` setting): the one name comparison outside
+    slurm/ and the settings' checks."""
     if name == slurm.NAME:
         from lora_worker.slurm.backend import SlurmBackend  # only a worker with Slurm rows loads it
 

@@ -38,6 +38,7 @@ from lora_worker.config_tables import (
     WEBHOOK_EVENT_TYPES,
     DeviceProfile,
     Tier,
+    TrainerProfile,
 )
 from lora_worker.errors import ConfigError
 
@@ -222,7 +223,7 @@ def _rig_tier_sizes(table: Mapping[str, Any]) -> Mapping[str, Mapping[str, int]]
 
 _PARSERS = {"devices": _devices, "slurm_resources": parse_slurm_resources, "rig_tier_sizes": _rig_tier_sizes}
 
-__all__ = ["Settings", "Tier", "DeviceProfile", "TIERS", "SDXL_HPARAMS", "LORA_TARGET_PRESETS",
+__all__ = ["Settings", "Tier", "DeviceProfile", "TrainerProfile", "TIERS", "SDXL_HPARAMS", "LORA_TARGET_PRESETS",
            "DEFAULT_LORA_TARGETS", "SAVE_PRECISION_DTYPES", "LORA_DTYPE", "DEFAULT_DEVICES", "DEFAULT_STALL_LIMITS_S",
            "TRAINER_KINDS", "SlurmResources", "SIMULATED", "SIMULATED_ENV", "BACKENDS", "WEBHOOK_EVENT_TYPES",
            "REPO_ROOT", "ENV_PREFIX", "ConfigError", "load_settings", "refuse_simulated_when_deployed",

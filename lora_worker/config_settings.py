@@ -110,6 +110,10 @@ class Settings:
     slurm_poll_interval_s: float = 2.0
     # tier -> SlurmResources (gres, constraint, train_batch_size, mixed_precision); tiers not named keep the default.
     slurm_resources: Mapping[str, SlurmResources] = field(default_factory=lambda: DEFAULT_SLURM_RESOURCES)
+    # The deep health check's probe job (slurm/health.py): srun starts the trainer probe on a node, in the job's
+    # sandbox, with each tier's GPU. Off by default: it takes a node and its GPU for up to a few minutes at each
+    # start of the service and each `doctor --strict`; off, the check says "not checked" and `doctor --strict` fails.
+    slurm_probe_job: bool = False
     # Webhooks (lora_worker/webhooks/): arbo's endpoint, from here only (a request may only opt out or choose
     # event types). Unset: no job subscribes, and nothing is sent. The secret is a file, never a setting's value:
     # `$CREDENTIALS_DIRECTORY/webhook_secret` (LoadCredential=) wins over `webhook_secret_file`.
@@ -238,20 +242,6 @@ class Settings:
 
     def device(self, index: int) -> DeviceProfile | None:
         return self.devices.get(index)
-
-    @property
-    def device_profiles_apply(self) -> bool:
-        """Whether `device_index` picks the card, and with it the batch size, precision and allowed tiers: on
-        this host, yes. Under Slurm, no: Slurm picks the GPU among those the tier's `slurm_resources` allow, and
-        those resources say the batch size and precision; `device_index` is then accepted and has no effect."""
-        return self.backend != "slurm"
-
-    def trainer_profile(self, tier: str, device_index: int) -> tuple[int, str]:
-        """(train_batch_size, mixed_precision) of a job: the local card's, or the tier's Slurm resources'."""
-        if self.device_profiles_apply:
-            return self.devices[device_index].train_batch_size, "bf16"
-        res = self.slurm_resources[tier]
-        return res.train_batch_size, res.mixed_precision
 
     def with_overrides(self, **changes: Any) -> Settings:
         return replace(self, **changes)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,13 @@ class DeviceProfile:
     vram_mib: Mapping[str, int]  # free VRAM a tier needs before it may start here
 
 
+class TrainerProfile(NamedTuple):
+    """What the trainer is told of the GPU a job gets: its batch size and precision (a backend's `profile`)."""
+
+    train_batch_size: int
+    mixed_precision: str
+
+
 DEFAULT_DEVICES: Mapping[int, DeviceProfile] = MappingProxyType(
     {
         # The 24 GB card also hosts the TTS service: lean batch, no quality tier.
@@ -125,6 +133,8 @@ DEFAULT_STALL_LIMITS_S: Mapping[str, float] = MappingProxyType(
 )
 
 
+# Where a job may run (backends.py). Only the settings' own checks (config_settings.py) and the backends themselves
+# compare a name with these: everything else asks the row's backend (backends.backend_of) what differs.
 BACKENDS = ("local", "slurm")
 
 

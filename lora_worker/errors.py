@@ -281,8 +281,10 @@ RESUME_REASONS: dict[str, str] = {
     "state_past_first_epoch": "The state lies past the first epoch: sd-scripts (48d368fa) counts a resume's steps "
                               "from the start of the epoch there, so the run would train more steps than asked.",
     "state_at_last_step": "The state is at the job's last step: nothing is left to train from it.",
-    "fingerprint_argv": "The trainer command the worker builds now differs from the job's (settings changed).",
-    "fingerprint_batch_size": "The batch size the worker's settings give the job now differs from the job's.",
+    "fingerprint_argv": ("The trainer command the worker builds now, for the job's own backend, differs from the "
+                         "job's (settings changed)."),
+    "fingerprint_batch_size": ("The batch size the worker's settings give the job's own backend now (its card's, or "
+                               "its tier's Slurm resources) differs from the job's."),
     "fingerprint_dataset": "The dataset's content hash differs from the one recorded at dispatch.",
     "fingerprint_base_model": "The base model's sha256 differs from the one the run trained on.",
     "fingerprint_trainer": "The sd-scripts commit or the trainer's package versions differ from the job's.",

@@ -80,11 +80,45 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.CANCELLED: frozenset(),
 }
 
-# Failures the same request, unchanged, may not meet again: the host or the run went wrong, not the request
-# (a webhook's and a client's `retryable`). A class of the request or its files (dataset, model, arguments),
-# or of a run that would end the same way again (out of memory, past its time), is not among them.
-RETRYABLE_FAILURES = frozenset({
-    FailureClass.KILLED_BY_SIGNAL, FailureClass.TRAINER_CRASHED, FailureClass.STALLED,
-    FailureClass.SUPERVISOR_LOST, FailureClass.HOST_REBOOTED, FailureClass.LAUNCH_ERROR, FailureClass.NODE_FAIL,
-    FailureClass.SLURM_LOST,
-})
+# Whether the same request, sent again unchanged, may pass where this failure ended it: the one `retryable` of a
+# failed job (webhook bodies, GET /train/<id>; docs/errors.md's "Failure classes" table, which a test holds to this
+# one, row by row). True where the host or the run's moment went wrong, not the request; False where the request,
+# its files, the trainer or the run's own limits would meet the same end again (a fix comes first).
+RETRYABLE: dict[FailureClass, bool] = {
+    # arbo's 3090 shares its VRAM with the TTS server, whose use grows and shrinks with its load: admission saw
+    # enough free memory at dispatch, so an OOM means another process took some during the run; a later try,
+    # with TTS quieter, may pass. (A request too large for any card is refused by admission, not retried.)
+    FailureClass.CUDA_OOM: True,
+    FailureClass.DATASET_INVALID: False,
+    FailureClass.MODEL_LOAD_ERROR: False,
+    FailureClass.TOKENIZER_MISSING: False,  # an operator must install the tokenizers first
+    FailureClass.TOKENIZER_INVALID: False,
+    FailureClass.INVALID_ARGUMENTS: False,
+    FailureClass.KILLED_BY_SIGNAL: True,  # killed from outside (the kernel's OOM killer, an operator)
+    # An exit the log does not explain (no OOM, no dataset or model error): most often the trainer's own exception,
+    # which the same code meets again on the same input and seed. A driver fault of the moment reads the same from
+    # here, so a retry is a person's decision after reading `error`, not a client's loop.
+    FailureClass.TRAINER_CRASHED: False,
+    FailureClass.NO_OUTPUT: False,
+    FailureClass.ARTIFACT_INVALID: False,
+    FailureClass.ARTIFACT_MISMATCH: False,
+    FailureClass.STALLED: True,  # a wait on the driver or the disk, not the request
+    FailureClass.NAN_LOSS: False,  # the seed and the data lead to it again: another seed or dataset
+    FailureClass.SUPERVISOR_LOST: True,
+    FailureClass.SUPERVISOR_SIGNALLED: True,  # the unit stopped (a reboot, `systemctl stop`), nobody's cancel
+    FailureClass.HOST_REBOOTED: True,
+    FailureClass.LAUNCH_ERROR: True,  # nothing ran (a fork, an exec, a submission that failed)
+    FailureClass.OUT_OF_MEMORY: False,  # the job's host RAM is its tier's: the same --mem, the same end
+    FailureClass.TIME_LIMIT: False,  # the same steps in the same --time (a resume trains only those left)
+    FailureClass.NODE_FAIL: True,
+    FailureClass.SLURM_LOST: True,
+}
+
+
+def retryable(status: str | None, failure_class: str | None) -> bool | None:
+    """A job's `retryable`: None unless it failed; for a failure, RETRYABLE's word (False for a class this
+    worker does not know, e.g. one a newer version wrote)."""
+    if status != JobState.FAILED.value:
+        return None
+    known = FailureClass._value2member_map_.get(failure_class or "")
+    return RETRYABLE[known] if isinstance(known, FailureClass) else False

@@ -7,9 +7,18 @@ no key ever comes from the request. `shlex.join` is for display only; nothing he
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from lora_worker.config import LORA_TARGET_PRESETS, SDXL_HPARAMS, Settings
 from lora_worker.config_tables import STATES_KEPT, STEP_LORAS_KEPT
 from lora_worker.dispatch.request import ResolvedRequest
+from lora_worker.host.trainer import ENV_KEYS, trainer_env
+
+if TYPE_CHECKING:
+    from lora_worker.backends import Backend
+
+__all__ = ["ENV_KEYS", "SCRIPT_FLAGS", "SCRIPT_KEYS", "build_argv", "build_env", "keep_last", "launcher_argv",
+           "script_args", "trainer_env"]
 
 # Constant switches of the lean SDXL recipe: U-Net only, latents and text-encoder outputs cached in memory
 # (the TE cache requires --network_train_unet_only), gradient checkpointing, SDPA attention, and logs as
@@ -58,12 +67,6 @@ SCRIPT_KEYS: tuple[str, ...] = (
     "seed",
 )
 
-ENV_KEYS: tuple[str, ...] = (
-    "PATH", "HOME", "LANG", "CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED",
-    "PYTHONIOENCODING", "HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "HF_HOME", "COLUMNS",
-)
-
-
 def launcher_argv(settings: Settings, mixed_precision: str = "bf16") -> list[str]:
     # Every launcher setting pinned on the command line: a stray accelerate config could otherwise turn on
     # multi-GPU, DeepSpeed or gpu_ids (which overrides CUDA_VISIBLE_DEVICES).
@@ -78,11 +81,11 @@ def launcher_argv(settings: Settings, mixed_precision: str = "bf16") -> list[str
     ]
 
 
-def script_args(req: ResolvedRequest, settings: Settings) -> list[tuple[str, str]]:
+def script_args(req: ResolvedRequest, settings: Settings, backend: Backend) -> list[tuple[str, str]]:
     """The `--key=value` pairs, in SCRIPT_KEYS order. Paths become text here, and only here."""
     # Rank and steps come from the expected LoRA, so what the trainer is told is what its file is held to.
     lora = req.expected
-    batch_size, mixed_precision = settings.trainer_profile(req.tier.name, req.device_index)
+    batch_size, mixed_precision = backend.profile(settings, req.tier.name, req.device_index)
     max_grad_norm = repr(float(req.max_grad_norm)) if req.max_grad_norm is not None \
         else SDXL_HPARAMS["max_grad_norm"]
     values: dict[str, str | None] = {
@@ -131,37 +134,18 @@ def keep_last(kept: int, every: int) -> int:
     return (kept - 1) * every + 1
 
 
-def build_argv(req: ResolvedRequest, settings: Settings) -> list[str]:
-    """The complete argv, stored in the job row and executed verbatim by the supervisor."""
-    pairs = [f"--{key}={value}" for key, value in script_args(req, settings)]
-    _, mixed_precision = settings.trainer_profile(req.tier.name, req.device_index)
+def build_argv(req: ResolvedRequest, settings: Settings, backend: Backend) -> list[str]:
+    """The complete argv, stored in the job row and executed verbatim by the supervisor (or the node). The batch
+    size and precision are the row's backend's `profile`: the card's on this host, the tier's under Slurm."""
+    pairs = [f"--{key}={value}" for key, value in script_args(req, settings, backend)]
+    _, mixed_precision = backend.profile(settings, req.tier.name, req.device_index)
     return [*launcher_argv(settings, mixed_precision), *pairs, *SCRIPT_FLAGS]
 
 
-def build_env(req: ResolvedRequest, settings: Settings) -> dict[str, str]:
-    """The trainer's whole environment: an allow-list, so no token, LD_PRELOAD or PYTHONPATH leaks in."""
-    return trainer_env(settings, str(req.device_index))
-
-
-def trainer_env(settings: Settings, cuda_visible_devices: str) -> dict[str, str]:
-    """A job's environment for these devices (also the deep health check's, so it tests what a job gets)."""
-    env = {
-        "PATH": settings.child_path,
-        "HOME": str(settings.state_dir),
-        "LANG": "C.UTF-8",
-        # CUDA numbers devices by speed unless told otherwise; PCI order matches NVML and nvidia-smi.
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-        "CUDA_VISIBLE_DEVICES": cuda_visible_devices,
-        # Without it the `epoch`/`saving checkpoint` prints arrive late, block-buffered.
-        "PYTHONUNBUFFERED": "1",
-        "PYTHONIOENCODING": "utf-8",
-        "HF_HUB_OFFLINE": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1",
-        # A worker-owned HF_HOME also means no stray accelerate default_config.yaml is read.
-        "HF_HOME": str(settings.hf_home_dir),
-        "COLUMNS": "250",
-    }
-    return env
+def build_env(req: ResolvedRequest, settings: Settings, backend: Backend) -> dict[str, str]:
+    """The trainer's whole environment (host/trainer.py `trainer_env`, an allow-list), with the card the row's
+    backend names: the request's on this host; none under Slurm, whose node sets the one it allocated."""
+    return trainer_env(settings, backend.visible_devices(req.device_index))
 
 
 def _network_arg(req: ResolvedRequest, dim: int) -> str | None:

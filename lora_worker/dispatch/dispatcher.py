@@ -155,7 +155,7 @@ class Dispatcher:
     def resolve(self, request: TrainRequest) -> ResolvedRequest:
         """Resolve and contain every path: `<train root>/<train_id>/` for data and output, a models dir for
         the base model. The resolved paths are what the trainer receives."""
-        if self.settings.device_profiles_apply:  # under Slurm, device_index is accepted and has no effect
+        if self.backend.places_here:  # else device_index is accepted and has no effect: the scheduler picks the GPU
             check_device(request.tier, request.device_index, self.settings)
         root = paths.real_train_root(self.settings.train_root)
         dataset = paths.resolve_dir(request.dataset_dir, root, "dataset_dir")
@@ -169,7 +169,8 @@ class Dispatcher:
     def _columns(self, request: ResolvedRequest, manifest: DatasetManifest) -> dict[str, Any]:
         return {
             **request.row_columns(), "image_count": manifest.image_count,
-            "argv": build_argv(request, self.settings), "env": build_env(request, self.settings),
+            "argv": build_argv(request, self.settings, self.backend),
+            "env": build_env(request, self.settings, self.backend),
             # the reproducibility fingerprint, as far as it is known before the run
             "dataset_sha256": manifest.sha256(),
             "base_model_identity": model_identity(str(request.base_model_path)),  # what a resume compares
@@ -177,6 +178,6 @@ class Dispatcher:
             "sd_scripts_commit": sd_scripts_commit(self.settings.sd_scripts_dir),
             "trainer_versions": trainer_versions(self.settings.accelerate),
             "estimated_duration_s": estimate_duration(repo.durations_of_similar_jobs(
-                self.db, tier=request.tier.name, device_index=request.device_index,
-                image_count=manifest.image_count)),
+                self.db, backend=self.backend.name, tier=request.tier.name, image_count=manifest.image_count,
+                device_index=request.device_index if self.backend.places_here else None)),
         }

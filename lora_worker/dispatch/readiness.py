@@ -3,7 +3,10 @@
 A 200 from /healthz says the service answers; it said so on hosts where every job would crash: a bwrap that
 cannot make its namespaces (Ubuntu 24.04's AppArmor rule on unprivileged user namespaces), a trainer venv
 behind `/home` that the unit's ProtectHome hides, `/dev/nvidia-uvm` never created because nothing used CUDA
-since boot, a torch without CUDA. Each check here is one of those, found before a job is accepted.
+since boot, a torch without CUDA. Each check here is one of those, found before a job is accepted. Under Slurm
+the jobs run on the cluster's nodes, so the checks are the cluster's (slurm/health.py: the controller answers, the
+partition has usable nodes with each tier's GPU, and, opt-in, a probe job starts the trainer on a node); what
+cannot be checked is listed under `unchecked`, and fails `doctor --strict`.
 
 The service runs them once, in the background, at start-up (`DeepHealth`); /healthz?deep=1 only reads the
 result, so a deploy gate may poll it as often as it likes. `doctor` runs them afresh.
@@ -16,11 +19,11 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lora_worker.backends import backend_for
+from lora_worker.backends import Backend, backend_for
+from lora_worker.checks import Check
 from lora_worker.config import Settings
 from lora_worker.errors import NvmlUnavailable
 from lora_worker.host import sandbox
@@ -42,35 +45,24 @@ PROC_GPUS = Path("/proc/driver/nvidia/gpus")
 DEV = Path("/dev")
 
 
-@dataclass(frozen=True)
-class Check:
-    name: str
-    ok: bool
-    detail: str
-    required: bool = True  # a failed optional check is a warning, not a failure
-    simulated: bool = False  # passed only as the simulated host plays it (no GPU, no torch): said so
-
-    def line(self) -> str:
-        mark = "sim" if self.simulated and self.ok else "ok" if self.ok else ("FAIL" if self.required else "warn")
-        return f"[{mark:>4}] {self.name}: {self.detail}"
-
-    @property
-    def failed(self) -> bool:
-        return self.required and not self.ok
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "ok": self.ok, "required": self.required, "simulated": self.simulated,
-                "detail": self.detail}
-
-
 def deep_checks(settings: Settings, nvml: Nvml, *, trainer: bool = True,
-                namespaces: Callable[[Settings], str | None] | None = None) -> list[Check]:
-    """The checks that say whether a job can run here. `trainer`: also start the trainer's interpreter in the
-    sandbox (seconds: it imports torch). `namespaces`: how the bwrap probe is asked (default: afresh)."""
+                namespaces: Callable[[Settings], str | None] | None = None,
+                backend: Backend | None = None) -> list[Check]:
+    """The checks that say whether a job can run where the backend of new jobs (`backend`, default the settings')
+    places it: this host's own when it places them here, then the backend's (`Backend.readiness`; under Slurm, the
+    cluster's). `trainer`: also start the trainer's interpreter in the sandbox (seconds: it imports torch; under
+    Slurm, on a node, opt-in). `namespaces`: how the bwrap probe is asked (default: afresh)."""
+    backend = backend or backend_for(settings)
+    checks = host_checks(settings, nvml, trainer=trainer, namespaces=namespaces) if backend.places_here else []
+    return checks + backend.readiness(settings, trainer=trainer)
+
+
+def host_checks(settings: Settings, nvml: Nvml, *, trainer: bool,
+                namespaces: Callable[[Settings], str | None] | None) -> list[Check]:
+    """This host's: the sandbox, NVML's process lists, the device nodes, the trainer outside what the unit hides,
+    and (`trainer`) the trainer probe."""
     from lora_worker.dispatch.trainer_probe import trainer_check  # it builds the job's environment
 
-    if not backend_for(settings).places_here:  # the node's sandbox and GPUs are Slurm's; doctor asks the cluster
-        return []
     checks = [sandbox_check(settings, namespaces or sandbox.probe)]
     readings, nvml_problem = _read(nvml)
     checks += list(process_list_checks(settings, readings, nvml_problem))
@@ -151,8 +143,8 @@ class DeepHealth:
     """The deep checks, run once on a background thread (start-up must not wait seconds for torch), kept for
     /healthz?deep=1. Until they finish the answer is `pending`, which a gate reads as not yet."""
 
-    def __init__(self, settings: Settings, nvml: Nvml) -> None:
-        self.settings, self.nvml = settings, nvml
+    def __init__(self, settings: Settings, nvml: Nvml, backend: Backend | None = None) -> None:
+        self.settings, self.nvml, self.backend = settings, nvml, backend
         self._lock = threading.Lock()
         self._result: dict[str, Any] = {"status": "pending", "checks": [], "checked_at": None}
         self._thread: threading.Thread | None = None
@@ -165,12 +157,13 @@ class DeepHealth:
     def run(self) -> dict[str, Any]:
         started = time.monotonic()
         try:
-            checks = deep_checks(self.settings, self.nvml, namespaces=sandbox.probed_problem)
+            checks = deep_checks(self.settings, self.nvml, namespaces=sandbox.probed_problem, backend=self.backend)
         except Exception as exc:  # noqa: BLE001 - a check that raised is a failed gate, never a dead thread
             log.exception("deep health check raised")
             checks = [Check("deep checks", False, f"raised {type(exc).__name__}: {exc}")]
         failed = [c.name for c in checks if c.failed]
         result = {"status": "failing" if failed else "ok", "failed": failed,
+                  "unchecked": [c.name for c in checks if not c.checked],
                   "simulated": any(c.simulated for c in checks), "checks": [c.as_dict() for c in checks],
                   "checked_at": time.time(), "took_s": round(time.monotonic() - started, 2)}
         with self._lock:

@@ -2,7 +2,9 @@
 
 A resume continues the optimizer, the LR schedule and the RNG of a run; with anything of it changed the run
 that comes out is neither the one asked for nor a new one. So the trainer command the worker would build for
-the request now (settings: launcher, trainer paths, batch size…) must be the job's, resume flags left out; the
+the request now (settings: launcher, trainer paths, batch size…) must be the job's, resume flags left out, built
+for the job's own backend (the row's `backend`: its device profile, never the one the settings now give new jobs,
+so a worker switched between backends still resumes its older rows); the
 dataset's manifest hash (names, sizes, captions) the one recorded at dispatch; the sd-scripts commit and the
 trainer's package versions the recorded ones; and the base model the very file recorded at dispatch (its
 identity), with every sha256 the run recorded of it agreeing. Nothing here imports torch.
@@ -13,6 +15,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from lora_worker.backends import backend_of
 from lora_worker.config import Settings
 from lora_worker.dispatch.argv import build_argv
 from lora_worker.dispatch.dataset import inspect_dataset
@@ -45,17 +48,23 @@ def request_of(job: Job) -> TrainRequest:
 
 
 def command_problems(job: Job, settings: Settings) -> list[Problem]:
-    """The trainer command and batch size the worker builds for this request now, against the job's."""
+    """The trainer command and batch size the worker builds for this request now, on the job's own backend,
+    against the job's."""
+    backend = backend_of(job)
+    try:
+        batch_now = backend.profile(settings, job.tier, job.device_index).train_batch_size
+    except KeyError:
+        return [Problem("fingerprint_unknown", f"device {job.device_index} is not in the settings now: its batch "
+                        "size is not known")]
     problems = []
-    batch_now, _ = settings.trainer_profile(job.tier, job.device_index)
     if batch_size_of(job.argv) != batch_now:
         problems.append(Problem("fingerprint_batch_size", f"the job trained with batch size "
-                                f"{batch_size_of(job.argv)}, the settings give {batch_now} now"))
+                                f"{batch_size_of(job.argv)}, the settings give {batch_now} on {backend.label} now"))
     try:
         request = resolve_request(request_of(job), train_id=job.train_id, dataset_dir=Path(job.dataset_dir),
                                   base_model_path=Path(job.base_model_path), output_dir=Path(job.output_dir),
                                   tiers=settings.tiers)
-        argv_now = build_argv(request, settings)
+        argv_now = build_argv(request, settings, backend)
     except LoraWorkerError as exc:
         return [*problems, Problem("fingerprint_unknown", f"the job's command cannot be built now: {exc.message}")]
     before = without_resume_flags(job.argv)

@@ -11,9 +11,11 @@ job's (no second launch path); under Slurm that is a new sbatch of the same sand
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from lora_worker.backends import backend_of
 from lora_worker.dispatch.dataset import inspect_dataset
 from lora_worker.dispatch.dispatcher import Dispatcher
 from lora_worker.dispatch.refingerprint import without_resume_flags
@@ -52,6 +54,9 @@ def resume(dispatcher: Dispatcher, job_id: int, *, idempotency_key: str | None =
 
 def _create(dispatcher: Dispatcher, job_id: int, idempotency_key: str | None, digest: str, actor: str) -> Job:
     original = repo.get_job(dispatcher.db, job_id)
+    # The run continues where it ran: the original's backend (its device profile, its environment, its admission),
+    # not the one the settings now give new jobs.
+    dispatcher = replace(dispatcher, backend=backend_of(original, dispatcher.backend))
     found = verdict(dispatcher.db, dispatcher.settings, original)
     refuse(dispatcher, original, found)
     assert found.state is not None and found.from_step is not None

@@ -162,3 +162,32 @@ def _json_object(data: bytes) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise FileUnusable("not a JSON object")
     return value
+
+
+# The trainer's environment, key by key (an allow-list: no token, LD_PRELOAD or PYTHONPATH leaks in).
+ENV_KEYS: tuple[str, ...] = (
+    "PATH", "HOME", "LANG", "CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES", "PYTHONUNBUFFERED",
+    "PYTHONIOENCODING", "HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "HF_HOME", "COLUMNS",
+)
+
+
+def trainer_env(settings: Settings, cuda_visible_devices: str | None) -> dict[str, str]:
+    """A job's whole environment for these devices (also the trainer probe's, so it tests what a job gets), in
+    ENV_KEYS' order; without CUDA_VISIBLE_DEVICES where `cuda_visible_devices` is None (a Slurm node sets it)."""
+    env = {
+        "PATH": settings.child_path,
+        "HOME": str(settings.state_dir),
+        "LANG": "C.UTF-8",
+        # CUDA numbers devices by speed unless told otherwise; PCI order matches NVML and nvidia-smi.
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": cuda_visible_devices,
+        # Without it the `epoch`/`saving checkpoint` prints arrive late, block-buffered.
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONIOENCODING": "utf-8",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        # A worker-owned HF_HOME also means no stray accelerate default_config.yaml is read.
+        "HF_HOME": str(settings.hf_home_dir),
+        "COLUMNS": "250",
+    }
+    return {key: value for key, value in env.items() if value is not None}

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from lora_worker.config import WEBHOOK_EVENT_TYPES
 from lora_worker.ledger.timestamps import iso_utc, parse_utc, utcnow
-from lora_worker.states import RETRYABLE_FAILURES, FailureClass, JobState
+from lora_worker.states import JobState, retryable
 
 if TYPE_CHECKING:  # statements.py imports this module: the protocol is only a type here
     from lora_worker.ledger.statements import Statements
@@ -149,16 +149,14 @@ def _body(db: Statements, job_id: int, event_type: str, now: datetime, overrides
 
 
 def job_data(row: dict[str, Any]) -> dict[str, Any]:
-    """A job's columns as `GET /train/<id>` names them, plus `retryable` (whether the same request may
-    succeed later: true for a failure of the host, false for one of the request; null unless failed)."""
+    """A job's columns as `GET /train/<id>` names them, with its `retryable` (states.RETRYABLE: whether the same
+    request may pass on a new try; null unless failed)."""
     data = {("worker_job_id" if k == "id" else k): v for k, v in row.items()}
     for key in ("loss", "eta_s"):
         value = data.get(key)
         if isinstance(value, float) and not math.isfinite(value):
             data[key] = None  # GET says null for nan; JSON has no NaN
-    failure = data.get("failure_class")
-    data["retryable"] = None if data.get("status") != JobState.FAILED.value else (
-        failure in {f.value for f in RETRYABLE_FAILURES} if failure in FailureClass._value2member_map_ else False)
+    data["retryable"] = retryable(data.get("status"), data.get("failure_class"))
     return data
 
 

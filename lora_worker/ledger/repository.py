@@ -113,23 +113,28 @@ def record_queue_reason(db: Database, job_id: int, reason: str | None) -> bool:
         return _rowcount(result) == 1
 
 
-def durations_of_similar_jobs(db: Database, *, tier: str, device_index: int, image_count: int,
+def durations_of_similar_jobs(db: Database, *, backend: str, tier: str, device_index: int | None, image_count: int,
                               limit: int = 25) -> list[float]:
-    """Wall seconds (start to finish) of the latest succeeded jobs of this tier, device and image count."""
+    """Wall seconds (start to finish) of the latest succeeded jobs of this backend, tier, image count and card
+    (`device_index`; None: any, where the backend's scheduler picks the GPU)."""
     seconds = (func.julianday(Job.finished_at) - func.julianday(Job.started_at)) * 86400.0
-    query = (select(seconds).where(Job.status == JobState.SUCCEEDED.value, Job.tier == tier,
-                                   Job.device_index == device_index, Job.image_count == image_count,
-                                   Job.started_at.is_not(None), Job.finished_at.is_not(None))
+    query = (select(seconds).where(Job.status == JobState.SUCCEEDED.value, Job.backend == backend, Job.tier == tier,
+                                   Job.image_count == image_count, Job.started_at.is_not(None),
+                                   Job.finished_at.is_not(None))
              .order_by(Job.id.desc()).limit(limit))
+    if device_index is not None:
+        query = query.where(Job.device_index == device_index)
     with db.read() as s:
         return [float(v) for v in s.scalars(query) if v is not None]
 
 
-def save_and_teardown_durations(db: Database, *, tier: str, device_index: int, limit: int = 25) -> list[float]:
-    """Seconds from the last step to the end of the latest succeeded jobs of this tier and device (see
+def save_and_teardown_durations(db: Database, *, backend: str, tier: str, device_index: int | None,
+                                limit: int = 25) -> list[float]:
+    """Seconds from the last step to the end of the latest succeeded jobs of this backend, tier and card (see
     `statements.save_and_teardown_in`)."""
     with db.read_connection() as conn:
-        return sql.save_and_teardown_in(_Driver(conn), tier=tier, device_index=device_index, limit=limit)
+        return sql.save_and_teardown_in(_Driver(conn), backend=backend, tier=tier, device_index=device_index,
+                                        limit=limit)
 
 
 def active_job(db: Database) -> Job | None:

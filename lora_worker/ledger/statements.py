@@ -227,18 +227,20 @@ def cancel_state_in(db: Statements, job_id: int) -> tuple[str | None, bool]:
     return (row[0], bool(row[1])) if row else (None, False)
 
 
-# The last step's time is its loss-curve point's, which keeps the time the step was first written.
+# The last step's time is its loss-curve point's, which keeps the time the step was first written. `?3 IS NULL`:
+# any card (a backend whose scheduler picks the GPU).
 SAVE_AND_TEARDOWN_SQL = (
     "SELECT (julianday(finished_at) - julianday((SELECT max(p.at) FROM job_progress AS p "
     "WHERE p.job_id = jobs.id))) * 86400.0 FROM jobs "
-    f"WHERE status = '{JobState.SUCCEEDED.value}' AND tier = ? AND device_index = ? AND finished_at IS NOT NULL "
-    "ORDER BY id DESC LIMIT ?")
+    f"WHERE status = '{JobState.SUCCEEDED.value}' AND backend = ?1 AND tier = ?2 AND (?3 IS NULL OR device_index = ?3) "
+    "AND finished_at IS NOT NULL ORDER BY id DESC LIMIT ?4")
 
 
-def save_and_teardown_in(db: Statements, *, tier: str, device_index: int, limit: int = 25) -> list[float]:
+def save_and_teardown_in(db: Statements, *, backend: str, tier: str, device_index: int | None,
+                         limit: int = 25) -> list[float]:
     """Seconds from the last step to the end (the LoRA saved, the trainer torn down, the file verified) of the
-    latest succeeded jobs of this tier and device: the part of a run no step rate predicts."""
-    rows = db.execute(SAVE_AND_TEARDOWN_SQL, (tier, device_index, limit)).fetchall()
+    latest succeeded jobs of this backend, tier and card (None: any): the part of a run no step rate predicts."""
+    rows = db.execute(SAVE_AND_TEARDOWN_SQL, (backend, tier, device_index, limit)).fetchall()
     return [max(0.0, float(v)) for (v,) in rows if v is not None]
 
 

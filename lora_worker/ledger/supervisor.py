@@ -57,6 +57,7 @@ class JobRecord:
     output_dev_ino: str | None
     sd_scripts_commit: str | None
     resume_step: int = 0  # a resume's first step (migration 0014): its steps bar counts from there
+    backend: str = "local"  # where it runs (the column's own default: rows before migration 0009 are local)
 
 
 RECORD_COLUMNS = tuple(f.name for f in fields(JobRecord))
@@ -105,9 +106,9 @@ class SupervisorLedger:
         with self._read() as conn:
             return sql.cancel_state_in(conn, job_id)
 
-    def save_and_teardown_durations(self, *, tier: str, device_index: int) -> list[float]:
+    def save_and_teardown_durations(self, *, backend: str, tier: str, device_index: int | None) -> list[float]:
         with self._read() as conn:
-            return sql.save_and_teardown_in(conn, tier=tier, device_index=device_index)
+            return sql.save_and_teardown_in(conn, backend=backend, tier=tier, device_index=device_index)
 
     def mark_succeeded(self, job_id: int, *, reason: str, **values: Any) -> bool:
         with self._write() as conn:

@@ -65,19 +65,21 @@ def cmd_serve(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_doctor(settings: Settings, args: argparse.Namespace) -> int:
     """The checks behind dispatch, for this host; non-zero exit when something needed is missing."""
+    from lora_worker.checks import tally
     from lora_worker.ops.doctor import run_checks
     from lora_worker.host.nvml import make_nvml
 
     checks = run_checks(settings, make_nvml(settings.nvml_timeout_s, settings.nvml_fake_file), strict=args.strict)
     for check in checks:
         print(check.line(), flush=True)
-    failed = [c for c in checks if c.failed]
-    simulated = [c for c in checks if c.simulated]
-    print(f"{len(checks) - len(failed)}/{len(checks)} checks passed" + (f"; {len(failed)} failed" if failed else "")
-          + (f"; {len(simulated)} only as the simulated host plays them (no GPU, no torch)" if simulated else ""))
+    print(tally(checks))
+    failed = [c.name for c in checks if c.failed]
+    unchecked = [c.name for c in checks if not c.checked] if args.strict else []
     if args.strict and failed:
-        print("doctor --strict: this host cannot train: " + ", ".join(c.name for c in failed))
-    return 1 if failed else 0
+        print("doctor --strict: this host cannot train: " + ", ".join(failed))
+    if unchecked:  # --strict proves that jobs can run: what could not be checked is not proven
+        print("doctor --strict: not checked, so not proven: " + ", ".join(unchecked))
+    return 1 if failed or unchecked else 0
 
 
 def cmd_check_ledger(settings: Settings, args: argparse.Namespace) -> int:

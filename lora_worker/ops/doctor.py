@@ -3,10 +3,12 @@
 Run it as the service user (the deployed `lora-worker` command does, even under sudo): what it checks is what
 that user can do: exec the trainer, read the models, make a folder in the train root that arbo's user can read.
 
-With `backend = "slurm"` the GPUs are Slurm's, not this host's: instead of NVML and the cards it asks the
-cluster what the worker relies on (`sinfo` answers, the partition exists and is up, its nodes have GRES gpu,
-`proctrack/cgroup` is on, `sacct` answers) and checks that the shared log directory takes a file from here.
-Each failed line says how to fix it.
+Where the backend of new jobs does not place them on this host (Slurm), the GPUs are the scheduler's: instead of
+NVML and the cards it asks the cluster what the worker relies on (doctor_slurm.py: `sinfo` answers, the partition
+exists and is up, its nodes have GRES gpu, `proctrack/cgroup` is on, `sacct` answers, the shared log directory
+takes a file from here), then the backend's own deep checks (the controller, usable nodes for each tier, and with
+`--strict` the opt-in probe job). Each failed line says how to fix it; what could not be checked says so, and
+fails `--strict`.
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ from lora_worker.host.nvml import GpuReading, Nvml
 from lora_worker.ledger.migrate import current_revision, head_revision, verify_integrity
 from lora_worker.host import sandbox
 from lora_worker.host.trainer import missing_trainer_parts
-from lora_worker.dispatch.readiness import Check, deep_checks, sandbox_check
+from lora_worker.checks import Check
+from lora_worker.dispatch.readiness import deep_checks, sandbox_check
 from lora_worker.ops.doctor_slurm import slurm_checks
 from lora_worker.webhooks.probe import webhook_findings
 
@@ -39,7 +42,9 @@ def run_checks(settings: Settings, nvml: Nvml, *, strict: bool = False) -> list[
     here = backend_for(settings).places_here  # this host's GPUs, or the scheduler's
     placement = list(_gpu_checks(settings, nvml)) if here else slurm_checks(settings)
     # On Slurm the jobs' sandbox is the nodes' (doctor_slurm.py asks a node); here, only bwrap's own probe.
-    deep = deep_checks(settings, nvml, trainer=strict) if here else [sandbox_check(settings, sandbox.probe)]
+    deep = deep_checks(settings, nvml, trainer=strict)
+    if not here:
+        deep.insert(0, sandbox_check(settings, sandbox.probe))
     return [*placement, *deep, *_trainer_checks(settings), *_disk_checks(settings), *identity_checks(settings),
             *token_file_check(settings), *(Check(name, ok, detail) for name, ok, detail in webhook_findings(settings))]
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 from lora_worker.config import Settings
-from lora_worker.dispatch.readiness import Check
+from lora_worker.checks import Check
 
 SLURM_TIMEOUT_S = 15.0  # a client retries an unreachable slurmctld for ~10 s before it gives up by itself
 
@@ -49,7 +49,7 @@ def node_sandbox_check(settings: Settings) -> Check:
         done = subprocess.run(argv, capture_output=True, text=True, errors="replace",  # noqa: S603 - fixed argv
                               timeout=NODE_PROBE_TIMEOUT_S, stdin=subprocess.DEVNULL, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return Check(name, False, f"srun cannot run here ({exc}); the nodes' sandbox is unchecked", required=False)
+        return Check.unchecked(name, f"srun cannot run here ({exc})")
     said = (done.stdout.strip() or done.stderr.strip()).splitlines()
     last = said[-1][:300] if said else f"srun exited {done.returncode}"
     if done.returncode == 0 and last == "ok":
@@ -57,9 +57,9 @@ def node_sandbox_check(settings: Settings) -> Check:
     if "bwrap" in last or "namespaces" in last or "sandbox" in last:
         return Check(name, False, f"{last}; every job would end launch_error there; fix: install bubblewrap on "
                      "every node (apt-get install bubblewrap) and allow unprivileged user namespaces")
-    busy = "allocat" in last.lower()  # no node free within --immediate: unchecked, not failed
-    return Check(name, False, f"{last}; fix: " + ("run doctor again when a node of the partition is free" if busy
-                 else f"install this worker at {sys.executable} on the nodes (shared storage)"), required=not busy)
+    if "allocat" in last.lower():  # no node free within --immediate: not checked, not failed
+        return Check.unchecked(name, f"{last}; run doctor again when a node of the partition is free")
+    return Check(name, False, f"{last}; fix: install this worker at {sys.executable} on the nodes (shared storage)")
 
 
 def _slurm(settings: Settings, name: str, *args: str) -> subprocess.CompletedProcess[str] | str:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Protocol
 
-from lora_worker.config import Settings, settings_to_json
+from lora_worker.checks import Check
+from lora_worker.config import Settings, TrainerProfile, settings_to_json
 from lora_worker.host.locks import is_locked, job_lock_path
 from lora_worker.host.detach import JOB_LOCK_ENV
 from lora_worker.host.starter import SETTINGS_ENV, start_detached
@@ -119,6 +120,16 @@ class LocalBackend:
 
     def slots(self, settings: Settings) -> list[str]:
         return ["train"]  # one training at a time on this host
+
+    def profile(self, settings: Settings, tier: str, device_index: int) -> TrainerProfile:
+        """The card's: its batch size (config.devices), and bf16, which both of this host's cards take."""
+        return TrainerProfile(settings.devices[device_index].train_batch_size, "bf16")
+
+    def visible_devices(self, device_index: int) -> str | None:
+        return str(device_index)  # the card the request named, admitted by NVML and its lock
+
+    def readiness(self, settings: Settings, *, trainer: bool) -> list[Check]:
+        return []  # this host's own checks (dispatch/readiness.py) are all there is
 
 
 @dataclass

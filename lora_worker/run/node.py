@@ -34,7 +34,7 @@ from lora_worker.ledger.supervisor import JobRecord
 from lora_worker.run.prelaunch import check
 
 SPEC_MAX_BYTES = 4 << 20
-USAGE = "usage: python -m lora_worker.run.node <spec.json> | --probe <sandbox>"
+USAGE = "usage: python -m lora_worker.run.node <spec.json> | --probe <sandbox> | --probe-trainer <settings.json>"
 
 
 @dataclass(frozen=True)
@@ -141,11 +141,36 @@ def probe(kind: str) -> int:
     return 1 if problem else 0
 
 
+def probe_trainer(path: str) -> int:
+    """For the deep health check's probe job (slurm/health.py), run on a node: the trainer probe of the local deep
+    check (host/trainer_probe.py), in the job's sandbox and environment with the worker's settings (the JSON file
+    at `path`) and the GPU Slurm allocated. Prints its marked answer line, with this node's name and, where the
+    probe could not run, `problem`."""
+    from lora_worker.host.trainer import trainer_env
+    from lora_worker.host.trainer_probe import MARK, run_probe
+
+    answer: dict[str, Any] = {}
+    try:
+        fd, _ = fs.open_regular(None, path)
+        try:
+            settings = settings_from_json(fs.read_capped(fd, SPEC_MAX_BYTES).decode("utf-8"))
+        finally:
+            os.close(fd)
+        answer, problem = run_probe(settings, trainer_env(settings, os.environ.get("CUDA_VISIBLE_DEVICES")))
+    except Exception as exc:  # noqa: BLE001 - a sentence for the operator, whatever went wrong here
+        problem = f"{type(exc).__name__}: {exc}"
+    said = {**answer, "node": os.uname().nodename, **({"problem": problem} if problem else {})}
+    print(MARK + json.dumps(said), flush=True)
+    return 1 if problem else 0
+
+
 def main(argv: list[str]) -> int:
     # Outlive the trainer: a TERM to the whole job reaches us too, and we must record how it ended.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     if len(argv) == 2 and argv[0] == "--probe":
         return probe(argv[1])
+    if len(argv) == 2 and argv[0] == "--probe-trainer":
+        return probe_trainer(argv[1])
     if len(argv) != 1:
         print(USAGE, file=sys.stderr)
         return 2

@@ -232,7 +232,8 @@ class JobRun:
         """The save and teardown after the last step, as jobs of this tier and device took them. Read once the
         trainer runs, and never waited on: a ledger that refuses the read is asked again on the next tick."""
         try:
-            tails = self.db.save_and_teardown_durations(tier=self.job.tier, device_index=self.job.device_index)
+            tails = self.db.save_and_teardown_durations(backend=self.job.backend, tier=self.job.tier,
+                                                        device_index=self.job.device_index)
         except TRANSIENT as exc:
             log.warning("job %s: cannot read the history yet (%s); will retry", self.job_id, exc)
             return

@@ -11,18 +11,23 @@
 - `wake`: nothing: the poller looks at every row each cycle.
 - `abandon`: a plain scancel of the job before reconcile fails its row (None if scancel did not answer).
 - a queued row's cancel only flags it: it may start on a node any moment; the poller scancels it.
+- `profile`: the tier's `slurm_resources` (batch size and precision fit every GPU its gres allows);
+  `visible_devices`: None (the node's Slurm sets CUDA_VISIBLE_DEVICES to the GPU it allocated);
+  `readiness`: the cluster's deep checks (health.py).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lora_worker.config import Settings
+from lora_worker.checks import Check
+from lora_worker.config import Settings, TrainerProfile
 from lora_worker.errors import LaunchFailed
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job
 from lora_worker.slurm import NAME
+from lora_worker.slurm.health import cluster_checks
 from lora_worker.slurm.process import ensure_poller, poller_running, replace_stuck, stuck_poller
 from lora_worker.slurm.sbatch import submit
 from lora_worker.slurm.scheduler import Scheduler, SchedulerUnavailable
@@ -102,6 +107,16 @@ class SlurmBackend:
 
     def slots(self, settings: Settings) -> list[str]:
         return [f"{self.name}-{k}" for k in range(settings.max_active_jobs)]
+
+    def profile(self, settings: Settings, tier: str, device_index: int) -> TrainerProfile:
+        resources = settings.slurm_resources[tier]  # device_index has no effect: Slurm picks the GPU
+        return TrainerProfile(resources.train_batch_size, resources.mixed_precision)
+
+    def visible_devices(self, device_index: int) -> str | None:
+        return None
+
+    def readiness(self, settings: Settings, *, trainer: bool) -> list[Check]:
+        return cluster_checks(settings, self._scheduler(settings), trainer=trainer)
 
 
 def _cancel_quietly(scheduler: Scheduler, slurm_job_id: str) -> None:

@@ -7,7 +7,11 @@ Formats (Slurm 22.05, the version the reference ran; each is what a test feeds b
 - `sacct --noheader --parsable2 --allocations --jobs=<ids> --format=JobID,State,ExitCode,Reason` prints
   `123|CANCELLED by 0|0:15|None`: the state's first word is the state, ExitCode is `<code>:<signal>` (codes
   above 127 are truncated, which is why the batch script records the trainer's status itself);
-- `scontrol show job --oneliner <id>` prints `JobId=123 JobName=lora-1 … JobState=FAILED Reason=… ExitCode=200:0`.
+- `scontrol show job --oneliner <id>` prints `JobId=123 JobName=lora-1 … JobState=FAILED Reason=… ExitCode=200:0`;
+- `scontrol ping` prints `Slurmctld(primary) at <host> is UP` (or `DOWN`), a line per controller;
+- `sinfo --noheader --Node --partition=<p> --format=%N|%T|%G|%f` prints `node1|idle|gpu:fake:2|(null)`: each node
+  of the partition, its state in the long form (`mixed`, `drained`, `down*`: `*` is "not responding"), its GRES
+  and its available features.
 
 A command that cannot run, times out or fails for another reason raises SchedulerUnavailable: the caller
 then knows nothing this cycle, which is not the same as "Slurm does not know the job".
@@ -15,6 +19,7 @@ then knows nothing this cycle, which is not the same as "Slurm does not know the
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -49,13 +54,23 @@ class SlurmJob:
 
 # What a Slurm client takes from its environment to filter or reshape its answer (SQUEUE_USERS, SACCT_FORMAT,
 # SLURM_TIME_FORMAT…): the worker's commands must answer for the ids asked, in the format parsed here.
-FILTERS = ("SQUEUE_", "SACCT_", "SLURM_", "SCANCEL_", "SCONTROL_", "SBATCH_")
+FILTERS = ("SQUEUE_", "SACCT_", "SLURM_", "SCANCEL_", "SCONTROL_", "SBATCH_", "SINFO_", "SRUN_")
 KEPT = ("SLURM_CONF",)  # which cluster: the one thing the caller's environment says
 
 
 def command_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if environ is None else environ)
     return {k: v for k, v in env.items() if k in KEPT or not k.startswith(FILTERS)}
+
+
+@dataclass(frozen=True)
+class Node:
+    """One node of a partition as `sinfo --Node` reported it."""
+
+    name: str
+    state: str  # the long form: idle, mixed, allocated, completing, drained, draining, down*, …
+    gres: str  # `gpu:a100:4(S:0-1)`, or `(null)`
+    features: str  # the available features, comma-separated, or `(null)`
 
 
 def run_command(argv: list[str]) -> Result:
@@ -158,6 +173,41 @@ class Scheduler:
                 return None
             raise SchedulerUnavailable(f"scontrol exited {result.returncode}: {result.stderr.strip()[:500]}")
         return parse_scontrol(result.stdout)
+
+
+    # -- asking after the cluster (the deep health check, health.py) ----------------------------------
+
+    def ping(self) -> list[tuple[str, str]]:
+        """`scontrol ping`: each controller and what it says of itself (`UP`, `DOWN`); SchedulerUnavailable when
+        the command answered no such line."""
+        result = self._call("scontrol", "ping")
+        found = parse_ping(result.stdout)
+        if not found:
+            said = (result.stderr.strip() or result.stdout.strip()).splitlines()
+            raise SchedulerUnavailable(f"scontrol ping exited {result.returncode}"
+                                       + (f": {said[-1][:300]}" if said else ""))
+        return found
+
+    def nodes(self, partition: str) -> list[Node]:
+        """Every node of `partition`, with its state, GRES and features (none: the partition lists no node)."""
+        return parse_sinfo_nodes(self._ok("sinfo", "--noheader", "--Node", f"--partition={partition}",
+                                          "--format=%N|%T|%G|%f"))
+
+
+PING = re.compile(r"^(Slurmctld\([^)]*\) at \S+) is (\w+)")
+
+
+def parse_ping(out: str) -> list[tuple[str, str]]:
+    return [(m.group(1), m.group(2)) for line in out.splitlines() if (m := PING.match(line.strip()))]
+
+
+def parse_sinfo_nodes(out: str) -> list[Node]:
+    nodes = []
+    for line in out.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) == 4 and parts[0]:
+            nodes.append(Node(*(p.strip() for p in parts)))
+    return nodes
 
 
 def parse_sbatch(out: str) -> str:

@@ -9,9 +9,10 @@ It only reads (the ledger's identity, the active job's row, NVML): no reconcile,
 runs at start-up, from the web process's timer and on authenticated requests (web/service.py).
 
 `?deep=1` adds the deep checks the service ran once at start-up (dispatch/readiness.py: bwrap's namespaces,
-NVML's process lists, the device nodes, the trainer outside what the unit hides, torch and CUDA in the sandbox),
-read from memory, never run by the request: 200 only when the host can train; a 503 `host_not_ready`
-while they are still running (`pending`) or when one failed. The deploy gate polls this."""
+NVML's process lists, the device nodes, the trainer outside what the unit hides, torch and CUDA in the sandbox;
+under Slurm the cluster's, slurm/health.py), read from memory, never run by the request: 200 only when jobs can
+run; a 503 `host_not_ready` while they are still running (`pending`) or when one failed. What could not be
+checked is listed in `unchecked` (a 200 still; `doctor --strict` fails on it). The deploy gate polls this."""
 from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify, request

@@ -96,7 +96,7 @@ class Worker:
         self.dispatcher = Dispatcher(self.settings, self.db, self.nvml, self.backend)
         self._reconciled_at = -math.inf  # time.monotonic() of the last request-driven reconcile
         self._reconcile_gate = threading.Lock()
-        self.deep_health = DeepHealth(self.settings, self.nvml)
+        self.deep_health = DeepHealth(self.settings, self.nvml, self.backend)  # the backend of new jobs
 
     def submit(self, request: TrainRequest, *, idempotency_key: str | None = None,
                body_sha256: str | None = None) -> tuple[Job, bool]:

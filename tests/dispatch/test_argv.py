@@ -14,6 +14,7 @@ from lora_worker.web.schemas.job import OUTPUT_NAME, SUBJECT_CLASS, TRIGGER
 from lora_worker.config import DEFAULT_DEVICES, LORA_TARGET_PRESETS, TIERS, Settings
 from lora_worker.config_tables import SAVE_EVERY_N_STEPS
 from lora_worker.dispatch.argv import ENV_KEYS, SCRIPT_FLAGS, SCRIPT_KEYS, build_argv, build_env, keep_last
+from lora_worker.run.local import LocalBackend
 from lora_worker.dispatch.request import ResolvedRequest, TrainRequest, resolve_request
 from tests.helpers.examples import examples
 from tests.helpers.fake_trainer import load_fake_trainer
@@ -22,6 +23,7 @@ SETTINGS = Settings(accelerate=Path("/opt/fluxgym/.venv/bin/accelerate"),
                     sd_scripts_dir=Path("/opt/fluxgym/sd-scripts"), tokenizer_cache_dir=Path("/opt/fluxgym/tokenizers"),
                     state_dir=Path("/var/lib/lora-worker"))
 PATHS = ("dataset_dir", "base_model_path", "output_dir")
+LOCAL = LocalBackend()
 
 
 def request(**overrides: object) -> ResolvedRequest:
@@ -61,18 +63,18 @@ def golden(steps: int, dim: int, res: int, batch: int, extra: str = "", every: i
 ])
 def test_golden_argv_for_every_allowed_tier_and_device(tier, device, expected):
     assert tier in DEFAULT_DEVICES[device].tiers
-    assert shlex.join(build_argv(request(tier=tier, device_index=device), SETTINGS)) == expected
+    assert shlex.join(build_argv(request(tier=tier, device_index=device), SETTINGS, LOCAL)) == expected
 
 
 def test_optional_parameters_land_in_their_own_tokens():
-    argv = build_argv(request(max_grad_norm=0.5, lora_target_modules="attn_mlp_conv"), SETTINGS)
+    argv = build_argv(request(max_grad_norm=0.5, lora_target_modules="attn_mlp_conv"), SETTINGS, LOCAL)
     assert "--max_grad_norm=0.5" in argv and "--network_args=conv_dim=16" in argv
     assert shlex.join(argv) == golden(400, 16, 768, 2, extra="--network_args=conv_dim=16 ").replace(
         "--max_grad_norm=1.0", "--max_grad_norm=0.5")
 
 
 def test_env_is_exactly_the_allow_list():
-    env = build_env(request(device_index=1), SETTINGS)
+    env = build_env(request(device_index=1), SETTINGS, LOCAL)
     assert tuple(env) == ENV_KEYS
     assert env["CUDA_VISIBLE_DEVICES"] == "1" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert env["PYTHONUNBUFFERED"] == "1" and env["HF_HUB_OFFLINE"] == "1"
@@ -82,7 +84,7 @@ def test_env_is_exactly_the_allow_list():
 
 def argv_is_fixed_shape(argv: list[str], settings: Settings) -> None:
     script = argv.index(str(settings.train_script))
-    assert argv[:script + 1] == build_argv(request(), settings)[:script + 1]
+    assert argv[:script + 1] == build_argv(request(), settings, LOCAL)[:script + 1]
     for token in argv[script + 1:]:
         if token in SCRIPT_FLAGS:
             continue
@@ -111,17 +113,17 @@ def test_no_request_can_produce_a_token_outside_the_allowed_key_value_form(
     req = request(dataset_dir=dataset, output_dir=output, base_model_path=model, output_name=name, trigger=trigger,
                   subject_class=subject, repeats=repeats, seed=seed, tier=tier, device_index=device,
                   max_grad_norm=grad, lora_target_modules=preset)
-    argv = build_argv(req, SETTINGS)
+    argv = build_argv(req, SETTINGS, LOCAL)
     argv_is_fixed_shape(argv, SETTINGS)
     # every user-derived value sits inside the token of its own key, whole
     assert f"--train_data_dir={dataset}" in argv and f"--output_dir={output}" in argv
     assert f"--pretrained_model_name_or_path={model}" in argv and f"--output_name={name}" in argv
-    assert len(argv) == len(build_argv(request(max_grad_norm=grad, lora_target_modules=preset), SETTINGS))
+    assert len(argv) == len(build_argv(request(max_grad_norm=grad, lora_target_modules=preset), SETTINGS, LOCAL))
 
 
 def test_keys_and_flags_of_the_recipe_are_tiers_own():
     # every tier's argv uses the same keys: nothing about a tier adds or removes a flag
-    keys = {tuple(t.split("=")[0] for t in build_argv(request(tier=t, device_index=1), SETTINGS)) for t in TIERS}
+    keys = {tuple(t.split("=")[0] for t in build_argv(request(tier=t, device_index=1), SETTINGS, LOCAL)) for t in TIERS}
     assert len(keys) == 1
 
 
@@ -133,7 +135,7 @@ SAVED_DTYPE = {None: "F32", "float": "F32", "fp16": "F16", "bf16": "BF16"}
 @pytest.mark.parametrize("tier", list(TIERS))
 def test_the_trainer_is_told_exactly_what_its_lora_is_held_to(tier):
     req = request(tier=tier, device_index=1)
-    tokens = dict(t[2:].split("=", 1) for t in build_argv(req, SETTINGS) if t.startswith("--") and "=" in t)
+    tokens = dict(t[2:].split("=", 1) for t in build_argv(req, SETTINGS, LOCAL) if t.startswith("--") and "=" in t)
     assert int(tokens["network_dim"]) == req.expected.rank and int(tokens["max_train_steps"]) == req.expected.steps
     assert (tokens["output_name"], int(tokens["seed"])) == (req.expected.output_name, req.expected.seed)
     assert Path(tokens["output_dir"]) / f"{tokens['output_name']}.safetensors" == req.lora_file
@@ -175,7 +177,7 @@ def test_keeping_one_of_every_step_is_refused():
 @pytest.mark.parametrize("tier", list(TIERS))
 def test_every_tier_saves_a_state_and_a_step_lora_and_keeps_one_of_each(tier):
     req = request(tier=tier, device_index=1)
-    argv = build_argv(req, SETTINGS)
+    argv = build_argv(req, SETTINGS, LOCAL)
     tokens = dict(t[2:].split("=", 1) for t in argv if t.startswith("--") and "=" in t)
     every = int(tokens["save_every_n_steps"])
     assert "--save_state" in argv and every == SAVE_EVERY_N_STEPS[tier]
@@ -193,7 +195,7 @@ def test_the_fixed_argv_is_accepted_by_the_trainers_parser():
     value is argparse's exit 2. With LW_RIG pointing at the real trainer's rig, its own parser is asked too."""
     fake = load_fake_trainer()
     for tier, device in [("fast", 0), ("balanced", 1), ("quality", 1)]:
-        argv = build_argv(request(tier=tier, device_index=device), SETTINGS)
+        argv = build_argv(request(tier=tier, device_index=device), SETTINGS, LOCAL)
         script_args = argv[argv.index(str(SETTINGS.train_script)) + 1:]
         args = fake.setup_parser().parse_args(script_args)
         assert args.save_state and args.save_every_n_steps == SAVE_EVERY_N_STEPS[tier]
@@ -210,7 +212,7 @@ def test_the_fixed_argv_is_accepted_by_the_real_trainers_parser():
     rig = Path(str(RIG))
     cases = {}
     for tier, device in [("fast", 0), ("balanced", 1), ("quality", 1)]:
-        argv = build_argv(request(tier=tier, device_index=device), SETTINGS)
+        argv = build_argv(request(tier=tier, device_index=device), SETTINGS, LOCAL)
         cases[tier] = argv[argv.index(str(SETTINGS.train_script)) + 1:]
     probe = ("import json, sys; import sdxl_train_network as t; cases = json.loads(sys.argv[1]); "
              "out = {k: vars(t.setup_parser().parse_args(v)) for k, v in cases.items()}; "

@@ -20,3 +20,15 @@ def errors_doc_table() -> list[dict[str, object]]:
         rows.append({"status": int(status), "error": error.strip("`"), "retryable": retryable == "yes",
                      "retry_after": "" if retry_after == "—" else retry_after, "advice": advice})
     return rows
+
+
+def failure_classes_doc_table() -> list[tuple[str, bool]]:
+    """(failure_class, retryable) of each row of docs/errors.md's 'Failure classes' table, in its order."""
+    text = (REPO_ROOT / "docs" / "errors.md").read_text()
+    section = text.split("## Failure classes", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            rows.append((cells[0].strip("`"), {"yes": True, "no": False}[cells[1]]))
+    return rows

@@ -30,7 +30,7 @@ BASE_KEYS = {"save_model_as": "safetensors", "save_precision": "fp16", "caption_
              "seed": "42"}
 FLAGS = ("--network_train_unet_only", "--cache_latents", "--cache_text_encoder_outputs", "--gradient_checkpointing",
          "--sdpa", "--enable_bucket", "--bucket_no_upscale", "--console_log_simple")
-# The worker's allow-listed trainer environment (dispatch/argv.py trainer_env).
+# The worker's allow-listed trainer environment (host/trainer.py trainer_env).
 ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0",
        "PYTHONUNBUFFERED": "1", "PYTHONIOENCODING": "utf-8", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
        "COLUMNS": "250"}

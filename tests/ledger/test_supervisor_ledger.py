@@ -170,10 +170,10 @@ def test_the_history_read_is_the_repositorys(db, ledger):
         repo.update_running(db, job.id, points=[(400, 0.1, start + timedelta(seconds=60))])
         repo.transition(db, job.id, JobState.SUCCEEDED, actor="supervisor",
                         finished_at=start + timedelta(seconds=60 + tail_s))
-    mine = ledger.save_and_teardown_durations(tier="fast", device_index=1)
-    assert mine == repo.save_and_teardown_durations(db, tier="fast", device_index=1)
+    mine = ledger.save_and_teardown_durations(backend="local", tier="fast", device_index=1)
+    assert mine == repo.save_and_teardown_durations(db, backend="local", tier="fast", device_index=1)
     assert mine == [pytest.approx(6.0, abs=0.01), pytest.approx(4.0, abs=0.01)]  # newest first
-    assert ledger.save_and_teardown_durations(tier="quality", device_index=1) == []
+    assert ledger.save_and_teardown_durations(backend="local", tier="quality", device_index=1) == []
 
 
 def test_every_write_begins_immediate_and_commits(migrated, db):

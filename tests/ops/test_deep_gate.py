@@ -61,3 +61,49 @@ def test_the_gate_passes_a_simulated_host_and_says_it_was_simulated(migrated, ho
         assert install_script().health_gate(f"{service.url}/healthz?deep=1", timeout_s=5) is True
     finally:
         service.stop()
+
+
+def settled(url: str, timeout: float = 30) -> tuple[int, dict]:
+    """/healthz?deep=1 once the start-up checks are no longer pending."""
+    deadline = time.monotonic() + timeout
+    while (answer := deep(url))[0] == 503 and answer[1]["details"]["deep"]["status"] == "pending" \
+            and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return answer
+
+
+@pytest.mark.parametrize("node", ["n1|drained|gpu:fake:2|(null)", "n1|idle|(null)|(null)"])
+def test_under_slurm_the_gate_refuses_a_cluster_with_no_usable_gpu_node(migrated, host, tmp_path, node):
+    """The regression: under Slurm the deep checks were none, so both gates passed whatever the cluster was. Slurm's
+    tools here are the fake ones (tests/slurm/fake_slurm), their partition's one node drained or without a GPU."""
+    from tests.slurm.fakes import install_fake_slurm
+
+    bins = install_fake_slurm(tmp_path / "slurm-bin")
+    (bins / "nodes").write_text(node + "\n")
+    settings = migrated.with_overrides(backend="slurm", slurm_bin_dir=bins, slurm_log_dir=tmp_path / "shared")
+    service = Service(settings, host.root / "gunicorn.log").start()
+    try:
+        status, body = settled(service.url)
+        assert status == 503 and body["error"] == "host_not_ready", body
+        assert body["details"]["deep"]["failed"] == ["slurm nodes for fast, balanced, quality"]
+        assert install_script().health_gate(f"{service.url}/healthz?deep=1", timeout_s=2) is False
+    finally:
+        service.stop()
+
+
+def test_under_slurm_the_gate_passes_a_cluster_that_can_run_jobs_and_lists_what_it_did_not_check(migrated, host,
+                                                                                                  tmp_path):
+    from tests.slurm.fakes import install_fake_slurm
+
+    bins = install_fake_slurm(tmp_path / "slurm-bin")  # one idle node with two GPUs
+    settings = migrated.with_overrides(backend="slurm", slurm_bin_dir=bins, slurm_log_dir=tmp_path / "shared")
+    service = Service(settings, host.root / "gunicorn.log").start()
+    try:
+        status, body = settled(service.url)
+        assert status == 200, body
+        assert [c["name"] for c in body["deep"]["checks"] if c["ok"]] == [
+            "slurm controller", "slurm nodes for fast, balanced, quality"]
+        assert body["deep"]["unchecked"] == ["slurm trainer probe"]  # slurm_probe_job is off by default
+        assert install_script().health_gate(f"{service.url}/healthz?deep=1", timeout_s=5) is True
+    finally:
+        service.stop()

@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass, field
 
 from lora_worker import create_app
-from lora_worker.config import Settings
+from lora_worker.checks import Check
+from lora_worker.config import Settings, TrainerProfile
 from lora_worker.host.locks import hold_lock, job_lock_path
 from lora_worker.ledger import repository as repo
 from lora_worker.backends import Backend, backend_for
@@ -43,6 +44,15 @@ class ClusterStandIn:
 
     def slots(self, settings: Settings) -> list[str]:
         return ["train"]
+
+    def profile(self, settings: Settings, tier: str, device_index: int) -> TrainerProfile:
+        return TrainerProfile(settings.devices[device_index].train_batch_size, "bf16")  # the cards it is given
+
+    def visible_devices(self, device_index: int) -> str | None:
+        return str(device_index)
+
+    def readiness(self, settings: Settings, *, trainer: bool) -> list[Check]:
+        return []
 
 
 def test_the_local_backend_attends_a_job_exactly_while_its_job_lock_is_held(migrated):

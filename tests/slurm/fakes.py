@@ -9,7 +9,7 @@ from pathlib import Path
 from collections.abc import Iterable
 
 from lora_worker.config import Settings
-from lora_worker.slurm.scheduler import Scheduler, SchedulerUnavailable, SlurmJob
+from lora_worker.slurm.scheduler import Node, Scheduler, SchedulerUnavailable, SlurmJob
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job
@@ -103,6 +103,19 @@ class FakeScheduler(Scheduler):
 
     def cancels(self) -> list[tuple[str, ...]]:
         return [c for c in self.calls if c[0] == "scancel"]
+
+    # The cluster the deep health check asks after (`scontrol ping`, `sinfo --Node`): slurmctld's word, and the
+    # partition's nodes as sinfo prints them.
+    controller: str = "UP"
+    cluster: list[Node] = field(default_factory=lambda: [Node("node1", "idle", "gpu:fake:2", "(null)")])
+
+    def ping(self) -> list[tuple[str, str]]:
+        self._check("scontrol", "ping")
+        return [("Slurmctld(primary) at ctl", self.controller)]
+
+    def nodes(self, partition: str) -> list[Node]:
+        self._check("sinfo", "--Node", f"--partition={partition}")
+        return list(self.cluster)
 
 
 class Clock:
@@ -208,6 +221,6 @@ def install_fake_slurm(bin_dir: Path) -> Path:
     tool = bin_dir / "slurm.py"
     tool.write_text(f"#!{sys.executable}\n" + FAKE_TOOLS.read_text())
     tool.chmod(0o755)
-    for name in ("sbatch", "squeue", "sacct", "scancel"):
+    for name in ("sbatch", "squeue", "sacct", "scancel", "scontrol", "sinfo", "srun"):
         (bin_dir / name).symlink_to(tool)
     return bin_dir

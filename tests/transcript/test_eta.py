@@ -221,8 +221,9 @@ def test_the_loss_curve_is_served_thinned_to_the_points_asked(client, db):
 def test_the_tail_history_is_finish_minus_the_time_the_last_step_was_first_written(db):
     seed_history(db, [200.0], tail_s=7.0, tier="balanced", device_index=1)
     seed_history(db, [200.0], tail_s=None, tier="balanced", device_index=1)  # no loss curve: nothing to learn
-    assert repo.save_and_teardown_durations(db, tier="balanced", device_index=1) == [pytest.approx(7.0, abs=0.01)]
-    assert repo.save_and_teardown_durations(db, tier="quality", device_index=1) == []
+    assert repo.save_and_teardown_durations(db, backend="local", tier="balanced", device_index=1) == [
+        pytest.approx(7.0, abs=0.01)]
+    assert repo.save_and_teardown_durations(db, backend="local", tier="quality", device_index=1) == []
 
 
 def test_a_step_written_again_keeps_its_first_time_and_takes_the_new_loss(db):

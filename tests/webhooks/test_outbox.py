@@ -99,9 +99,9 @@ def test_the_terminal_events_data_is_what_get_answers(hooked, hooked_db, client_
     (data,) = [d for t, d in events(hooked_db) if t == "job.failed"]
     shown = client.get(f"/train/{job.id}").get_json()
     for key in ("worker_job_id", "status", "phase", "step", "total_steps", "loss", "lora_path", "lora_sha256",
-                "failure_class", "error", "exit_code", "signal", "train_id", "finished_at"):
+                "failure_class", "retryable", "error", "exit_code", "signal", "train_id", "finished_at"):
         assert data[key] == shown[key] or key.endswith("_at") and data[key].replace("Z", "") in shown[key], key
-    assert data["retryable"] is False
+    assert data["retryable"] is True  # states.RETRYABLE: an OOM on a card shared with TTS depends on the moment
 
 
 def test_the_ledger_counts_events_by_state_for_metrics(hooked_db):

@@ -62,6 +62,8 @@ class HealthSchema(Schema):
     trainer = fields.String(metadata={"description": "sd-scripts, or simulated: the test double, which trains nothing"})
     sandbox = fields.String(metadata={"description": "the trainer's sandbox in force: `bwrap (<path>)`, `none …`, "
                                                      "or `unavailable: …` (then POST /train is a 503)"})
-    deep = fields.Dict(metadata={"description": "with ?deep=1: the deep checks run once at start-up: `status` ok, "
-                                                "failing or pending (then 503), `failed` (names), `simulated`, "
-                                                "`checks` (name, ok, required, simulated, detail), `checked_at`"})
+    deep = fields.Dict(metadata={"description": "with ?deep=1: the deep checks run once at start-up (this host's, "
+                                                "or the cluster's under Slurm): `status` ok, failing or pending "
+                                                "(then 503), `failed` (names), `unchecked` (names of those that "
+                                                "could not be made), `simulated`, `checks` (name, ok, required, "
+                                                "simulated, checked, detail), `checked_at`"})

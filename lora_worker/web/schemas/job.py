@@ -13,7 +13,7 @@ from lora_worker.config import (BACKENDS, DEFAULT_LORA_TARGETS, LORA_TARGET_PRES
                                 WEBHOOK_EVENT_TYPES)
 from lora_worker.dispatch import paths
 from lora_worker.dispatch.request import TrainRequest
-from lora_worker.states import CANCEL_RULE, JobState, Phase
+from lora_worker.states import CANCEL_RULE, JobState, Phase, retryable
 from lora_worker.web.schemas.common import (EndedInPhase, FiniteFloat, FullMatch, InEffect, JsonNumber, SameObject,
                                             WhileActive, WhileActiveString, path_field)
 
@@ -160,6 +160,9 @@ class JobSchema(Schema):
                        "`lora_path` alone"})
     error = fields.String(allow_none=True)
     failure_class = fields.String(allow_none=True)
+    retryable = fields.Method("_retryable", dump_only=True, allow_none=True, metadata={
+        "type": "boolean", "description": "whether the same request, sent again unchanged, may pass where this "
+                                          "failure ended it (docs/errors.md, Failure classes); null unless failed"})
     exit_code = fields.Integer(allow_none=True)
     signal = fields.Integer(allow_none=True)
     tier = fields.String()
@@ -197,6 +200,9 @@ class JobSchema(Schema):
     resumed_from = fields.Integer(allow_none=True, metadata={"description": "the job this one resumes; null: none"})
     attempt = fields.Integer(metadata={"description": "which try of the request this is: 1, or a resume's count"})
     resume_step = fields.Integer(metadata={"description": "the step a resume started from (0: not a resume)"})
+
+    def _retryable(self, job: Any) -> bool | None:
+        return retryable(job.status, job.failure_class)
 
 
 class CancelAnswerSchema(JobSchema):

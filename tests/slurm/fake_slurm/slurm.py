@@ -1,4 +1,5 @@
-"""A fake Slurm on this host, as command-line tools (sbatch, squeue, sacct, scancel), for tests of the whole
+"""A fake Slurm on this host, as command-line tools (sbatch, squeue, sacct, scancel; scontrol ping, sinfo and srun for
+the deep health check), for tests of the whole
 path (HTTP → sbatch → node → poller process → ledger) where no real Slurm is installed. It is not Slurm: one
 "node" (this host), no queue (every job starts at once), a job's processes are its session. It prints what
 Slurm 22.05 prints in the formats the worker asks for. Real-cluster tests are elsewhere.
@@ -134,7 +135,42 @@ def cancel(args, job_id):
     return 0
 
 
-TOOLS = {"sbatch": sbatch, "squeue": squeue, "sacct": sacct, "scancel": scancel}
+def scontrol(args):
+    """Only `scontrol ping`: the controller is UP unless the tools are `fail-blind` (then DOWN, exit 1)."""
+    if args[:1] != ["ping"]:
+        print(f"scontrol: error: the fake answers only `ping`, not {args[:2]}", file=sys.stderr)
+        return 1
+    if troubled() == "fail-blind":
+        print("Slurmctld(primary) at fakectl is DOWN")
+        return 1
+    print("Slurmctld(primary) at fakectl is UP")
+    return 0
+
+
+def sinfo(args):
+    """`sinfo --noheader --Node --partition=P --format=%N|%T|%G|%f`: the lines of the `nodes` file beside the tools
+    (as sinfo prints them), else one idle node with two fake GPUs."""
+    if troubled() == "fail-blind":
+        print("sinfo: error: Unable to contact slurm controller (connect failure)", file=sys.stderr)
+        return 1
+    nodes = HERE / "nodes"
+    print(nodes.read_text().strip() if nodes.exists() else "fakenode|idle|gpu:fake:2|(null)")
+    return 0
+
+
+def srun(args):
+    """`srun [options] command…`: the command here, at once, as the one node with a GPU Slurm allocated it; or, with
+    `busy` in the `trouble` file, what srun --immediate says when no node is free in time."""
+    if troubled() == "busy":
+        print("srun: error: Unable to allocate resources: Requested nodes are busy", file=sys.stderr)
+        return 1
+    command = args[next(i for i, a in enumerate(args) if not a.startswith("--")):]  # the options end at the command
+    env = {**os.environ, "SLURM_JOB_ID": "99", "CUDA_VISIBLE_DEVICES": "0"}
+    return subprocess.run(command, env=env, stdin=subprocess.DEVNULL, check=False).returncode  # noqa: S603
+
+
+TOOLS = {"sbatch": sbatch, "squeue": squeue, "sacct": sacct, "scancel": scancel, "scontrol": scontrol, "sinfo": sinfo,
+         "srun": srun}
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """One job followed, on every backend: what happens to a running job, written once. The local supervisor
-(run/runner.py `JobRun`) and the Slurm poller (slurm/job.py `SlurmRun`) are adapters around it.
+(run/runner.py `JobRun`) and the Slurm poller (slurm/job.py `SlurmRun`) are adapters around it; what the two
+sides tell each other is in transcript/facts.py.
 
 A backend gives the follower what only it knows, and does what only it can:
 - the trainer's bytes as they arrive (`output.consume`: from the pipe, or from the node's log file);

@@ -3,7 +3,8 @@ record it: what the contract suite (tests/contract/test_job_life.py) compares.
 
 - "local": the app with the real launcher, the detached supervisor, the fake `accelerate` and trainer;
 - "slurm": the app with `backend = "slurm"`, the fake Slurm's command-line tools (tests/slurm/fake_slurm: sbatch
-  runs the batch script, the node runs the fake trainer) and the real detached poller.
+  runs the batch script, the node runs the fake trainer) and the real detached poller;
+- "cluster": the same against the real single-node Slurm (tests/cluster/cluster.py), where it runs.
 Both with webhooks on (a receiver on loopback, every event type), so each change leaves its body in the outbox.
 """
 from __future__ import annotations
@@ -43,7 +44,8 @@ class Worker:
     client: Any
     db: Database
     app: Any
-    started: list[int] = field(default_factory=list)
+    cluster: Any = None  # the real cluster's tests/cluster/cluster.py Cluster, for "cluster"
+    submitted: list[int] = field(default_factory=list)
 
     # -- driving a job ----------------------------------------------------------------------------------
 
@@ -55,7 +57,8 @@ class Worker:
     def submit(self, **overrides: Any) -> int:
         answer = self.client.post("/train", json=self.host.payload(**overrides))
         assert answer.status_code == 202, answer.get_json()
-        return answer.get_json()["worker_job_id"]
+        self.submitted.append(answer.get_json()["worker_job_id"])
+        return self.submitted[-1]
 
     def job(self, job_id: int) -> dict:
         return self.client.get(f"/train/{job_id}").get_json()
@@ -96,7 +99,7 @@ class Worker:
     def followed_again(self, job_id: int, gone: int) -> None:
         """After its follower `gone` died: a Slurm job gets a new poller from the next request's reconcile (a
         local one has no follower again: that reconcile fails it)."""
-        if self.backend != "slurm":
+        if self.backend == "local":
             return
         wait_for(lambda: self.job(job_id) and lock_state(poller_lock_path(self.settings)).holder_pid not in (
             None, gone), what="a new poller")
@@ -106,7 +109,13 @@ class Worker:
 
     def close(self) -> None:
         stop_sender(self.settings)
-        if self.backend == "slurm":
+        if self.cluster is not None:  # what is still on the cluster goes, so the next test finds its GPUs free
+            sids = [str(j["slurm_job_id"]) for j in map(self.job, self.submitted)
+                    if j["slurm_job_id"] and j["status"] not in TERMINAL]
+            for argv in (("scancel", "--full", "--signal=KILL", *sids), ("scancel", *sids)):
+                if sids:
+                    self.cluster.run(*argv, check=False)
+        if self.backend != "local":
             holder = lock_state(poller_lock_path(self.settings)).holder_pid
             if holder and pid_alive(holder):
                 os.kill(holder, signal.SIGTERM)
@@ -116,7 +125,7 @@ class Worker:
 
 
 def start_worker(backend: str, host: Host, tmp_path: Path, hook_url: str, secret_file: Path, *, queue: bool = False,
-                 stall_limits_s: dict[str, float] | None = None) -> Worker:
+                 stall_limits_s: dict[str, float] | None = None, cluster: Any = None) -> Worker:
     """A worker of `backend`. `queue`: jobs stay queued (locally nothing starts their supervisor; the fake Slurm
     keeps them PENDING); `stall_limits_s`: these phases' limits, the others' defaults."""
     from lora_worker import create_app
@@ -129,11 +138,15 @@ def start_worker(backend: str, host: Host, tmp_path: Path, hook_url: str, secret
                          slurm_poll_interval_s=0.2)
         if queue:
             (overrides["slurm_bin_dir"] / "hold").touch()
+    if backend == "cluster":
+        from tests.cluster.worker import slurm_settings
+
+        overrides.update(slurm_settings(cluster, tmp_path))
     settings = host.settings.with_overrides(**overrides)
     migrated_ledger(settings.database_path)
     app = create_app(settings, launch=Launches() if queue and backend == "local" else None)
     app.config["TESTING"] = True
-    return Worker(backend, host, settings, app.test_client(), Database.open(settings.database_path), app)
+    return Worker(backend, host, settings, app.test_client(), Database.open(settings.database_path), app, cluster)
 
 
 # -- what a job's end is, as the contract compares it ------------------------------------------------------

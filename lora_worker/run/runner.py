@@ -41,6 +41,7 @@ END_MODULES = ("lora_worker.transcript.explain", "lora_worker.host.safetensors",
 GPU_LOCK_WAIT_S = 2.0  # an admission probe holds it shared for microseconds; a trainer holds it for hours
 DRAIN_GRACE_S = 10.0  # after the launcher exits, how long stragglers may hold the pipe
 COALESCE_S = 0.25  # the loop's shortest period while the trainer writes little (reader.BUSY_BYTES)
+RUNNING = Facts()
 LOCAL_REASONS = Reasons(succeeded="trainer finished and the LoRA verified",
                         cancelled="cancelled; every process of the job is gone")
 
@@ -206,10 +207,14 @@ class JobRun:
     def _tick(self, trainer: Trainer, now: float) -> None:
         self.host.reap_orphans(keep={trainer.pid})
         self.requests.check(now)
-        ended = trainer.poll() is not None and self._orphaned is None and not self.host.group_members(trainer.pid)
-        order = self.follower.tick(now, Facts(cancel=self.requests.cancel, lost=self.requests.lost,
-                                              signalled=self.requests.signal_name, orphaned=self._orphaned,
-                                              ended=ended))
+        requests, exited = self.requests, self._exited_at is not None
+        if requests.cancel or requests.lost or requests.signalled is not None or exited:
+            ended = exited and self._orphaned is None and not self.host.group_members(trainer.pid)
+            facts = Facts(cancel=requests.cancel, lost=requests.lost, signalled=requests.signal_name,
+                          orphaned=self._orphaned, ended=ended)
+        else:
+            facts = RUNNING  # the steady state: nothing to say but the bytes
+        order = self.follower.tick(now, facts)
         if order is not None:
             self.stopper.deliver(trainer.pid, order)
 

@@ -179,6 +179,12 @@ def transition_in(s: Session, job_id: int, to: JobState, *, actor: str, reason: 
     return sql.transition_in(_on(s), job_id, to, actor=actor, reason=reason, **values)
 
 
+def note(db: Database, job_id: int, reason: str, *, actor: str) -> None:
+    """An event of a running job that changes no state (running → running), e.g. a file moved aside."""
+    with db.write() as s:
+        _event(s, job_id, JobState.RUNNING, JobState.RUNNING, actor, reason)
+
+
 def fail_job(db: Database, job_id: int, *, actor: str, failure_class: FailureClass, sentence: str,
              log_lines: Sequence[str] = (), **values: Any) -> bool:
     """Move a job to `failed`, the one way any code but the supervisor does (its own ledger path runs the same

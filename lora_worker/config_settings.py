@@ -19,6 +19,7 @@ from lora_worker.config_tables import (
     DEFAULT_SLURM_MEM_MB,
     DEFAULT_SLURM_TIME_LIMIT_MIN,
     DEFAULT_STALL_LIMITS_S,
+    SAMPLE_STEPS,
     SAVE_EVERY_N_STEPS,
     SIMULATED,
     TIERS,
@@ -31,7 +32,7 @@ from lora_worker.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SANDBOXES = ("bwrap", "none")
-RIG_TIER_KEYS = frozenset({"max_train_steps", "network_dim", "resolution", "save_every_n_steps"})
+RIG_TIER_KEYS = frozenset({"max_train_steps", "network_dim", "resolution", "save_every_n_steps", "sample_steps"})
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,10 @@ class Settings:
 
     def save_every_n_steps(self, tier: str) -> int:
         return int(self.rig_tier_sizes.get(tier, {}).get("save_every_n_steps", SAVE_EVERY_N_STEPS[tier]))
+
+    def sample_steps(self, tier: str) -> int:
+        """The sampler steps of each sample image (config_tables.SAMPLE_STEPS; a rig test's fewer)."""
+        return int(self.rig_tier_sizes.get(tier, {}).get("sample_steps", SAMPLE_STEPS))
 
     @property
     def webhook_types(self) -> tuple[str, ...]:

@@ -9,8 +9,10 @@
      │    ├── IdempotencyKeyReused    422: the same Idempotency-Key came with another body
      │    └── OutputExists            422: the LoRA file to be written already exists (field output_name)
      ├── JobNotFound                  404
-     │    └── EventNotFound           404: the job has no webhook event with this id
+     │    ├── EventNotFound           404: the job has no webhook event with this id
+     │    └── SampleNotFound          404: the job has no sample image of this name (or none at all)
      ├── JobGone                      410: the ledger lost the job; its run log is all that is left
+     ├── SampleGone                   410: the listed sample image is no longer the file that was decoded
      ├── Conflict                     409: busy now; the same request may succeed later
      │    ├── JobActive               409: another job is queued or running
      │    ├── InsufficientVram        409: the device has too little free memory for the tier
@@ -18,6 +20,7 @@
      │    └── GpuLocked               409: another trainer holds the host-wide device lock
      ├── JobFinished                  409: the job already ended (cancel of a finished job); never retry
      ├── NotResumable                 422: POST /train/<id>/resume: no state passes (`reasons`, RESUME_REASONS)
+     ├── NotPromotable                422: POST /train/<id>/promote: the step's LoRA cannot be the result (`reason`)
      ├── InsufficientStorage          507
      │    └── InsufficientDisk        507: the output volume is too full for the tier
      └── Unavailable                  503
@@ -124,6 +127,18 @@ class EventNotFound(JobNotFound):
     """The job has no webhook event with this id."""
 
     code = "event_not_found"
+
+
+class SampleNotFound(JobNotFound):
+    """The job has no sample image of this name."""
+
+    code = "sample_not_found"
+
+
+class SampleGone(LoraWorkerError):
+    """The sample image is no longer the file that was listed (removed, replaced or changed on disk)."""
+
+    code = "sample_gone"
 
 
 class Conflict(LoraWorkerError):
@@ -250,6 +265,23 @@ class NotResumable(LoraWorkerError):
     """The job cannot be resumed: no saved state passes every check (details.reasons says why)."""
 
     code = "not_resumable"
+
+
+class NotPromotable(LoraWorkerError):
+    """The step's LoRA cannot be made the job's result (details.reason says why: PROMOTE_REASONS)."""
+
+    code = "not_promotable"
+
+
+# Why POST /train/<id>/promote refuses a step (`details.reason`): docs/errors.md's "Promote refusals" table holds
+# it word for word (a test); dispatch/promote.py says them.
+PROMOTE_REASONS: dict[str, str] = {
+    "job_not_succeeded": "Only a job that succeeded has a result to replace; a queued or running one may later.",
+    "no_step_lora": "The job (or the jobs it resumed) saved no step LoRA at this step.",
+    "not_verified": "The step LoRA of this step failed its verification, or was never judged.",
+    "removed": "The trainer pruned the step LoRA of this step: it is gone from the disk.",
+    "file_changed": "The step LoRA is not the file that was verified any more (gone, a link, or other bytes).",
+}
 
 
 # Why a job's saved state is not used for a resume (GET/POST /train/<id>/resume `reasons[].code`): the one

@@ -10,14 +10,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lora_worker.config import LORA_TARGET_PRESETS, SDXL_HPARAMS, Settings
-from lora_worker.config_tables import STATES_KEPT, STEP_LORAS_KEPT
+from lora_worker.config_tables import STATES_KEPT
 from lora_worker.dispatch.request import ResolvedRequest
+from lora_worker.dispatch.samples import SAMPLE_FLAGS, prompts_file, sample_args, sample_switches, step_loras_kept
 from lora_worker.host.trainer import ENV_KEYS, trainer_env
 
 if TYPE_CHECKING:
     from lora_worker.backends import Backend
 
-__all__ = ["ENV_KEYS", "SCRIPT_FLAGS", "SCRIPT_KEYS", "build_argv", "build_env", "keep_last", "launcher_argv",
+__all__ = ["ENV_KEYS", "SAMPLE_FLAGS", "SCRIPT_FLAGS", "SCRIPT_KEYS", "build_argv", "build_env", "keep_last", "launcher_argv",
            "script_args", "trainer_env"]
 
 # Constant switches of the lean SDXL recipe: U-Net only, latents and text-encoder outputs cached in memory
@@ -65,6 +66,9 @@ SCRIPT_KEYS: tuple[str, ...] = (
     "train_batch_size",
     "max_data_loader_n_workers",
     "seed",
+    "sample_prompts",
+    "sample_every_n_steps",
+    "sample_sampler",
 )
 
 def launcher_argv(settings: Settings, mixed_precision: str = "bf16") -> list[str]:
@@ -88,6 +92,7 @@ def script_args(req: ResolvedRequest, settings: Settings, backend: Backend) -> l
     batch_size, mixed_precision = backend.profile(settings, req.tier.name, req.device_index)
     max_grad_norm = repr(float(req.max_grad_norm)) if req.max_grad_norm is not None \
         else SDXL_HPARAMS["max_grad_norm"]
+    every = settings.save_every_n_steps(req.tier.name)  # the step saves and the sample passes (docs/samples.md)
     values: dict[str, str | None] = {
         "pretrained_model_name_or_path": str(req.base_model_path),
         "tokenizer_cache_dir": str(settings.tokenizer_cache_dir),
@@ -110,12 +115,13 @@ def script_args(req: ResolvedRequest, settings: Settings, backend: Backend) -> l
         "noise_offset": SDXL_HPARAMS["noise_offset"],
         "max_grad_norm": max_grad_norm,
         "max_train_steps": str(lora.steps),
-        "save_every_n_steps": str(settings.save_every_n_steps(req.tier.name)),
-        "save_last_n_steps": str(keep_last(STEP_LORAS_KEPT, settings.save_every_n_steps(req.tier.name))),
-        "save_last_n_steps_state": str(keep_last(STATES_KEPT, settings.save_every_n_steps(req.tier.name))),
+        "save_every_n_steps": str(every),
+        "save_last_n_steps": str(keep_last(step_loras_kept(req.samples, lora.steps, every), every)),
+        "save_last_n_steps_state": str(keep_last(STATES_KEPT, every)),
         "train_batch_size": str(batch_size),
         "max_data_loader_n_workers": SDXL_HPARAMS["max_data_loader_n_workers"],
         "seed": str(req.seed),
+        **sample_args(prompts_file(req.samples, req.tier, settings, backend), every),
     }
     return [(key, value) for key in SCRIPT_KEYS if (value := values[key]) is not None]
 
@@ -139,7 +145,8 @@ def build_argv(req: ResolvedRequest, settings: Settings, backend: Backend) -> li
     size and precision are the row's backend's `profile`: the card's on this host, the tier's under Slurm."""
     pairs = [f"--{key}={value}" for key, value in script_args(req, settings, backend)]
     _, mixed_precision = backend.profile(settings, req.tier.name, req.device_index)
-    return [*launcher_argv(settings, mixed_precision), *pairs, *SCRIPT_FLAGS]
+    switches = sample_switches(prompts_file(req.samples, req.tier, settings, backend))
+    return [*launcher_argv(settings, mixed_precision), *pairs, *SCRIPT_FLAGS, *switches]
 
 
 def build_env(req: ResolvedRequest, settings: Settings, backend: Backend) -> dict[str, str]:

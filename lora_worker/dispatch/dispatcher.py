@@ -27,6 +27,7 @@ from lora_worker.dispatch.dataset import DatasetManifest, inspect_dataset
 from lora_worker.dispatch.disk import require_free_space, required_mib
 from lora_worker.dispatch.model import check_base_model
 from lora_worker.dispatch.refingerprint import model_identity
+from lora_worker.dispatch.samples import disk_counts, prompts_file, write_prompts
 from lora_worker.dispatch.request import (ResolvedRequest, TrainRequest, check_device, resolve_request,
                                          webhook_subscription)
 from lora_worker.errors import IdempotencyKeyReused, JobActive, LaunchFailed
@@ -93,13 +94,17 @@ class Dispatcher:
         manifest = inspect_dataset(request.dataset_dir, request.kohya_folder)
         check_base_model(request.base_model_path)
         paths.require_no_output(str(request.lora_file))
-        self.admit(request.tier.name, request.device_index, request.output_dir, request.tier.network_dim)
+        self.admit(request.tier.name, request.device_index, request.output_dir, request.tier.network_dim,
+                   disk_counts(request.samples, request.expected.steps,
+                               self.settings.save_every_n_steps(request.tier.name)))
         columns = {**self._columns(request, manifest), "idempotency_key": idempotency_key,
                    "request_sha256": body_sha256, "backend": self.backend.name,
                    "webhook_events": webhook_subscription(self.settings, raw)}
+        write_prompts(prompts_file(request.samples, request.tier, self.settings, self.backend))
         return self.launch(columns, request.output_dir)
 
-    def admit(self, tier: str, device_index: int, output_dir: Path, network_dim: int) -> None:
+    def admit(self, tier: str, device_index: int, output_dir: Path, network_dim: int,
+              kept: dict[str, int] | None = None) -> None:
         """What a new row needs of the host and the slots now (a fresh job's and a resume's)."""
         if len(self.backend.slots(self.settings)) == 1:
             active = repo.active_job(self.db)
@@ -113,7 +118,7 @@ class Dispatcher:
             require_sandbox(self.settings)
             require_namespaces(self.settings)  # probed once (at start-up): bwrap can make them here
             admit(tier, device_index, self.settings, self.nvml)
-        require_free_space(output_dir, required_mib(self.settings.disk_mib[tier], network_dim))
+        require_free_space(output_dir, required_mib(self.settings.disk_mib[tier], network_dim, **(kept or {})))
 
     def launch(self, columns: dict[str, Any], output_dir: Path, *, output_id: str | None = None) -> Job:
         """INSERT the row and launch it on the backend: the one way a job starts. `output_id`: the identity of an

@@ -20,6 +20,7 @@ from lora_worker.dispatch.dataset import inspect_dataset
 from lora_worker.dispatch.dispatcher import Dispatcher
 from lora_worker.dispatch.refingerprint import without_resume_flags
 from lora_worker.dispatch.resumable import Verdict, verdict
+from lora_worker.dispatch.samples import disk_counts, from_rows, prompts_file, write_prompts
 from lora_worker.errors import JobActive, NotResumable
 from lora_worker.host import fs, kohya
 from lora_worker.ledger import repository as repo
@@ -31,7 +32,7 @@ from lora_worker.transcript.eta import estimate_resume
 COPIED = ("train_id", "dataset_dir", "base_model_path", "output_dir", "output_name", "trigger", "subject_class",
           "repeats", "tier", "device_index", "seed", "max_grad_norm", "lora_target_modules", "image_count", "env",
           "total_steps", "lora_file", "lora_rank", "lora_steps", "lora_dtype", "dataset_sha256", "base_model_sha256",
-          "sd_scripts_commit", "trainer_versions", "webhook_events", "base_model_identity")
+          "sd_scripts_commit", "trainer_versions", "webhook_events", "base_model_identity", "sample_prompts")
 
 
 def body_digest(job_id: int) -> str:
@@ -60,7 +61,9 @@ def _create(dispatcher: Dispatcher, job_id: int, idempotency_key: str | None, di
     found = verdict(dispatcher.db, dispatcher.settings, original)
     refuse(dispatcher, original, found)
     assert found.state is not None and found.from_step is not None
-    dispatcher.admit(original.tier, original.device_index, Path(original.output_dir), original.lora_rank)
+    dispatcher.admit(original.tier, original.device_index, Path(original.output_dir), original.lora_rank,
+                     disk_counts(from_rows(original.sample_prompts), original.lora_steps - found.from_step,
+                                 dispatcher.settings.save_every_n_steps(original.tier)))
     manifest = inspect_dataset(Path(original.dataset_dir),
                                kohya.folder_name(original.repeats, original.trigger, original.subject_class))
     columns: dict[str, Any] = {
@@ -71,6 +74,9 @@ def _create(dispatcher: Dispatcher, job_id: int, idempotency_key: str | None, di
         "estimated_duration_s": _estimate(original, found.from_step),
     }
     output_id = str(fs.identity_of_dir(original.output_dir))
+    settings = dispatcher.settings  # the prompts file the argv names, there again (the fingerprint rebuilt its path)
+    write_prompts(prompts_file(from_rows(original.sample_prompts), settings.tiers[original.tier], settings,
+                               dispatcher.backend))
     job = dispatcher.launch(columns, Path(original.output_dir), output_id=output_id)
     resumes.note(dispatcher.db, original.id, actor=actor,
               reason=f"resumed as job {job.id} from step {found.from_step} ({found.state})")

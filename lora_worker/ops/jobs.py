@@ -15,6 +15,7 @@ import textwrap
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import TextIO
 
 from lora_worker.config import Settings
@@ -28,6 +29,7 @@ from lora_worker.states import ACTIVE_STATES, JobState
 from lora_worker.backends import backend_of
 from lora_worker.transcript.logreader import LogReader
 from lora_worker.ops.retention import prune
+from lora_worker.ops.samples import print_samples
 from lora_worker.ops.watch import describe_curve, watch
 
 log = logging.getLogger("lora_worker.jobs")
@@ -43,7 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     ls = cmd.add_parser("ls", help="recent jobs, newest first, as a table")
     ls.add_argument("--status", action="append", choices=[s.value for s in JobState], default=[])
     ls.add_argument("--limit", type=_positive_int, default=20)
-    cmd.add_parser("show", help="one job and its event history").add_argument("job_id", type=_positive_int)
+    show = cmd.add_parser("show", help="one job, its sample images and its event history")
+    show.add_argument("job_id", type=_positive_int)
+    show.add_argument("--sheet", type=Path, metavar="PATH", help="write the samples' contact sheet (PNG) there")
     live = cmd.add_parser("watch", help="a job live until it ends: progress, ETA, loss curve, log (0 if it succeeded)")
     live.add_argument("job_id", nargs="?", type=_positive_int, help="default: the active job")
     follow = cmd.add_parser("log", help="a job's run log")
@@ -105,6 +109,7 @@ def cmd_show(db: Database, settings: Settings, args: argparse.Namespace, out: Te
             # A multi-line value (the error and its log tail) stays in the value column.
             text = textwrap.indent(str(value), " " * 20).lstrip()
             out.write(f"  {name + ':':<18}{text}\n")
+    print_samples(db, job, out, args.sheet)
     out.write("events:\n")
     events = repo.job_events(db, job.id)
     _table(out, ("AT", "FROM", "TO", "ACTOR", "REASON"),

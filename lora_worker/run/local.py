@@ -12,6 +12,7 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Protocol
 
@@ -127,6 +128,9 @@ class LocalBackend:
 
     def visible_devices(self, device_index: int) -> str | None:
         return str(device_index)  # the card the request named, admitted by NVML and its lock
+
+    def shared_dir(self, settings: Settings) -> Path:
+        return settings.state_dir  # the sandbox's tmpfs hides it: argv_files binds what the trainer reads
 
     def readiness(self, settings: Settings, *, trainer: bool) -> list[Check]:
         return []  # this host's own checks (dispatch/readiness.py) are all there is

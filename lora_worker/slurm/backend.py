@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from lora_worker.checks import Check
 from lora_worker.config import Settings, TrainerProfile
@@ -114,6 +115,9 @@ class SlurmBackend:
 
     def visible_devices(self, device_index: int) -> str | None:
         return None
+
+    def shared_dir(self, settings: Settings) -> Path:
+        return settings.slurm_logs  # storage the node sees: it reads the job's spec there (sbatch.py)
 
     def readiness(self, settings: Settings, *, trainer: bool) -> list[Check]:
         return cluster_checks(settings, self._scheduler(settings), trainer=trainer)

@@ -69,6 +69,8 @@ class Progress:
     inner_exit: int | None = None  # the trainer's own exit status, from the launcher's message
     checkpoints: list[str] = field(default_factory=list)
     saves: list[Save] = field(default_factory=list)  # every save line, in order
+    # Every sample pass begun (`generating sample images at step N`), in order: (N, the `steps` redraws before it).
+    passes: list[tuple[int, int]] = field(default_factory=list)
     redraws: int = 0  # `steps` redraws applied so far
 
     def enter(self, phase: Phase) -> None:
@@ -260,6 +262,8 @@ class Parser:
                 p.enter(PHASE_GROUPS[kind])
             if kind == "saving":
                 p.checkpoints.append(m["checkpoint"].strip())
+            elif kind == "sampling":
+                p.passes.append((int(m["sample_step"]), p.redraws))
         elif kind == "total":
             p.total_steps = int(m["total_steps"])
         elif kind in FLAG_GROUPS:
@@ -281,7 +285,7 @@ class Parser:
         p = self.progress
         loss = None if p.loss is None or math.isnan(p.loss) else p.loss
         return (p.phase, p.step, p.total_steps, loss, p.loss is not None and math.isnan(p.loss), p.rate,
-                p.eta_s, len(p.flags), len(p.saves))
+                p.eta_s, len(p.flags), len(p.saves), len(p.passes))
 
 def _first_break(data: bytes, last_cr: int, last_nl: int) -> int:
     """Where the first segment of `data` ends (its first \r or \n), given that it has one."""

@@ -4,6 +4,7 @@ it is: the web, dispatch and the ledger are unchanged."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from lora_worker import create_app
@@ -50,6 +51,9 @@ class ClusterStandIn:
 
     def visible_devices(self, device_index: int) -> str | None:
         return str(device_index)
+
+    def shared_dir(self, settings: Settings) -> Path:
+        return settings.state_dir
 
     def readiness(self, settings: Settings, *, trainer: bool) -> list[Check]:
         return []

@@ -16,7 +16,12 @@ from tests.helpers.runs import wait_states_removed
 Start = Callable[..., Worker]
 LORA = "ohwx_lora.safetensors"
 PARTIAL = f"{LORA}.partial-<id>"
-STEP_300 = "ohwx_lora-step00000300.safetensors"
+SAVED = (100, 200, 300, 400)  # the step saves of the fast tier, the last step's among them
+STEPS = tuple(f"ohwx_lora-step{s:08d}.safetensors" for s in SAVED)  # each sampled step LoRA is kept
+SAMPLE_DIR = "sample"
+# The sample passes (one prompt: the request's default): before the first step, then one before each step save,
+# each tied to the step LoRA saved right after it.
+FIRST = (("job.sample", 0, 1, 1, None),)
 QUEUED = ((outbox.QUEUED, "queued"),)
 STARTED = ((outbox.QUEUED, "queued"), (outbox.STARTED, "running"))
 RAN = (("", "queued"), ("queued", "running"))
@@ -24,20 +29,25 @@ NEVER = str(Path("/nonexistent") / "release")  # a release file that never comes
 
 
 def end(status: str, failure: str | None, phase: str | None, *, upto: tuple[str, ...] = TO_TRAINING,
-        lora: bool = False, notes: tuple = (), checkpoints: tuple = (), files: tuple[str, ...] = ()) -> End:
-    """The end of a job that ran through the phases `upto`."""
+        lora: bool = False, notes: tuple = (), checkpoints: tuple = (), samples: tuple | None = None,
+        files: tuple[str, ...] = ()) -> End:
+    """The end of a job that ran through the phases `upto` (its pass before the first step over once it trained,
+    unless `samples` says which passes; the sample folder there once a pass began)."""
+    samples = (FIRST if "training" in upto else ()) if samples is None else samples
+    files = files + ((SAMPLE_DIR,) if "sampling" in upto and SAMPLE_DIR not in files else ())
     return End(status, failure, phase, lora, RAN + phases(*upto) + notes + (("running", status),),
-               STARTED + phase_hooks(*upto) + ((f"job.{status}", status, failure, lora, lora),) + checkpoints,
-               files)
+               STARTED + phase_hooks(*upto) + ((f"job.{status}", status, failure, lora, lora),)
+               + tuple(sorted(checkpoints + samples)), tuple(sorted(files)))
 
 
-SAVES = ("saving", "training", "saving", "training", "saving")  # the step saves at 150 and 300, the final save
-STEP_LORAS = (("job.checkpoint", 150, True, False), ("job.checkpoint", 300, True, False))
-STATES = ("ohwx_lora-state", "ohwx_lora-step00000300-state")  # kept for a resume unless the job succeeded
+SAVES = ("sampling", "saving", "training") * 4 + ("saving",)  # each step save after its pass, then the final save
+STEP_LORAS = tuple(("job.checkpoint", s, True, False) for s in SAVED)
+PASSES = FIRST + tuple(("job.sample", s, 1, 1, (s, True)) for s in SAVED)
+STATES = ("ohwx_lora-state", "ohwx_lora-step00000400-state")  # kept for a resume unless the job succeeded
 MOVED = (("note", "LoRA moved aside"),)
 ASKED = (("note", "cancel requested"),)  # the client's cancel, on the row before the job ends
 SUCCESS = end("succeeded", None, "saving", upto=TO_TRAINING + SAVES, lora=True, checkpoints=STEP_LORAS,
-              files=(STEP_300, LORA))
+              samples=PASSES, files=(*STEPS, LORA, SAMPLE_DIR))
 
 
 def held(worker: Worker, job_id: int, step: int) -> None:
@@ -111,7 +121,8 @@ def cancel_saving(worker: Worker) -> None:
     worker.cancel(job_id)
     worker.wait_end(job_id)
     assert end_of(worker, job_id) == end("cancelled", None, "saving", upto=TO_TRAINING + SAVES, notes=ASKED + MOVED,
-                                         checkpoints=STEP_LORAS, files=(*STATES, STEP_300, PARTIAL))
+                                         checkpoints=STEP_LORAS, samples=PASSES,
+                                         files=(*STATES, *STEPS, PARTIAL, SAMPLE_DIR))
 
 
 # -- the trainer's own endings ---------------------------------------------------------------------------------
@@ -128,8 +139,9 @@ def no_lora(worker: Worker) -> None:
     worker.modes(skip_save=True)
     job_id = worker.submit()
     worker.wait_end(job_id)
-    assert end_of(worker, job_id) == end("failed", "no_output", "training", upto=TO_TRAINING + SAVES[:4],
-                                         checkpoints=STEP_LORAS, files=("ohwx_lora-step00000300-state", STEP_300))
+    assert end_of(worker, job_id) == end("failed", "no_output", "training", upto=TO_TRAINING + SAVES[:-1],
+                                         checkpoints=STEP_LORAS, samples=PASSES,
+                                         files=("ohwx_lora-step00000400-state", *STEPS, SAMPLE_DIR))
 
 
 def save_never_ends(worker: Worker) -> None:
@@ -139,7 +151,8 @@ def save_never_ends(worker: Worker) -> None:
     job_id = worker.submit()
     worker.wait_end(job_id)
     assert end_of(worker, job_id) == end("failed", "stalled", "saving", upto=TO_TRAINING + SAVES, notes=MOVED,
-                                         checkpoints=STEP_LORAS, files=(*STATES, STEP_300, PARTIAL))
+                                         checkpoints=STEP_LORAS, samples=PASSES,
+                                         files=(*STATES, *STEPS, PARTIAL, SAMPLE_DIR))
     worker.modes(hang_in="launching")
     again = worker.submit()  # 202, not output_exists
     worker.cancel(again)
@@ -151,11 +164,12 @@ def step_lora_unverified(worker: Worker) -> None:
     job_id = worker.submit()
     worker.wait_end(job_id)
     wait_states_removed(Path(worker.job(job_id)["output_dir"]))
-    unverified = (("job.checkpoint", 150, False, True), ("job.checkpoint", 300, False, True))
+    unverified = tuple(("job.checkpoint", s, False, True) for s in SAVED)
+    passes = FIRST + tuple(("job.sample", s, 1, 1, (s, False)) for s in SAVED)  # each names its step LoRA's verdict
     assert end_of(worker, job_id) == end("succeeded", None, "saving", upto=TO_TRAINING + SAVES, lora=True,
-                                         checkpoints=unverified, files=(STEP_300, LORA))
+                                         checkpoints=unverified, samples=passes, files=(*STEPS, LORA, SAMPLE_DIR))
     errors = {c["step"]: c["error"] for c in worker.job(job_id)["checkpoints"]}
-    assert errors == {300: "ss_steps '7' instead of 300"}  # 150 was pruned: kept, it would say the same
+    assert errors == {s: f"ss_steps '7' instead of {s}" for s in SAVED}
 
 
 # -- the follower itself: killed, stopped ----------------------------------------------------------------------

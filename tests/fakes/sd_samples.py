@@ -115,12 +115,15 @@ def sample_image_inference(log, args, save_dir: str, entry: dict, epoch: int | N
 
 
 def write_png(path: str, width: int, height: int, tone: int) -> None:
-    """An 8-bit RGB PNG of a gradient (each row filter 0), its chunks CRC'd as Pillow's writer does."""
+    """An 8-bit RGB PNG of a gradient (each row filter 0), laid out as Pillow's writer lays out the real ones
+    (tests/data/rig/sample-step4-prompt0.png): IHDR, the data in IDAT chunks of 64 KiB, IEND, each CRC'd."""
     row = b"\x00" + b"".join(bytes((x * 255 // max(1, width - 1), tone, (x + tone) % 256)) for x in range(width))
     raw = row * height
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+    data = zlib.compress(raw, 6)
     with open(path, "wb") as fh:
         fh.write(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-                 + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
+                 + b"".join(chunk(b"IDAT", data[i:i + 65536]) for i in range(0, len(data), 65536))
+                 + chunk(b"IEND", b""))

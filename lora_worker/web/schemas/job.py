@@ -115,9 +115,11 @@ class AcceptedRequestSchema(Schema):
     lora_target_modules = InEffect(fields.String(), DEFAULT_LORA_TARGETS, metadata={
         "type": "string", "enum": list(LORA_TARGET_PRESETS),
         "description": f"as in effect: {DEFAULT_LORA_TARGETS} when the request left it out"})
-    samples = fields.List(fields.Nested(SamplePromptOutSchema), attribute="sample_prompts", metadata={
-        "description": "the sample prompts as in effect, each with its seed; [] (or null, a job from before "
-                       "samples): none"})
+    samples = InEffect(fields.List(fields.Nested(SamplePromptOutSchema)), [], attribute="sample_prompts", metadata={
+        "type": "array", "items": {"type": "object", "properties": {"prompt": {"type": "string"},
+                                                                     "seed": {"type": "integer"}}},
+        "description": "the sample prompts as in effect, each with its seed; []: none (a job from before "
+                       "samples drew none)"})
 
 
 class CheckpointSchema(Schema):

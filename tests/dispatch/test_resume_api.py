@@ -25,7 +25,10 @@ def test_a_resume_is_a_new_row_linked_to_the_original_and_launched(api, host, db
     assert launches == [original, new]  # the dispatcher's one launch path
     before, after = repo.get_job(db, original), repo.get_job(db, new)
     state = str(output / "ohwx_lora-step00000004-state")
-    assert after.argv == [*before.argv, f"--resume={state}", "--skip_until_initial_step"]
+    # a resume never samples at first: its pass would draw the state's weights under the base model's name
+    assert before.argv[-1] == "--sample_at_first"
+    assert after.argv == [*before.argv[:-1], f"--resume={state}", "--skip_until_initial_step"]
+    assert after.sample_prompts == before.sample_prompts  # its passes draw the same prompts, in the same file
     assert (after.lora_file, after.output_dir, after.total_steps, after.seed) == (
         before.lora_file, before.output_dir, before.total_steps, before.seed)
     assert after.output_dev_ino == before.output_dev_ino and after.status == JobState.QUEUED.value

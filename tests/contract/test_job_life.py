@@ -43,6 +43,10 @@ def test_a_run_ends_succeeded_with_its_verified_lora_and_its_states_dropped(star
     scenarios.success(start())
 
 
+def test_the_samples_are_listed_with_their_step_loras_and_a_step_is_promoted(start: Start):
+    scenarios.samples_listed_and_promoted(start())
+
+
 def test_a_loss_gone_nan_stops_the_run_and_fails_it_nan_loss(start: Start):
     scenarios.nan_loss(start())
 

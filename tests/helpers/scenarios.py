@@ -3,6 +3,7 @@ job and asserts its one expected end: tests/contract/test_job_life.py runs each 
 through the fake tools, tests/cluster/test_job_life.py a few on the real single-node cluster."""
 from __future__ import annotations
 
+import hashlib
 import signal
 from collections.abc import Callable
 from dataclasses import replace
@@ -63,6 +64,31 @@ def success(worker: Worker) -> None:
     wait_states_removed(Path(worker.job(job_id)["output_dir"]))
     assert end_of(worker, job_id) == SUCCESS
     assert worker.job(job_id)["step"] == 400
+
+
+def samples_listed_and_promoted(worker: Worker) -> None:
+    """Two prompts: every pass's images listed with the step LoRA of their step (the follower found them in the
+    sample folder: no log line names them), one job.sample per pass, the contact sheet, and the step LoRA of step
+    200 promoted to the result with its job.promoted event."""
+    worker.modes()
+    job_id = worker.submit(samples=[{"prompt": "photo of ohwx woman"}, {"prompt": "ohwx woman, red coat", "seed": 9}])
+    worker.wait_end(job_id)
+    row = worker.job(job_id)
+    assert row["status"] == "succeeded", row
+    listed = worker.client.get(f"/train/{job_id}/samples").get_json()["images"]
+    loras = {c["step"]: c["sha256"] for c in row["checkpoints"]}
+    assert [(i["step"], i["prompt_index"], i["seed"]) for i in listed] == [
+        (s, p, seed) for s in (0, *SAVED) for p, seed in ((0, 42), (1, 9))]
+    assert all(i["lora"]["sha256"] == loras[i["step"]] and i["lora"]["verified"] for i in listed if i["step"])
+    served = worker.client.get(f"/train/{job_id}/samples/{listed[-1]['name']}")
+    assert hashlib.sha256(served.data).hexdigest() == listed[-1]["sha256"]
+    assert worker.client.get(f"/train/{job_id}/samples.png").mimetype == "image/png"
+    passes = [h for h in hooks(worker, job_id) if h[0] == "job.sample"]
+    assert sorted(passes) == [("job.sample", 0, 2, 2, None)] + [("job.sample", s, 2, 2, (s, True)) for s in SAVED]
+    promoted = worker.client.post(f"/train/{job_id}/promote", json={"step": 200})
+    assert promoted.status_code == 200 and promoted.get_json()["lora_sha256"] == loras[200]
+    assert worker.job(job_id)["lora_path"].endswith("ohwx_lora-step00000200.safetensors")
+    assert hooks(worker, job_id)[-1] == ("job.promoted", "succeeded")
 
 
 def nan_loss(worker: Worker) -> None:

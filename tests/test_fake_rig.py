@@ -279,8 +279,8 @@ def test_the_samplers_bar_is_unnamed_and_never_the_steps_bar(sampled):
 def test_the_images_are_named_sized_and_laid_out_as_the_real_ones(sampled):
     real = json.loads((RIG / "samples_listing.json").read_text())
     fake = sorted((sampled["out"] / "sample").iterdir())
-    key = (lambda name: NAME.sub(r"\1 \2 \3", name))
-    assert sorted(key(p.name) for p in fake) == sorted(key(r["name"]) for r in real["sample"])
+    assert sorted(NAME.sub(r"\1 \2 \3", p.name) for p in fake) == sorted(
+        NAME.sub(r"\1 \2 \3", r["name"]) for r in real["sample"])  # step, prompt and seed: the time is the run's
     assert all(NAME.match(p.name) for p in fake)
     for path in fake + [RIG / "sample-step4-prompt0.png"]:
         data = path.read_bytes()

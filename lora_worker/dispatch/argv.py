@@ -18,8 +18,8 @@ from lora_worker.host.trainer import ENV_KEYS, trainer_env
 if TYPE_CHECKING:
     from lora_worker.backends import Backend
 
-__all__ = ["ENV_KEYS", "SAMPLE_FLAGS", "SCRIPT_FLAGS", "SCRIPT_KEYS", "build_argv", "build_env", "keep_last", "launcher_argv",
-           "script_args", "trainer_env"]
+__all__ = ["ENV_KEYS", "SAMPLE_FLAGS", "SCRIPT_FLAGS", "SCRIPT_KEYS", "build_argv", "build_env", "keep_last",
+           "launcher_argv", "script_args", "trainer_env"]
 
 # Constant switches of the lean SDXL recipe: U-Net only, latents and text-encoder outputs cached in memory
 # (the TE cache requires --network_train_unet_only), gradient checkpointing, SDPA attention, and logs as

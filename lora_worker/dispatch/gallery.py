@@ -107,16 +107,23 @@ def _cells(jobs: dict[int, Job], rows: list[SampleRow], count: int) -> Iterator[
             yield None  # a grey cell: the sheet shows what can still be read as it was listed
 
 
+def _columns(job: Job, rows: list[SampleRow]) -> list[str]:
+    """One label per prompt: its index and text (a prompt an earlier job of the chain had beyond the job's own,
+    its index alone)."""
+    prompts = [p["prompt"] for p in (job.sample_prompts or ())]
+    count = max(len(prompts), 1 + max(r.prompt_index for r in rows))
+    return [f"{i}: {prompts[i]}" if i < len(prompts) else str(i) for i in range(count)]
+
+
 def sheet(db: Database, job: Job) -> bytes:
     """The contact sheet: the steps as rows (at most images.MAX_SHEET_ROWS), the prompts as columns."""
     jobs = chain(db, job)
     rows = _images(db, jobs)
     if not rows:
         raise SampleNotFound(f"Job {job.id} has no sample images yet.", job_id=job.id)
-    count = max(len(job.sample_prompts or ()), 1 + max(r.prompt_index for r in rows))
-    by_job = {j.id: j for j in jobs}
-    steps = images.sheet_rows(sorted({r.step for r in rows}))
-    drawn = [(("base model" if step == 0 else f"step {step}"),
-              list(_cells(by_job, [r for r in rows if r.step == step], count))) for step in steps]
-    prompts = [p["prompt"] for p in (job.sample_prompts or ())] + [""] * count
-    return images.contact_sheet(drawn, [f"{i}: {prompts[i]}" for i in range(count)])
+    columns, by_job = _columns(job, rows), {j.id: j for j in jobs}
+    drawn = []
+    for step in images.sheet_rows(sorted({r.step for r in rows})):
+        cells = list(_cells(by_job, [r for r in rows if r.step == step], len(columns)))
+        drawn.append(("base model" if step == 0 else f"step {step}", cells))
+    return images.contact_sheet(drawn, columns)

@@ -33,7 +33,7 @@ def step_lora(db: Database, job: Job, step: int) -> Checkpoint:
     """The step LoRA of `step` the job (or a job it resumed) saved and verified, still on disk by the ledger."""
     if job.status != JobState.SUCCEEDED.value:
         raise refuse(job, step, "job_not_succeeded", f"it is {job.status}")
-    found = [c for j in chain(db, job) for c in j.checkpoints if c.kind == "lora" and c.step == step]
+    found = _saved(db, job, step)
     if not found:
         raise refuse(job, step, "no_step_lora")
     kept = [c for c in found if c.removed_at is None]
@@ -43,6 +43,11 @@ def step_lora(db: Database, job: Job, step: int) -> Checkpoint:
     if not verified:
         raise refuse(job, step, "not_verified", kept[0].error or "")
     return verified[0]
+
+
+def _saved(db: Database, job: Job, step: int) -> list[Checkpoint]:
+    """The step LoRAs of `step` the job and the jobs it resumed saved, newest job first."""
+    return [c for j in chain(db, job) for c in j.checkpoints if c.kind == "lora" and c.step == step]
 
 
 def promote(db: Database, job: Job, step: int, *, actor: str = "api") -> tuple[Job, bool]:

@@ -5,7 +5,7 @@ The file is JSON, a list of dicts sd-scripts uses as they are (train_util.py L64
 parsed for ` --` options, as a `.txt` line would be. It holds each prompt, its seed, the tier's resolution and the
 audited sampler steps, CFG scale and negative prompt (config_tables.SAMPLE_*); never a sampler name (the flag
 names it, and argparse checks it). It lies in the worker's own storage, never in arbo's folders: under the
-directory the job's backend shares with its trainer (`Backend.shared_dir`: this host's state dir, or the storage
+directory the job's backend shares with its trainer (`Backend.files_dir`: this host's state dir, or the storage
 a Slurm node reads the job's spec from), named by the sha256 of its bytes, so the same prompts are one file, a
 resume of the job finds its original's, and the command the fingerprint rebuilds names the same path. The sandbox
 binds it read-only (host/sandbox.py `argv_files`).
@@ -79,7 +79,7 @@ def prompts_file(samples: tuple[SamplePrompt, ...], tier: Tier, settings: Settin
         return None
     data = prompts_document(samples, tier, settings.sample_steps(tier.name))
     name = f"{hashlib.sha256(data).hexdigest()[:32]}.json"
-    return PromptsFile(backend.shared_dir(settings) / PROMPTS_DIR / name, data)
+    return PromptsFile(backend.files_dir(settings) / PROMPTS_DIR / name, data)
 
 
 def sample_args(found: PromptsFile | None, every: int) -> dict[str, str | None]:

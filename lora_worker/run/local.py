@@ -129,8 +129,8 @@ class LocalBackend:
     def visible_devices(self, device_index: int) -> str | None:
         return str(device_index)  # the card the request named, admitted by NVML and its lock
 
-    def shared_dir(self, settings: Settings) -> Path:
-        return settings.state_dir  # the sandbox's tmpfs hides it: argv_files binds what the trainer reads
+    def files_dir(self, settings: Settings) -> Path:
+        return settings.state_dir  # the supervisor on this host reads it, and binds what the trainer needs
 
     def readiness(self, settings: Settings, *, trainer: bool) -> list[Check]:
         return []  # this host's own checks (dispatch/readiness.py) are all there is

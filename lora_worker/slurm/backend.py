@@ -116,8 +116,8 @@ class SlurmBackend:
     def visible_devices(self, device_index: int) -> str | None:
         return None
 
-    def shared_dir(self, settings: Settings) -> Path:
-        return settings.slurm_logs  # storage the node sees: it reads the job's spec there (sbatch.py)
+    def files_dir(self, settings: Settings) -> Path:
+        return settings.slurm_logs  # storage the node reads too, as it reads the job's spec there
 
     def readiness(self, settings: Settings, *, trainer: bool) -> list[Check]:
         return cluster_checks(settings, self._scheduler(settings), trainer=trainer)

@@ -69,8 +69,7 @@ class Progress:
     inner_exit: int | None = None  # the trainer's own exit status, from the launcher's message
     checkpoints: list[str] = field(default_factory=list)
     saves: list[Save] = field(default_factory=list)  # every save line, in order
-    # Every sample pass begun (`generating sample images at step N`), in order: (N, the `steps` redraws before it).
-    passes: list[tuple[int, int]] = field(default_factory=list)
+    passes: list[tuple[int, int]] = field(default_factory=list)  # each sample pass begun: (its step, redraws)
     redraws: int = 0  # `steps` redraws applied so far
 
     def enter(self, phase: Phase) -> None:
@@ -258,16 +257,19 @@ class Parser:
                 str(p.step) if kind == "last_state" else "")
             p.saves.append(Save(str(kind), arg.strip(), p.redraws))
         if kind in PHASE_GROUPS:
-            if "model_saved" not in p.flags:
-                p.enter(PHASE_GROUPS[kind])
-            if kind == "saving":
-                p.checkpoints.append(m["checkpoint"].strip())
-            elif kind == "sampling":
-                p.passes.append((int(m["sample_step"]), p.redraws))
+            self._phase(str(kind), m)
         elif kind == "total":
             p.total_steps = int(m["total_steps"])
         elif kind in FLAG_GROUPS:
             self._flag(str(kind), m)
+
+    def _phase(self, kind: str, m: re.Match[str]) -> None:
+        if "model_saved" not in self.progress.flags:
+            self.progress.enter(PHASE_GROUPS[kind])
+        if kind == "saving":
+            self.progress.checkpoints.append(m["checkpoint"].strip())
+        elif kind == "sampling":
+            self.progress.passes.append((int(m["sample_step"]), self.progress.redraws))
 
     def _flag(self, kind: str, m: re.Match[str]) -> None:
         p = self.progress
@@ -294,8 +296,5 @@ def _first_break(data: bytes, last_cr: int, last_nl: int) -> int:
     return nl if nl >= 0 else cr
 
 
-
 def _segment_start(data: bytes, pos: int, lo: int) -> int:
     return max(data.rfind(b"\r", lo, pos), data.rfind(b"\n", lo, pos)) + 1 or lo
-
-

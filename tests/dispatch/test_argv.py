@@ -67,7 +67,8 @@ def golden(steps: int, dim: int, res: int, batch: int, extra: str = "", every: i
         f"--max_train_steps={steps} --save_every_n_steps={every} --save_last_n_steps={kept} "
         f"--save_last_n_steps_state=1 --train_batch_size={batch} --max_data_loader_n_workers=0 --seed=42{sampled} "
         "--network_train_unet_only --cache_latents --cache_text_encoder_outputs --gradient_checkpointing --sdpa "
-        "--enable_bucket --bucket_no_upscale --console_log_simple --save_state" + (" --sample_at_first" if samples else "")
+        "--enable_bucket --bucket_no_upscale --console_log_simple --save_state"
+        + (" --sample_at_first" if samples else "")
     )
 
 

@@ -4,8 +4,8 @@ it is: the web, dispatch and the ledger are unchanged."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from lora_worker import create_app
 from lora_worker.checks import Check
@@ -52,7 +52,7 @@ class ClusterStandIn:
     def visible_devices(self, device_index: int) -> str | None:
         return str(device_index)
 
-    def shared_dir(self, settings: Settings) -> Path:
+    def files_dir(self, settings: Settings) -> Path:
         return settings.state_dir
 
     def readiness(self, settings: Settings, *, trainer: bool) -> list[Check]:

@@ -2,17 +2,20 @@
 builds Settings itself: refused in a config file, never read from the environment, carried to the supervisor."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from lora_worker.config import TIERS, ConfigError, Settings, load_settings, settings_from_json, settings_to_json
-from lora_worker.config_tables import SAVE_EVERY_N_STEPS
+from lora_worker.config_tables import SAMPLE_NEGATIVE_PROMPT, SAMPLE_STEPS, SAVE_EVERY_N_STEPS
 from lora_worker.dispatch.argv import build_argv
 from lora_worker.run.local import LocalBackend
 from lora_worker.dispatch.request import TrainRequest, resolve_request
+from lora_worker.dispatch.samples import prompts_file
 
-RIG = {"fast": {"max_train_steps": 7, "network_dim": 4, "resolution": 256, "save_every_n_steps": 2}}
+RIG = {"fast": {"max_train_steps": 7, "network_dim": 4, "resolution": 256, "save_every_n_steps": 2,
+                "sample_steps": 3}}
 
 
 def rig_settings(**values: object) -> Settings:
@@ -30,7 +33,8 @@ def test_it_replaces_the_named_tier_only() -> None:
     fast = settings.tiers["fast"]
     assert (fast.max_train_steps, fast.network_dim, fast.resolution) == (7, 4, 256)
     assert settings.save_every_n_steps("fast") == 2
-    assert settings.tiers["balanced"] == TIERS["balanced"] and settings.save_every_n_steps("balanced") == 400
+    assert settings.tiers["balanced"] == TIERS["balanced"] and settings.save_every_n_steps("balanced") == 300
+    assert (settings.sample_steps("fast"), settings.sample_steps("balanced")) == (3, SAMPLE_STEPS)
 
 
 def test_the_argv_and_the_expected_lora_follow_it() -> None:
@@ -42,10 +46,15 @@ def test_the_argv_and_the_expected_lora_follow_it() -> None:
                           base_model_path=Path("/m/sdxl.safetensors"), output_dir=Path("/t/t1/output"),
                           tiers=settings.tiers)
     argv = build_argv(req, settings, LocalBackend())
+    # the 3 sampled step LoRAs (2, 4, 6) kept: (3 - 1) * 2 + 1
     for flag in ("--max_train_steps=7", "--network_dim=4", "--resolution=256", "--save_every_n_steps=2",
-                 "--save_last_n_steps=1", "--save_last_n_steps_state=1"):
+                 "--save_last_n_steps=5", "--save_last_n_steps_state=1", "--sample_every_n_steps=2"):
         assert flag in argv, flag
     assert (req.expected.steps, req.expected.rank) == (7, 4)
+    found = prompts_file(req.samples, req.tier, settings, LocalBackend())
+    assert found is not None and f"--sample_prompts={found.path}" in argv
+    assert json.loads(found.data) == [{"prompt": "photo of ohwx dog", "negative_prompt": SAMPLE_NEGATIVE_PROMPT,
+                                       "width": 256, "height": 256, "seed": 42, "sample_steps": 3, "scale": 7.0}]
 
 
 @pytest.mark.parametrize("sizes", [{"turbo": {"max_train_steps": 2}}, {"fast": {"epochs": 2}},

@@ -18,9 +18,10 @@ from typing import Any
 from lora_worker.backends import backend_of
 from lora_worker.dispatch.dataset import inspect_dataset
 from lora_worker.dispatch.dispatcher import Dispatcher
-from lora_worker.dispatch.refingerprint import without_resume_flags
+from lora_worker.dispatch.refingerprint import request_of, without_resume_flags
 from lora_worker.dispatch.resumable import Verdict, verdict
-from lora_worker.dispatch.samples import disk_counts, from_rows, prompts_file, write_prompts
+from lora_worker.dispatch.request import ResolvedRequest, resolve_request
+from lora_worker.dispatch.samples import disk_counts, prompts_file, write_prompts
 from lora_worker.errors import JobActive, NotResumable
 from lora_worker.host import fs, kohya
 from lora_worker.ledger import repository as repo
@@ -61,8 +62,9 @@ def _create(dispatcher: Dispatcher, job_id: int, idempotency_key: str | None, di
     found = verdict(dispatcher.db, dispatcher.settings, original)
     refuse(dispatcher, original, found)
     assert found.state is not None and found.from_step is not None
+    request = resolved(dispatcher, original)  # as the fingerprint rebuilt its command: the same prompts file
     dispatcher.admit(original.tier, original.device_index, Path(original.output_dir), original.lora_rank,
-                     disk_counts(from_rows(original.sample_prompts), original.lora_steps - found.from_step,
+                     disk_counts(request.samples, original.lora_steps - found.from_step,
                                  dispatcher.settings.save_every_n_steps(original.tier)))
     manifest = inspect_dataset(Path(original.dataset_dir),
                                kohya.folder_name(original.repeats, original.trigger, original.subject_class))
@@ -74,13 +76,18 @@ def _create(dispatcher: Dispatcher, job_id: int, idempotency_key: str | None, di
         "estimated_duration_s": _estimate(original, found.from_step),
     }
     output_id = str(fs.identity_of_dir(original.output_dir))
-    settings = dispatcher.settings  # the prompts file the argv names, there again (the fingerprint rebuilt its path)
-    write_prompts(prompts_file(from_rows(original.sample_prompts), settings.tiers[original.tier], settings,
-                               dispatcher.backend))
+    write_prompts(prompts_file(request.samples, request.tier, dispatcher.settings, dispatcher.backend))
     job = dispatcher.launch(columns, Path(original.output_dir), output_id=output_id)
     resumes.note(dispatcher.db, original.id, actor=actor,
               reason=f"resumed as job {job.id} from step {found.from_step} ({found.state})")
     return job
+
+
+def resolved(dispatcher: Dispatcher, original: Job) -> ResolvedRequest:
+    """The original's request resolved again, on its recorded paths (the fingerprint held its command to it)."""
+    return resolve_request(request_of(original), train_id=original.train_id, dataset_dir=Path(original.dataset_dir),
+                           base_model_path=Path(original.base_model_path), output_dir=Path(original.output_dir),
+                           tiers=dispatcher.settings.tiers)
 
 
 def _estimate(original: Job, from_step: int) -> float | None:

@@ -53,11 +53,6 @@ def as_rows(samples: Iterable[SamplePrompt]) -> list[dict[str, Any]]:
     return [{"prompt": s.prompt, "seed": s.seed} for s in samples]
 
 
-def from_rows(rows: Iterable[Mapping[str, Any]] | None) -> tuple[SamplePrompt, ...]:
-    """The row's prompts (NULL for a job accepted before samples: none)."""
-    return tuple(SamplePrompt(str(r["prompt"]), int(r["seed"])) for r in rows or ())
-
-
 def prompts_document(samples: Iterable[SamplePrompt], tier: Tier, sample_steps: int) -> bytes:
     """The prompts file's bytes: the same prompts at the same size always give the same bytes."""
     entries = [{"prompt": s.prompt, "negative_prompt": SAMPLE_NEGATIVE_PROMPT, "width": tier.resolution,

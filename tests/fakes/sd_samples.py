@@ -41,7 +41,7 @@ def due(args, epoch: int | None, steps: int) -> bool:
     return steps % args.sample_every_n_steps == 0 and epoch is None
 
 
-def sample_images(log, args, epoch: int | None, steps: int, modes: dict, oom) -> None:
+def sample_images(log, args, epoch: int | None, steps: int, modes: dict, oom, phase) -> None:
     if not due(args, epoch, steps):
         return
     log("")
@@ -52,6 +52,7 @@ def sample_images(log, args, epoch: int | None, steps: int, modes: dict, oom) ->
     prompts = read_prompts(args.sample_prompts)
     save_dir = args.output_dir + "/sample"
     os.makedirs(save_dir, exist_ok=True)
+    phase("sampling")  # hang_in: a pass that never ends (its first image never drawn)
     for i, prompt in enumerate(prompts):
         entry = line_to_prompt_dict(prompt) if isinstance(prompt, str) else dict(prompt)
         entry["enum"] = i

@@ -70,7 +70,7 @@ IMAGE_EXTENSIONS = [".png", ".jpg", ".jpeg", ".webp", ".bmp"]
 IMAGE_EXTENSIONS += [ext.upper() for ext in IMAGE_EXTENSIONS]
 TOKENIZERS = ["openai/clip-vit-large-patch14", "laion/CLIP-ViT-bigG-14-laion2B-39B-b160k"]
 PHASES = ["launching", "loading_model", "caching_latents", "caching_text_encoder_outputs", "preparing_training",
-          "training", "saving"]
+          "training", "sampling", "saving"]
 
 
 def load_modes() -> dict:
@@ -813,7 +813,7 @@ def training(args: argparse.Namespace, dataset: Dataset, plan: Plan, started: fl
 
 
 def sample_images(args: argparse.Namespace, epoch: int | None, steps: int) -> None:
-    sd_samples.sample_images(log, args, epoch, steps, MODES, OutOfMemoryError)
+    sd_samples.sample_images(log, args, epoch, steps, MODES, OutOfMemoryError, phase)
 
 
 def train_step(args: argparse.Namespace, dataset: Dataset, plan: Plan, epoch: int, global_step: int,

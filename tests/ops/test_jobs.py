@@ -309,9 +309,9 @@ def test_show_lists_the_samples_with_their_step_loras_and_writes_the_contact_she
     assert section[0] == "2 prompts, a pass every 100 steps"
     assert section[1:3] == ["  prompt 0: 'photo of ohwx woman' (seed 42)",
                             "  prompt 1: 'ohwx woman, red coat' (seed 9)"]
-    assert [line.split()[:4] for line in section[3:7]] == [["base", "model", "prompt", "0"],
-                                                          ["base", "model", "prompt", "1"],
-                                                          ["step", "100", "prompt", "0"], ["step", "100", "prompt", "1"]]
+    assert [line.split()[:4] for line in section[3:7]] == [
+        ["base", "model", "prompt", "0"], ["base", "model", "prompt", "1"], ["step", "100", "prompt", "0"],
+        ["step", "100", "prompt", "1"]]
     assert "no step LoRA" in section[3] and f"step LoRA {'ab' * 6} verified" in section[5]
     assert section[7] == f"  contact sheet: {sheet}"
     with Image.open(sheet) as image:

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from tests.chaos.invariants import TERMINAL, Timeline, integrity_ok, terminal_events
+from tests.chaos.invariants import TERMINAL, Timeline, autopsy, integrity_ok, terminal_events
 from tests.helpers import pid_alive, set_modes, wait_for
 from tests.helpers.service import Service
 
@@ -107,19 +107,25 @@ def test_random_kills_never_break_the_invariants(host, migrated):
                     landed[target] += alive
                 except ProcessLookupError:
                     pass  # it already ended on its own
+            where = f"seed {SEED}, iteration {i}: {target} killed after {delay:.3f} s, job {job_id}"
             done = wait_for(lambda: (j := holder["svc"].request("GET", f"/train/{job_id}")[1])["status"]
-                            in TERMINAL and j, timeout=40, what=f"job {job_id} ({target}) to end")
+                            in TERMINAL and j, timeout=40, what=f"job {job_id} to end ({where})")
             time.sleep(0.3)
             timeline = watcher.close()
-            assert (done["status"], done["failure_class"]) in OUTCOMES[target], (target, delay, done)
-            assert timeline.problems() == [], (target, delay)
-            assert terminal_events(migrated.database_path, job_id) == [done["status"]]
+            assert (done["status"], done["failure_class"]) in OUTCOMES[target], (where, done)
+            assert timeline.problems() == [], where
+            assert terminal_events(migrated.database_path, job_id) == [done["status"]], where
             rec = json.loads(record.read_text()) if record.exists() else {}
             job_pids = [p for p in (rec.get("pid"), rec.get("pgid"), rec.get("grandchild")) if p]
-            wait_for(lambda: not any(pid_alive(p) for p in job_pids), timeout=5, what="no process of the job")
+            try:
+                wait_for(lambda: not any(pid_alive(p) for p in job_pids), timeout=5, what="no process of the job")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc} ({where}); the record: pid {rec.get('pid')}, pgid {rec.get('pgid')}, "
+                                     f"grandchild {rec.get('grandchild')}\n"
+                                     + autopsy(migrated.database_path, job_id, job_pids)) from None
             sup = supervisor_pid(migrated.database_path, job_id)
-            wait_for(lambda: not sup or not pid_alive(sup), timeout=10, what="the supervisor to exit")
-            assert integrity_ok(migrated.database_path)
+            wait_for(lambda: not sup or not pid_alive(sup), timeout=10, what=f"the supervisor to exit ({where})")
+            assert integrity_ok(migrated.database_path), where
     finally:
         holder["svc"].stop()
     print(f"chaos: {ITERATIONS} iterations, seed {SEED}, kills per target: {seen}, of which landed: {landed}")

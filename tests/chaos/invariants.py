@@ -53,6 +53,15 @@ class Timeline:
         return found
 
 
+def processes_with_arg(arg: str) -> list[int]:
+    """Live processes with `arg` as a whole argument: a job's launcher, trainer and forked workers carry its
+    `--output_name=`, whether or not the trainer wrote its record before the supervisor died."""
+    import psutil
+
+    return [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline", "status"])
+            if p.info["status"] != psutil.STATUS_ZOMBIE and arg in (p.info["cmdline"] or ())]
+
+
 def autopsy(path: Path, job_id: int, pids: list[int]) -> str:
     """What a failed check needs to name its cause: the job's row and events, and each of the given processes
     still alive with its /proc status and argv."""

@@ -31,7 +31,7 @@ from tests.chaos.invariants import TERMINAL, Timeline, autopsy, integrity_ok, pr
 from tests.helpers import pid_alive, set_modes, wait_for
 from tests.helpers.service import Service
 
-ITERATIONS = seeds.iterations(60)
+ITERATIONS = seeds.iterations(100)  # docs/testing.md, "Which runs where"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(max(900, ITERATIONS * 15))]
 TARGETS = ("web", "supervisor", "launcher", "trainer")
 # What each kill may honestly end in: the kill may also land after the run's own end.

@@ -23,8 +23,8 @@ from tests.helpers import pid_alive, wait_for
 from tests.webhooks.jobs import a_finished_job, states
 from tests.webhooks.receiver import Answer, delivered_once_each
 
-pytestmark = pytest.mark.slow
-ITERATIONS = seeds.iterations(100)  # CHAOS_SEED, CHAOS_ITERATIONS: tests/chaos/seeds.py
+ITERATIONS = seeds.iterations(100)  # CHAOS_SEED, CHAOS_ITERATIONS: tests/chaos/seeds.py, docs/testing.md
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(max(120, ITERATIONS * 4))]  # ~1 s an iteration, loaded
 
 
 def written_ids(db, job_id: int) -> list[str]:

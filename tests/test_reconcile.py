@@ -164,14 +164,15 @@ def test_a_process_it_did_not_kill_is_never_reported_as_killed(db, migrated):
 @pytest.mark.skipif(__import__("shutil").which("bwrap") is None, reason="bubblewrap is not installed")
 @pytest.mark.slow
 @pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "unrecorded"])
-def test_a_sandboxed_job_whose_launcher_outlived_its_supervisor_is_killed_namespace_and_all(db, migrated, recorded):
+def test_a_sandboxed_job_whose_launcher_outlived_its_supervisor_is_killed_namespace_and_all(db, migrated, recorded,
+                                                                                          tokens):
     # The instant between bwrap's start and its parent-death signal: the supervisor is gone, bwrap is not; and
     # it may have died before it wrote bwrap's pid (then bwrap is found by the job's argv, which it carries).
     marker = f"lora-worker-reconcile-escapee-{id(db)}"
     hider = (f"import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    os.execv(sys.executable, "
              f"[sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\ntime.sleep(60)\n")
     bwrap = subprocess.Popen(["bwrap", "--unshare-pid", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc",
-                              "--dev", "/dev", "--", sys.executable, "-c", hider, *TOKENS], start_new_session=True)
+                              "--dev", "/dev", "--", sys.executable, "-c", hider, *tokens], start_new_session=True)
     try:
         def escapee() -> int | None:
             return next((p for p in psutil.pids() if marker in " ".join(_cmdline(p))), None)
@@ -180,7 +181,7 @@ def test_a_sandboxed_job_whose_launcher_outlived_its_supervisor_is_killed_namesp
         trainer = {"trainer_pid": bwrap.pid, "trainer_start_ticks": processes.start_ticks(bwrap.pid)}
         job_id = running_job(db, boot_id=processes.boot_id(), supervisor_start_ticks=processes.start_ticks(os.getpid()),
                              **(trainer if recorded else {}))
-        _named_argv(db, job_id)
+        _named_argv(db, job_id, tokens)
         (action,) = reconcile(db, migrated)
         assert hidden in action.killed and bwrap.pid in action.killed
         assert not pid_alive(hidden)  # gone when the row is failed
@@ -231,16 +232,20 @@ def test_a_job_whose_supervisor_never_started_gets_a_run_log_saying_so(db, migra
 
 # -- a trainer the row does not name yet, and one that outlives SIGKILL ------------------------------------------
 
-TOKENS = ["--output_dir=/train/t1/output", "--output_name=ohwx"]  # what columns() writes: this job's LoRA
+@pytest.fixture
+def tokens(tmp_path) -> list[str]:
+    """What the job's argv names its LoRA by: a folder of this test's own, so no test beside it (another xdist
+    worker's) runs a process that looks like this job's."""
+    return [f"--output_dir={tmp_path / 'output'}", "--output_name=ohwx"]
 
 
 def _sleeper(*argv: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *argv], start_new_session=True)
 
 
-def _named_argv(db, job_id: int) -> None:
+def _named_argv(db, job_id: int, tokens: list[str]) -> None:
     with db.write() as s:
-        s.get(type(repo.get_job(db, job_id)), job_id).argv = ["accelerate", "launch", "train.py", *TOKENS]
+        s.get(type(repo.get_job(db, job_id)), job_id).argv = ["accelerate", "launch", "train.py", *tokens]
 
 
 # A launcher that starts a trainer with its own argv; the trainer forks a worker that calls setsid.
@@ -251,15 +256,15 @@ TRAINER = "import os, time\nif os.fork() == 0:\n    os.setsid()\ntime.sleep(60)\
 
 
 @pytest.mark.slow
-def test_a_trainer_started_before_the_row_named_it_is_found_by_its_argv_and_start_and_killed(db, migrated):
+def test_a_trainer_started_before_the_row_named_it_is_found_by_its_argv_and_start_and_killed(db, migrated, tokens):
     # The supervisor died between starting the trainer and writing its pid: the row has its own start only.
-    older = _sleeper(*TOKENS)  # started before that supervisor: a leftover of some earlier run, not this job's
-    other_lora = _sleeper(TOKENS[0], "--output_name=other")  # the same folder, another LoRA: another job's
+    older = _sleeper(*tokens)  # started before that supervisor: a leftover of some earlier run, not this job's
+    other_lora = _sleeper(tokens[0], "--output_name=other")  # the same folder, another LoRA: another job's
     ours: list[int] = []
     try:
         time.sleep(0.05)  # a few clock ticks
         supervisor = _sleeper()
-        launcher = subprocess.Popen([sys.executable, "-c", f"TRAINER = {TRAINER!r}\n" + LAUNCHER, *TOKENS],
+        launcher = subprocess.Popen([sys.executable, "-c", f"TRAINER = {TRAINER!r}\n" + LAUNCHER, *tokens],
                                     start_new_session=True)
         from tests.helpers import wait_for
 
@@ -268,7 +273,7 @@ def test_a_trainer_started_before_the_row_named_it_is_found_by_its_argv_and_star
         ours = [launcher.pid, *wait_for(lambda: len(tree()) == 2 and tree(), what="the trainer and its worker")]
         job_id = running_job(db, boot_id=processes.boot_id(), supervisor_pid=supervisor.pid,
                              supervisor_start_ticks=processes.start_ticks(supervisor.pid))
-        _named_argv(db, job_id)
+        _named_argv(db, job_id, tokens)
         supervisor.kill()
         supervisor.wait()
         (action,) = reconcile(db, migrated)
@@ -288,18 +293,18 @@ def test_a_trainer_started_before_the_row_named_it_is_found_by_its_argv_and_star
 
 
 @pytest.mark.slow
-def test_a_process_that_outlives_sigkill_keeps_the_job_running_says_so_and_holds_off_a_new_job(db, migrated,
+def test_a_process_that_outlives_sigkill_keeps_the_job_running_says_so_and_holds_off_a_new_job(db, migrated, tokens,
                                                                                                  monkeypatch):
     from lora_worker.errors import JobActive
     from lora_worker.run import leftovers
     from lora_worker.transcript.logreader import LogReader
     from tests.helpers.ledger import columns
 
-    trainer = _sleeper(*TOKENS)
+    trainer = _sleeper(*tokens)
     try:
         job_id = running_job(db, boot_id=processes.boot_id(), trainer_pid=trainer.pid,
                              trainer_start_ticks=processes.start_ticks(trainer.pid))
-        _named_argv(db, job_id)
+        _named_argv(db, job_id, tokens)
         # A process in uninterruptible sleep (state D, stuck in the driver) takes SIGKILL only when it wakes:
         # here, a signal that is "sent" and changes nothing.
         monkeypatch.setattr(processes, "signal_identity", lambda ident, sig: processes.matches(ident))

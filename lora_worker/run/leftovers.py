@@ -7,9 +7,9 @@ namespace's init is killed too, and the kernel takes every process in the namesp
 
 The supervisor writes the trainer's pid to the row only after it started it: one that died in between leaves a
 row with no `trainer_pid` and a trainer running. Such a trainer is found by its argv (the job's
-`--output_dir=`, which the launcher, the trainer and every forked worker carry) among the processes started
-since the supervisor itself (`supervisor_start_ticks`, written before the trainer can start): the one
-active job on this host is the only one those can be.
+`--output_dir=` and `--output_name=`, which the launcher, the trainer and every forked worker carry, and no
+other active job can: `one_active_job_per_lora`) among the processes started since the supervisor itself
+(`supervisor_start_ticks`, written before the trainer can start).
 """
 from __future__ import annotations
 
@@ -55,12 +55,12 @@ def kill_leftovers(job: JobProcesses, wait_s: float = GONE_WAIT_S) -> Leftovers:
         return Leftovers((), ())
     token = _arg(job, "--output_dir=")
     if job.trainer_pid:
-        killed, since = _recorded_group(job, token), job.trainer_start_ticks or 0
+        killed, since = _recorded_group(job, token), job.trainer_start_ticks or job.supervisor_start_ticks or 0
     elif job.supervisor_start_ticks is not None and token is not None:
         killed, since = [], job.supervisor_start_ticks
     else:
         return Leftovers((), ())  # no supervisor recorded itself: none started a trainer
-    if token:  # with the LoRA's name too: the one active job that writes this LoRA (`one_active_job_per_lora`)
+    if token:
         tokens = [token, *filter(None, [_arg(job, "--output_name=")])]
         killed += _by_argv(tokens, killed, since)
     killed = list(dict.fromkeys(killed))

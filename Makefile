@@ -97,6 +97,8 @@ demo-slurm: $(VENV)/.demo-installed
 	$(BIN)/python -m tests.cluster.cluster $(BIN)/lora-worker demo
 
 # The fault suite at length: hundreds of random kills, a longer contention window, more lifecycle sequences.
+# `make test` runs the same loops shorter (100 iterations each). A new seed each run; a failure names the
+# CHAOS_SEED and CHAOS_ITERATIONS that replay it (docs/testing.md, "Which runs where").
 chaos: $(VENV)/.installed
 	CHAOS_ITERATIONS=200 CHAOS_SECONDS=30 CHAOS_MODEL_EXAMPLES=60 $(BIN)/python -m pytest tests/chaos
 

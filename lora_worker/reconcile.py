@@ -6,8 +6,10 @@ touches an active row.
 the supervisor's flock, which the kernel drops when it dies (zombie or not). Before the row is failed, the
 backend stops what of the job may still run (`abandon`): a local leftover trainer is killed only if its
 identity matches the row (run/leftovers.py), a Slurm job is scancelled; a row whose job cannot be made sure
-to be stopped is left for a later reconcile. The failed row quotes the end of the job's run log, as a failure
-the supervisor wrote would.
+to be stopped is left for a later reconcile. A row is failed only once what was killed is gone: a process that
+outlives SIGKILL (state D) keeps the job active, and so its GPU from any new job, and the job's events and run
+log say which (`still_running`). The failed row quotes the end of the job's run log, as a failure the supervisor
+wrote would.
 """
 from __future__ import annotations
 
@@ -64,7 +66,11 @@ def reconcile_job(db: Database, settings: Settings, job: Job, *, actor: str = "r
         return None  # its supervisor is alive
     if job.status == JobState.QUEUED.value and utcnow() - job.created_at < timedelta(seconds=settings.launch_grace_s):
         return None  # being launched right now
-    failure, killed, reason = _what_is_left(job, settings, runs)
+    try:
+        failure, killed, reason = _what_is_left(job, settings, runs)
+    except processes.OutlivedKill as exc:
+        still_running(db, settings, job, exc, actor)
+        return None
     if killed is None:
         return None  # not known to be stopped: the row is not ended while the job may still run
     sentence = reason[0].upper() + reason[1:]
@@ -86,6 +92,17 @@ def _what_is_left(job: Job, settings: Settings, runs: Backend) -> tuple[FailureC
     reason = "the supervisor died; " + (f"killed its leftover processes {list(killed)}" if killed
                                          else "no process of the job was left")
     return FailureClass.SUPERVISOR_LOST, killed, reason
+
+
+def still_running(db: Database, settings: Settings, job: Job, outlived: processes.OutlivedKill, actor: str) -> None:
+    """Processes of the job outlived SIGKILL: the row stays active, so no new job is admitted while they hold the
+    GPU (the one-active-job index), and says why in an event and in the run log, once; a later reconcile ends
+    it when they are gone."""
+    reason = (f"the supervisor died; its processes {list(outlived.pids)} outlived SIGKILL for {outlived.waited_s:g} s; "
+              "the job stays running, holding its GPU, until they are gone")
+    if repo.note_active(db, job.id, actor=actor, reason=reason):
+        log.error("job %s: %s", job.id, reason, extra={"job": job.id})
+        close_log(settings, job.id, f"reconcile ({actor}): {reason[0].upper()}{reason[1:]}")
 
 
 def close_log(settings: Settings, job_id: int, line: str) -> None:

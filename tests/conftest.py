@@ -10,6 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from hypothesis import HealthCheck, settings as hypothesis_settings
 
 from lora_worker.config import Settings
 from lora_worker.ledger.db import Database
@@ -19,6 +20,22 @@ from tests.helpers.processes import not_zombie, pids, processes_of, start_record
 from tests.helpers.wakeup import start_listener
 
 pytest_plugins = ["tests.webhooks.fixtures"]  # the webhook target: tests/webhooks and tests/chaos
+
+# The example budget of every property test marked `fuzz` (a parser of bytes from the train root, a node or a
+# receiver, fed what Hypothesis draws): the profile HYPOTHESIS_PROFILE names, `bounded` unless told. `make test`
+# and `make test-fast` draw PROPERTY_EXAMPLES of each (all of them together add seconds), `make fuzz` FUZZ_EXAMPLES
+# with no deadline. A property test sets no max_examples of its own (tests/test_fuzz_budget.py holds them to
+# that), so one variable moves all of them. Both profiles start from the one Hypothesis chose (its `ci` profile
+# under CI: derandomized, so CI draws the same examples every run). The tests with budgets of their own
+# (tests/chaos, CHAOS_MODEL_EXAMPLES; tests/dispatch/test_argv.py) keep them.
+PROPERTY_EXAMPLES = 60
+FUZZ_EXAMPLES = 5000
+PROFILE_VARIABLE = "HYPOTHESIS_PROFILE"
+_chosen = hypothesis_settings.get_profile("ci" if hypothesis_settings.default.derandomize else "default")
+hypothesis_settings.register_profile("bounded", _chosen, max_examples=PROPERTY_EXAMPLES, deadline=None)
+hypothesis_settings.register_profile("fuzz", _chosen, max_examples=FUZZ_EXAMPLES, deadline=None,
+                                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+hypothesis_settings.load_profile(os.environ.get(PROFILE_VARIABLE, "bounded"))
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ A redraw ends in `\\r`, never a newline, and holds none of MARKER_GUARD's charac
 """
 from __future__ import annotations
 
+import math
 import re
 
 # steps:  45%|████▌     | 765/1700 [09:44<11:54,  1.31it/s, avr_loss=0.0871]   (one segment: no \r or \n in it)
@@ -13,6 +14,8 @@ BAR = re.compile(
 )
 LOSS = re.compile(r"avr_loss=([-+0-9.eE]+|nan|-?inf)")
 STEPS = b"steps:"
+MAX_COUNT = 10**9  # far past any run's steps, and well inside a ledger INTEGER
+MAX_SEGMENT = 64 * 1024  # of a longer segment only its head is read (transcript/parser.py MAX_PENDING)
 
 
 def newest_bar(data: bytes, lo: int, hi: int) -> tuple[int, re.Match[str]] | None:
@@ -55,7 +58,7 @@ def bar_at(data: bytes, at: int, lo: int, hi: int) -> re.Match[str] | None:
     """The `steps` redraw whose segment starts at `at`, parsed, or None."""
     if at > lo and data[at - 1] not in (10, 13):
         return None  # "validation steps:", or text that mentions steps: not the training bar
-    return BAR.match(data[at:segment_end(data, at, hi)].decode("utf-8", "replace"))
+    return BAR.match(data[at:min(segment_end(data, at, hi), at + MAX_SEGMENT)].decode("utf-8", "replace"))
 
 
 
@@ -67,19 +70,47 @@ def segment_end(data: bytes, pos: int, hi: int) -> int:
 
 
 
+def count(text: str | None, limit: int = MAX_COUNT) -> int | None:
+    """A counter the trainer printed (a step, a total, a signal number), or None when it is not one: ASCII digits
+    only (`\\d` also matches other scripts' digits), at most `limit`. Whatever a line holds, a number taken from it
+    is one a ledger column holds."""
+    if text is None or not (text.isascii() and text.isdigit()) or len(text) > len(str(limit)):
+        return None
+    value = int(text)
+    return value if value <= limit else None
+
+
 def seconds(clock: str) -> float | None:
-    if "?" in clock:
+    """tqdm's `MM:SS` or `H:MM:SS`, in seconds; None for `?` or anything else."""
+    parts = [count(part) for part in clock.split(":")]
+    if not 2 <= len(parts) <= 3 or None in parts:
         return None
     total = 0
-    for part in clock.split(":"):
-        total = total * 60 + int(part)
+    for part in parts:
+        total = total * 60 + (part or 0)
     return float(total)
 
 
 def rate(value: str, unit: str) -> float | None:
-    if "?" in value:
+    """Optimizer steps per second from tqdm's `1.31it/s` or `2.50s/it`; None for `?`, or anything that is not a
+    finite number above 0."""
+    try:
+        number = float(value)
+    except ValueError:  # `?`, `1.2.3`, `.`
         return None
-    number = float(value)
-    if unit == "s/it":
-        return 1.0 / number if number > 0 else None
-    return number
+    if not (math.isfinite(number) and number > 0):
+        return None
+    steps = 1.0 / number if unit == "s/it" else number
+    return steps if steps > 0 else None
+
+
+def loss(text: str | None) -> float | None:
+    """The `avr_loss=` of a redraw's postfix: a float (NaN and infinities included, as the trainer printed them),
+    or None when there is none or it does not parse."""
+    found = LOSS.search(text or "")
+    if found is None:
+        return None
+    try:
+        return float(found[1])
+    except ValueError:  # `e`, `1.2.3`, `+-`
+        return None

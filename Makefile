@@ -78,7 +78,7 @@ test-fast: $(VENV)/.installed
 
 # The property tests of the parsers of outside bytes (marked `fuzz`: the safetensors header, the trainer's states,
 # sd-scripts' output, the dataset's names and captions, the Slurm node's files, Retry-After, a receiver's answer)
-# at length: each draws the `fuzz` Hypothesis profile's budget (tests/conftest.py FUZZ_EXAMPLES) instead of the few
+# at length: each draws the `fuzz` Hypothesis profile's budget (tests/helpers/fuzz.py FUZZ_EXAMPLES) instead of the few
 # that `make test` draws, with no per-test timeout. Hypothesis keeps what it found in .hypothesis/ and tries it
 # first next time.
 fuzz: $(VENV)/.installed

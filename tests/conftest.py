@@ -10,32 +10,17 @@ from pathlib import Path
 
 import psutil
 import pytest
-from hypothesis import HealthCheck, settings as hypothesis_settings
 
 from lora_worker.config import Settings
 from lora_worker.ledger.db import Database
-from tests.helpers import Host, Launches, make_host, shared_tokenizers, tokenizer_identities
+from tests.helpers import Host, Launches, fuzz, make_host, shared_tokenizers, tokenizer_identities
 from tests.helpers.ledger import migrated_ledger
 from tests.helpers.processes import not_zombie, pids, processes_of, start_recorder
 from tests.helpers.wakeup import start_listener
 
 pytest_plugins = ["tests.webhooks.fixtures"]  # the webhook target: tests/webhooks and tests/chaos
 
-# The example budget of every property test marked `fuzz` (a parser of bytes from the train root, a node or a
-# receiver, fed what Hypothesis draws): the profile HYPOTHESIS_PROFILE names, `bounded` unless told. `make test`
-# and `make test-fast` draw PROPERTY_EXAMPLES of each (all of them together add seconds), `make fuzz` FUZZ_EXAMPLES
-# with no deadline. A property test sets no max_examples of its own (tests/test_fuzz_budget.py holds them to
-# that), so one variable moves all of them. Both profiles start from the one Hypothesis chose (its `ci` profile
-# under CI: derandomized, so CI draws the same examples every run). The tests with budgets of their own
-# (tests/chaos, CHAOS_MODEL_EXAMPLES; tests/dispatch/test_argv.py) keep them.
-PROPERTY_EXAMPLES = 60
-FUZZ_EXAMPLES = 5000
-PROFILE_VARIABLE = "HYPOTHESIS_PROFILE"
-_chosen = hypothesis_settings.get_profile("ci" if hypothesis_settings.default.derandomize else "default")
-hypothesis_settings.register_profile("bounded", _chosen, max_examples=PROPERTY_EXAMPLES, deadline=None)
-hypothesis_settings.register_profile("fuzz", _chosen, max_examples=FUZZ_EXAMPLES, deadline=None,
-                                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-hypothesis_settings.load_profile(os.environ.get(PROFILE_VARIABLE, "bounded"))
+fuzz.load_profile()  # the property tests' example budget: bounded, or what HYPOTHESIS_PROFILE names
 
 
 @pytest.fixture(scope="session")
@@ -154,7 +139,11 @@ ONE_WORKER_MODULES = {Path(__file__).parent / "deploy" / "test_install.py"}
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The real-cluster tests run on one worker (`--dist loadgroup`), one after another, against the one
     session-scoped cluster, and so do the tests of each module in ONE_WORKER_MODULES; every other test may run
-    on any worker at the same time."""
+    on any worker at the same time. A property test marked fuzz that sets its own budget is refused."""
+    marked = [(item.nodeid, item.obj) for item in items
+              if isinstance(item, pytest.Function) and item.get_closest_marker(fuzz.MARKER)]
+    if offences := fuzz.budget_offences(marked):
+        raise pytest.UsageError("; ".join(offences))
     for item in items:
         path = Path(str(item.path))
         if CLUSTER in path.parents:

@@ -134,7 +134,7 @@ def verify_lora(path: Path, expected: ExpectedLora) -> ArtifactCheck:
     memory) and hash it, both from the one open file, and compare the header with the request.
 
     Whatever the file holds, the answer is an ArtifactCheck: a supervisor checks a step LoRA inside its loop,
-    and a file the checks did not foresee is that file's problem, never the run's (tests/host/test_parsers_fuzz.py
+    and a file the checks did not foresee is that file's problem, never the run's (tests/host/test_safetensors_fuzz.py
     holds parse_header to its one refusal; this is the net under it)."""
     try:
         return _verify_lora(path, expected)

@@ -6,7 +6,7 @@ checked as the reference loader checks it (offsets, sizes, coverage: see `_check
 is what `safetensors.safe_open` opens; tests/host/test_safetensors.py holds the two together.
 
 The bytes are anyone's: `parse_header` returns a Header or raises HeaderError, for every input
-(tests/host/test_parsers_fuzz.py), in time and memory bounded by the file's size and MAX_HEADER_BYTES.
+(tests/host/test_safetensors_fuzz.py), in time and memory bounded by the file's size and MAX_HEADER_BYTES.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 HeaderError, never anything else, in bounded time and memory; and what it accepts, the real loader opens.
 The inputs are arbitrary bytes and mutations of real headers (the run's LoRA, the SDXL checkpoint's, a step LoRA
 of the rig's): flipped bits, lying lengths, nested JSON, huge numbers, wrong types. The budget is the Hypothesis
-profile's (tests/conftest.py: `make test` a few, `make fuzz` thousands)."""
+profile's (tests/helpers/fuzz.py: `make test` a few, `make fuzz` thousands)."""
 from __future__ import annotations
 
 import io

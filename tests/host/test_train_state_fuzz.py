@@ -3,7 +3,7 @@ are resume reasons (errors.RESUME_REASONS), never an exception. The inputs are a
 writes it (accelerate's files, torch's zip layout: tests/fakes/sd_states.py) with one file changed: bits flipped,
 cut short, replaced by any bytes, a zip record's flags or compression method set to anything (issue #38: one
 flipped flag bit made zipfile raise RuntimeError past the check), train_state.json replaced by any JSON or nested
-past the stack. The budget is the Hypothesis profile's (tests/conftest.py)."""
+past the stack. The budget is the Hypothesis profile's (tests/helpers/fuzz.py)."""
 from __future__ import annotations
 
 import json

@@ -2,7 +2,7 @@
 (a step within its total, numbers a ledger column holds, a loss that is a float or None), and the same bytes cut
 anywhere read the same. The streams are real captures cut up and glued together, sd-scripts' own lines and
 redraws with their numbers drawn at random (too many digits, digits of other scripts, `1.2.3it/s`), ANSI escapes,
-invalid UTF-8 and any bytes. The budget is the Hypothesis profile's (tests/conftest.py)."""
+invalid UTF-8 and any bytes. The budget is the Hypothesis profile's (tests/helpers/fuzz.py)."""
 from __future__ import annotations
 
 import math

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import struct
 from pathlib import Path
 
 import pytest
@@ -17,13 +16,12 @@ from hypothesis import example, given, strategies as st
 from lora_worker.errors import RESUME_REASONS
 from lora_worker.host.train_state import ARCHIVES, MODEL, TRAIN_STATE, check_state, state_name
 from tests.fakes.sd_states import save_state
-from tests.helpers.states import LORA_MODULES
+from tests.helpers.states import LORA_MODULES, set_zip_record_field
 
 pytestmark = pytest.mark.fuzz
 
 RANK, STEP = 4, 4
 NAME = state_name("ohwx", STEP)
-CENTRAL, LOCAL = b"PK\x01\x02", b"PK\x03\x04"
 
 
 @pytest.fixture(scope="module")
@@ -65,16 +63,6 @@ def flipped(data: bytes, bits: list[int]) -> bytes:
     return bytes(out)
 
 
-def set_record_field(data: bytes, which: str, field: str, value: int, nth: int) -> bytes:
-    """The `nth` central-directory or local record of a zip with its general-purpose flags or compression
-    method set to `value` (offsets from APPNOTE 4.3.7 and 4.3.12)."""
-    magic, offset = (CENTRAL, {"flags": 8, "method": 10}) if which == "central" else (LOCAL, {"flags": 6, "method": 8})
-    starts = [i for i in range(len(data)) if data.startswith(magic, i)]
-    out = bytearray(data)
-    struct.pack_into("<H", out, starts[nth % len(starts)] + offset[field], value)
-    return bytes(out)
-
-
 archives = st.sampled_from(ARCHIVES)
 files = st.sampled_from((*ARCHIVES, MODEL, TRAIN_STATE))
 
@@ -91,12 +79,12 @@ def test_a_state_with_flipped_bits_is_checked(pristine, workdir, name, bits):
 def test_a_zip_record_with_any_flags_or_method_is_checked(pristine, workdir, name, which, field, value, nth):
     """Issue #38's case: the encrypted flag (bit 0) is RuntimeError in zipfile, an unknown method
     NotImplementedError; each is now the archive's refusal."""
-    checked(workdir, {**pristine, name: set_record_field(pristine[name], which, field, value, nth)})
+    checked(workdir, {**pristine, name: set_zip_record_field(pristine[name], which, field, value, nth)})
 
 
 def test_the_encrypted_flag_and_an_unknown_method_are_refused_as_corrupt(pristine, workdir):
     for field, value in (("flags", 0x1), ("method", 99), ("method", 9)):  # 9: deflate64, which zipfile lacks
-        changed = set_record_field(pristine["optimizer.bin"], "central", field, value, 0)
+        changed = set_zip_record_field(pristine["optimizer.bin"], "central", field, value, 0)
         assert checked(workdir, {**pristine, "optimizer.bin": changed}) == ["state_archive_corrupt"], (field, value)
 
 

@@ -38,8 +38,9 @@ def redraws(draw) -> bytes:
 @st.composite
 def log_lines(draw) -> bytes:
     """One of the lines a marker begins, after a logger's prefix or none, with any argument or number."""
-    start = draw(st.sampled_from(MESSAGE_STARTS + ("total optimization steps / 学習ステップ数: ", "saving state at step ",
-                                                   "Traceback (most recent call last):", "  File \"x.py\", line 1, in f")))
+    start = draw(st.sampled_from(MESSAGE_STARTS + (
+        "total optimization steps / 学習ステップ数: ", "saving state at step ", "Traceback (most recent call last):",
+        '  File "x.py", line 1, in f')))
     prefix = draw(st.sampled_from(["", "2026-11-30 03:36:26 INFO     ", "   ", "WARNING "]))
     tail = draw(st.one_of(numbers, st.text(max_size=30),
                           st.sampled_from([" died with <Signals.SIGKILL: 9>.", " returned non-zero exit status 1."])))
@@ -53,8 +54,8 @@ def real_slices(draw) -> bytes:
     return data[start:start + draw(st.integers(1, 2000))]
 
 
-pieces = st.one_of(redraws(), log_lines(), real_slices(), st.sampled_from([b"\r", b"\n", b"\r\n", b"\x1b[1m", b"\x1b["]),
-                   st.binary(max_size=40))
+pieces = st.one_of(redraws(), log_lines(), real_slices(),
+                   st.sampled_from([b"\r", b"\n", b"\r\n", b"\x1b[1m", b"\x1b["]), st.binary(max_size=40))
 streams = st.lists(pieces, max_size=24).map(b"".join)
 
 

@@ -23,17 +23,15 @@ from lora_worker.states import Phase
 from lora_worker.transcript.ansi import AnsiFilter, Decoder  # re-exported: the parser's readers take them here
 from lora_worker.transcript.markers import (
     FLAG_GROUPS,
-    LINE_PREFIX,
+    LINE_MARKER,
     MARKER_GUARD_BYTES,
-    MARKER_SEARCH,
-    MARKERS,
     PHASE_GROUPS,
     SAVE_GROUPS,
     line_end,
     message_starts,
 )
-from lora_worker.transcript.redraws import (BAR, MAX_COUNT, MAX_SEGMENT, STEPS, bar_before, count, loss, newest_bar,
-                                            rate, seconds, segment_end)
+from lora_worker.transcript.redraws import (BAR, MAX_COUNT, MAX_SEGMENT, STEPS, bar_before, count, counts, loss,
+                                            newest_bar, rate, seconds, segment_end)
 
 __all__ = ["AnsiFilter", "Decoder", "Parser", "Progress", "Save"]
 
@@ -185,9 +183,9 @@ class Parser:
         if m[0] == self._last_bar:
             return
         self._last_bar = m[0]
-        step, total = count(m[1]), count(m[2])
-        if step is None or total is None or step > total:
-            return  # not sd-scripts' bar (its counter never passes its total): text shaped like one
+        if (counted := counts(m)) is None:
+            return  # not sd-scripts' bar: text shaped like one
+        step, total = counted
         p = self.progress
         p.redraws += 1
         p.step, p.total_steps = step + self.step_offset, total + self.step_offset
@@ -204,19 +202,15 @@ class Parser:
             self._points[p.step] = p.loss
 
     def _scan_markers(self, text: str) -> None:
+        """The marker that begins a line's message, on each line of `text` (a segment is one): only there, after
+        LINE_PREFIX. A marker quoted inside another line (a path, a caption, an exception's message) is data;
+        the rest of a marker's line is its argument, never another marker."""
         pos = 0
-        while (hit := MARKER_SEARCH.search(text, pos)) is not None:
-            start = hit.start()
-            line_start = max(text.rfind("\n", 0, start), text.rfind("\r", 0, start)) + 1
-            if not LINE_PREFIX.fullmatch(text, line_start, start):
-                # Quoted inside another line (a path, a caption, an exception's message): data, not a marker.
-                # Nothing later on this line can begin its message either.
-                pos = line_end(text, start)
-                continue
-            m = MARKERS.match(text, start)
-            assert m is not None  # the same language: MARKER_SEARCH is MARKERS without names
-            pos = line_end(text, m.end())  # the rest of the line is the marker's argument, never another one
-            self._apply_marker(m)
+        while pos <= len(text):
+            m = LINE_MARKER.match(text, pos)
+            if m is not None:
+                self._apply_marker(m)
+            pos = line_end(text, pos) + 1
 
     def _apply_marker(self, m: re.Match[str]) -> None:
         p = self.progress

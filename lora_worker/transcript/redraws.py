@@ -35,7 +35,7 @@ def bar_before(data: bytes, lo: int, at: int, m: re.Match[str]) -> tuple[int, re
     Every redraw of a step has the same bytes up to its counter (`steps:  45%|████▌     | 765/1700 [`), so
     whether a segment is of this step is one comparison at a known offset: a bisection over the run finds
     the step's first redraw in a few of them, without reading the redraws between."""
-    if int(m[1]) == 0:
+    if count(m[1]) == 0:
         return None
     text = m.string
     offset, counter = len(text[:m.start(1)].encode()), text[m.start(1):text.index("[", m.end(2)) + 1].encode()
@@ -58,7 +58,16 @@ def bar_at(data: bytes, at: int, lo: int, hi: int) -> re.Match[str] | None:
     """The `steps` redraw whose segment starts at `at`, parsed, or None."""
     if at > lo and data[at - 1] not in (10, 13):
         return None  # "validation steps:", or text that mentions steps: not the training bar
-    return BAR.match(data[at:min(segment_end(data, at, hi), at + MAX_SEGMENT)].decode("utf-8", "replace"))
+    m = BAR.match(data[at:min(segment_end(data, at, hi), at + MAX_SEGMENT)].decode("utf-8", "replace"))
+    return m if m is not None and counts(m) is not None else None
+
+
+def counts(m: re.Match[str]) -> tuple[int, int] | None:
+    """A redraw's step and total, or None when they are no counter a bar shows: not ASCII digits, or past
+    MAX_COUNT. A step past its total is taken as it is: tqdm draws one when updated past its total, and a redraw
+    left out would starve the stall watchdog, which counts only new steps as life in training."""
+    step, total = count(m[1]), count(m[2])
+    return (step, total) if step is not None and total is not None else None
 
 
 

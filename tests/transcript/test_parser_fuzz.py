@@ -32,7 +32,7 @@ def redraws(draw) -> bytes:
     eta = draw(st.sampled_from(["00:01", "?", "1:02:03", "::", "9" * 400, "1:2:3:4", "99999999999:00"]))
     postfix = draw(st.sampled_from(["", f", avr_loss={loss}", ", avr_loss="]))
     unit = draw(st.sampled_from(["it/s", "s/it"]))
-    return f"steps:  45%|████▌     | {n}/{total} [00:01<{eta}, {rate}{unit}{postfix}]".encode()
+    return f"\rsteps:  45%|████▌     | {n}/{total} [00:01<{eta}, {rate}{unit}{postfix}]".encode()
 
 
 @st.composite
@@ -100,6 +100,9 @@ def reading(parser: Parser, curve: dict[int, float | None]) -> tuple[object, ...
 @example(b"steps:  1%|x| 1/2 [00:00<00:00, 1.2.3it/s]\r", [])  # float('1.2.3') raised out of the parser
 @example(b"steps:  1%|x| " + b"9" * 5000 + b"/2 [00:00<00:00, 1.2it/s]\r", [])  # int() of 5000 digits raised
 @example(b"steps:  1%|x| 1/2 [00:00<" + b"9" * 400 + b", 1.2it/s]\r", [])  # float() of a 400-digit ETA overflowed
+# in a run of redraws, the one before a 4400-digit step was looked for with int() of it
+@example(b"\rsteps:  1%|x| 1/9 [00:00<00:00, 1.2it/s]\rsteps:  1%|x| " + b"9" * 4400 + b"/9 [00:00<00:00, 1it/s]\rx\n",
+         [])
 def test_any_output_in_any_chunks_reads_the_same_and_stays_sane(data, cuts):
     whole = feed(data, [])
     assert_sane(*whole)
@@ -130,3 +133,16 @@ def test_a_line_longer_than_the_parser_holds_reads_the_same_in_any_chunks(cut):
     data = b"caching latents...\n" + line + b"model saved.\n"
     whole = feed(data, [])
     assert whole[0].progress.checkpoints and reading(*feed(data, list(range(cut, len(data), cut)))) == reading(*whole)
+
+
+@pytest.mark.parametrize("unit", [b"torch.", b"subprocess.CalledProcessError: Command ", b"1%|a|[x]", b" ",
+                                  b"ValueError: The provided pretrained_model_name_or_path \""])
+def test_a_long_line_of_marker_fragments_is_read_in_one_pass(unit):
+    """A marker was searched for along each line and its prefix checked after: a branch's `[\\w.]+` or `[^\\r\\n]*`
+    then ran to the line's end from every position, and one 60 KB line of `torch.torch.…` (an exception message
+    quoting a caption, say) held the supervisor's loop for 134 s, past this suite's 120 s timeout. Anchored at the
+    line's start, ten such lines read as quickly as any; and none of them is a marker."""
+    for prefix in (b"", b"ValueError: ", b"2026-11-30 03:36:26 INFO     "):
+        line = prefix + unit * (60_000 // len(unit)) + b"\n"
+        parser, _ = feed(line * 10, [])
+        assert parser.progress.flags == set() and parser.progress.saves == []

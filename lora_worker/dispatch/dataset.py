@@ -125,12 +125,7 @@ def _read_folder(folder_fd: int, folder_name: str) -> tuple[DatasetImage, ...]:
     entries = dict(_entries(folder_fd, Path(folder_name)))
     trained = [name for name in sorted(entries) if kohya.is_trained_image(name)]
     images = [name for name in trained if _is_utf8(name)]
-    problems = [f"{folder_name}/{printable(name)}: {why}" for name in sorted(entries)
-                if (why := kohya.skipped_image(name))]
-    # sd-scripts would train on an image whose name is not UTF-8 (os.listdir gives its bytes as surrogates), but no
-    # manifest, ledger row or JSON answer holds that name as it is: the worker cannot say what it trains, so refuses
-    problems += [f"{folder_name}/{printable(name)}: the file name is not UTF-8; rename it" for name in trained
-                 if not _is_utf8(name)]
+    problems = _name_problems(folder_name, sorted(entries), trained)
     if not images and not problems:
         raise DatasetInvalid({"dataset_dir": [
             f"{folder_name!r} holds no images ({', '.join(kohya.IMAGE_EXTENSIONS)}, or the same in upper case)."]})
@@ -183,6 +178,15 @@ def _check_image(folder_fd: int, name: str, st: os.stat_result) -> tuple[int, st
         return st.st_size, (f"{name}: not an image sd-scripts can open (its content is none of "
                             "PNG, JPEG, WebP, BMP)")
     return st.st_size, None
+
+
+def _name_problems(folder_name: str, names: list[str], trained: list[str]) -> list[str]:
+    """The files sd-scripts would skip without a word, and the images whose names cannot be recorded: sd-scripts
+    would train on an image whose name is not UTF-8 (os.listdir gives its bytes as surrogates), but no manifest,
+    ledger row or JSON answer holds that name as it is, so the worker cannot say what it trains and refuses."""
+    problems = [f"{folder_name}/{printable(name)}: {why}" for name in names if (why := kohya.skipped_image(name))]
+    return problems + [f"{folder_name}/{printable(name)}: the file name is not UTF-8; rename it" for name in trained
+                       if not _is_utf8(name)]
 
 
 def _is_utf8(name: str) -> bool:

@@ -215,12 +215,10 @@ class Parser:
     def _apply_marker(self, m: re.Match[str]) -> None:
         p = self.progress
         kind = m.lastgroup
-        if any(m[group] is not None and count(m[group], limit) is None for group, limit in COUNTED.items()):
+        if not _counted(m):
             return  # a number no trainer prints (digits of another script, or too many): not the trainer's line
         if kind in SAVE_GROUPS:
-            arg = m["checkpoint"] or m["state_step"] or m["removed_path"] or m["removed_state_path"] or (
-                str(p.step) if kind == "last_state" else "")
-            p.saves.append(Save(str(kind), arg.strip(), p.redraws))
+            p.saves.append(Save(str(kind), _save_text(m, p.step), p.redraws))
         if kind in PHASE_GROUPS:
             if "model_saved" not in p.flags:
                 p.enter(PHASE_GROUPS[kind])
@@ -248,6 +246,18 @@ class Parser:
         loss = None if p.loss is None or math.isnan(p.loss) else p.loss
         return (p.phase, p.step, p.total_steps, loss, p.loss is not None and math.isnan(p.loss), p.rate,
                 p.eta_s, len(p.flags), len(p.saves))
+
+def _save_text(m: re.Match[str], step: int) -> str:
+    """A save marker's argument: the path or step it names (`saving last state.` names none: the bar's step)."""
+    arg = m["checkpoint"] or m["state_step"] or m["removed_path"] or m["removed_state_path"] or (
+        str(step) if m.lastgroup == "last_state" else "")
+    return arg.strip()
+
+
+def _counted(m: re.Match[str]) -> bool:
+    """Whether each number the marker carries is one the trainer could print (COUNTED)."""
+    return all(m[group] is None or count(m[group], limit) is not None for group, limit in COUNTED.items())
+
 
 def _first_break(data: bytes, last_cr: int, last_nl: int) -> int:
     """Where the first segment of `data` ends (its first \r or \n), given that it has one."""

@@ -35,7 +35,7 @@ def bar_before(data: bytes, lo: int, at: int, m: re.Match[str]) -> tuple[int, re
     Every redraw of a step has the same bytes up to its counter (`steps:  45%|████▌     | 765/1700 [`), so
     whether a segment is of this step is one comparison at a known offset: a bisection over the run finds
     the step's first redraw in a few of them, without reading the redraws between."""
-    if count(m[1]) == 0:
+    if not m[1].strip("0"):  # step 0: no step before it (no int() of what may be thousands of digits)
         return None
     text = m.string
     offset, counter = len(text[:m.start(1)].encode()), text[m.start(1):text.index("[", m.end(2)) + 1].encode()
@@ -58,8 +58,7 @@ def bar_at(data: bytes, at: int, lo: int, hi: int) -> re.Match[str] | None:
     """The `steps` redraw whose segment starts at `at`, parsed, or None."""
     if at > lo and data[at - 1] not in (10, 13):
         return None  # "validation steps:", or text that mentions steps: not the training bar
-    m = BAR.match(data[at:min(segment_end(data, at, hi), at + MAX_SEGMENT)].decode("utf-8", "replace"))
-    return m if m is not None and counts(m) is not None else None
+    return BAR.match(data[at:min(segment_end(data, at, hi), at + MAX_SEGMENT)].decode("utf-8", "replace"))
 
 
 def counts(m: re.Match[str]) -> tuple[int, int] | None:
@@ -83,21 +82,21 @@ def count(text: str | None, limit: int = MAX_COUNT) -> int | None:
     """A counter the trainer printed (a step, a total, a signal number), or None when it is not one: ASCII digits
     only (`\\d` also matches other scripts' digits), at most `limit`. Whatever a line holds, a number taken from it
     is one a ledger column holds."""
-    if text is None or not (text.isascii() and text.isdigit()) or len(text) > len(str(limit)):
+    if text is None or len(text) > len(str(limit)) or not text.isdigit() or not text.isascii():
         return None
     value = int(text)
     return value if value <= limit else None
 
 
+CLOCK = re.compile(r"(?:([0-9]{1,9}):)?([0-9]{1,9}):([0-9]{1,9})")  # tqdm's format_interval: [H:]MM:SS
+
+
 def seconds(clock: str) -> float | None:
     """tqdm's `MM:SS` or `H:MM:SS`, in seconds; None for `?` or anything else."""
-    parts = [count(part) for part in clock.split(":")]
-    if not 2 <= len(parts) <= 3 or None in parts:
+    m = CLOCK.fullmatch(clock)
+    if m is None:
         return None
-    total = 0
-    for part in parts:
-        total = total * 60 + (part or 0)
-    return float(total)
+    return float((int(m[1] or 0) * 60 + int(m[2])) * 60 + int(m[3]))
 
 
 def rate(value: str, unit: str) -> float | None:

@@ -11,11 +11,13 @@ import re
 import pytest
 from hypothesis import example, given, strategies as st
 
+from lora_worker.transcript.checkpoints import Checkpoints
 from lora_worker.transcript.explain import explain, quotable
 from lora_worker.transcript.markers import MESSAGE_STARTS
 from lora_worker.transcript.parser import MAX_PENDING, MAX_SIGNAL, MAX_STATUS, Parser
 from lora_worker.transcript.redraws import BAR, MAX_COUNT, count, loss
 from tests.helpers.captures import CAPTURES, stream
+from tests.helpers.checkpoints import WatchedJob
 
 pytestmark = pytest.mark.fuzz
 
@@ -177,3 +179,21 @@ def test_a_long_line_of_marker_fragments_is_read_in_one_pass(unit):
         line = prefix + unit * (60_000 // len(unit)) + b"\n"
         parser, _ = feed(line * 10, [])
         assert parser.progress.flags == set() and parser.progress.saves == []
+
+
+step_numbers = st.one_of(st.integers(0, 10**9).map(lambda n: f"{n:08d}"), numbers, st.just("٠٠٠٠٠٠٠٤"))
+
+
+@given(st.lists(st.tuples(st.sampled_from(["saving checkpoint", "removing old checkpoint", "removing old state"]),
+                          step_numbers, st.sampled_from([".safetensors", "-state"])), max_size=6), streams)
+@example([("saving checkpoint", "9" * 5000, ".safetensors")], b"")  # int() of it raised in the supervisor's loop
+@example([("saving checkpoint", "9" * 20, ".safetensors")], b"")  # a step no INTEGER column holds
+def test_the_checkpoints_of_any_save_lines_are_rows_a_ledger_holds(tmp_path_factory, saves, noise):
+    """What the parser feeds the supervisor's tick: transcript/checkpoints.py makes rows of its saves, whatever
+    the lines say, each with a step a ledger column holds."""
+    out = tmp_path_factory.getbasetemp() / "out"
+    lines = "".join(f"\n{verb}: {out}/ohwx-step{digits}{suffix}\n" for verb, digits, suffix in saves)
+    parser, _ = feed(noise + lines.encode() + b"\rsteps:  1%|x| 1/9 [00:01<00:02, 1it/s]\r", [])
+    for row in Checkpoints(WatchedJob(str(out))).take(parser.progress, ended=True):
+        assert 0 <= row.step <= MAX_COUNT
+

@@ -58,7 +58,9 @@ def bar_at(data: bytes, at: int, lo: int, hi: int) -> re.Match[str] | None:
     """The `steps` redraw whose segment starts at `at`, parsed, or None."""
     if at > lo and data[at - 1] not in (10, 13):
         return None  # "validation steps:", or text that mentions steps: not the training bar
-    return BAR.match(data[at:min(segment_end(data, at, hi), at + MAX_SEGMENT)].decode("utf-8", "replace"))
+    m = BAR.match(data[at:min(segment_end(data, at, hi), at + MAX_SEGMENT)].decode("utf-8", "replace"))
+    # a counter that is no number is no bar: the redraw before it is the newest (as when each is read on its own)
+    return m if m is not None and counts(m) is not None else None
 
 
 def counts(m: re.Match[str]) -> tuple[int, int] | None:

@@ -143,6 +143,8 @@ def test_any_output_in_any_chunks_reads_the_same_and_stays_sane(data, cuts):
 
 @given(streams)
 # a loss shown by one redraw of step 0 and not by the newest: only the loss may differ by the cuts
+# a newest redraw whose total is past MAX_COUNT hid the one before it when read in one chunk (make fuzz)
+@example(b"\rsteps:  45%|x| 0/0 [00:01<00:01, 0it/s]\rsteps:  45%|x| 0/1000000001 [00:01<00:01, 0it/s]\r")
 @example(b"\rsteps:  45%|x| 0/0 [00:01<00:01, 0it/s, avr_loss=0]\rsteps:  45%|x| 0/0 [00:01<00:01, 0it/s]\rx")
 def test_any_output_a_byte_at_a_time_reads_as_the_whole(data):
     data = data[:2048]  # a byte a time: kept to a second or two
@@ -195,5 +197,5 @@ def test_the_checkpoints_of_any_save_lines_are_rows_a_ledger_holds(tmp_path_fact
     lines = "".join(f"\n{verb}: {out}/ohwx-step{digits}{suffix}\n" for verb, digits, suffix in saves)
     parser, _ = feed(noise + lines.encode() + b"\rsteps:  1%|x| 1/9 [00:01<00:02, 1it/s]\r", [])
     for row in Checkpoints(WatchedJob(str(out))).take(parser.progress, ended=True):
-        assert 0 <= row.step <= MAX_COUNT
+        assert 0 <= row.step < 2**63  # a SQLite INTEGER
 

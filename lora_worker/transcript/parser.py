@@ -179,12 +179,12 @@ class Parser:
             self._apply(m)
 
     def _apply(self, m: re.Match[str]) -> None:
-        # A redraw already applied while its segment was open is not applied again when the segment ends.
-        if m[0] == self._last_bar:
+        # A redraw already applied while its segment was open is not applied again when the segment ends. Text
+        # shaped like the bar but no bar (counts) is passed over first, as the run of redraws passes over it:
+        # it is never the redraw applied last.
+        if (counted := counts(m)) is None or m[0] == self._last_bar:
             return
         self._last_bar = m[0]
-        if (counted := counts(m)) is None:
-            return  # not sd-scripts' bar: text shaped like one
         step, total = counted
         p = self.progress
         p.redraws += 1

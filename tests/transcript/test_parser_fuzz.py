@@ -145,6 +145,9 @@ def test_any_output_in_any_chunks_reads_the_same_and_stays_sane(data, cuts):
 # a loss shown by one redraw of step 0 and not by the newest: only the loss may differ by the cuts
 # a newest redraw whose total is past MAX_COUNT hid the one before it when read in one chunk (make fuzz)
 @example(b"\rsteps:  45%|x| 0/0 [00:01<00:01, 0it/s]\rsteps:  45%|x| 0/1000000001 [00:01<00:01, 0it/s]\r")
+# the same, between a redraw glued to a marker and that redraw again: it made the last one count again (make fuzz)
+@example(b"\rsteps:  45%|x| 0/0 [00:01<00:01, 0it/s]load StableDiffusion checkpoint: "
+         b"\rsteps:  45%|x| 0/" + b"9" * 400 + b" [00:01<00:01, 0it/s]\rsteps:  45%|x| 0/0 [00:01<00:01, 0it/s]")
 @example(b"\rsteps:  45%|x| 0/0 [00:01<00:01, 0it/s, avr_loss=0]\rsteps:  45%|x| 0/0 [00:01<00:01, 0it/s]\rx")
 def test_any_output_a_byte_at_a_time_reads_as_the_whole(data):
     data = data[:2048]  # a byte a time: kept to a second or two

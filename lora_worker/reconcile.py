@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from lora_worker.config import Settings
+from lora_worker.errors import LoraWorkerError
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, utcnow
@@ -40,13 +41,27 @@ class Action:
 
 def reconcile(db: Database, settings: Settings, *, actor: str = "reconcile",
               backend: Backend | None = None) -> list[Action]:
-    """Mark every unattended active job failed; returns what was done."""
+    """Mark every unattended active job failed; returns what was done. A job whose reconcile fails unexpectedly is
+    logged (its traceback, once a process) and left for the next round; the others are reconciled all the same.
+    A ledger that is busy or gone (LoraWorkerError) stops the round: no job's row can be written."""
     actions = []
     for job in repo.active_jobs(db):
-        action = reconcile_job(db, settings, job, actor=actor, backend=backend)
+        try:
+            action = reconcile_job(db, settings, job, actor=actor, backend=backend)
+        except LoraWorkerError:
+            raise
+        except Exception:  # noqa: BLE001 - contained to this job: the next round tries it again
+            if job.id not in _FAILED:
+                _FAILED.add(job.id)
+                log.exception("job %s: reconcile failed; it is left as it is for the next round", job.id,
+                              extra={"job": job.id})
+            continue
         if action is not None:
             actions.append(action)
     return actions
+
+
+_FAILED: set[int] = set()  # the jobs whose reconcile failed, logged with a traceback once a process
 
 
 def current_job(db: Database, settings: Settings, job_id: int, *, actor: str, backend: Backend | None = None) -> Job:

@@ -169,7 +169,7 @@ def inspect_image(folder_fd: int, name: str, resolution: int, *, decode: bool = 
         return ImageFacts(name, None, None, digest), found
     bucket, found_bucket = _bucket(name, size, resolution)
     found += found_bucket
-    if not found:
+    if not any(f.is_error for f in found):  # a small image is decoded as any other
         found += _decode(data, name, size) if decode else [_unverified(name, size, "the lint's time ran out")]
     return ImageFacts(name, size, bucket, digest), found
 

@@ -158,3 +158,36 @@ def test_what_the_lint_refuses_at_make_buckets_is_what_the_real_trainer_dies_of_
     cap = real_trainer.run(argv, rig / "sd-scripts", real_trainer.env(folder.parent), folder.parent, timeout=300)
     assert cap.rc != 0 and says in cap.text("stderr") + cap.text("stdout")
     assert "loading model" not in cap.text("stdout").lower() and "make buckets" in cap.text("stdout")
+
+
+def truncated_jpeg() -> bytes:
+    whole = image_bytes(256, 256, "JPEG", 7)
+    noisy = Image.effect_noise((256, 256), 64).convert("RGB")  # detail, so the cut lands in the scan data
+    out = io.BytesIO()
+    noisy.save(out, "JPEG", quality=95)
+    data = out.getvalue()
+    assert len(data) > 4 * len(whole)
+    return data[: len(data) // 2]
+
+
+def test_a_truncated_image_the_lint_refuses_is_one_the_real_trainer_dies_on_at_caching_latents(rig_api):
+    """The one real run here that loads the model (~21 GB, 1-3 min, under the rig's flock): a JPEG cut in half is
+    refused by the lint (`image_undecodable`), and the real trainer, given it, loads the model and then dies at
+    `caching latents` with Pillow's `image file is truncated` (train_util.py L2948-2961)."""
+    rig, root, api = rig_api
+    folder = dataset(root, "truncated", [("a_cut.jpg", truncated_jpeg()), ("b_whole.png", image_bytes(256, 256))])
+    refused = api.post("/train?dry_run=1", json=body(rig, folder, "fast"))
+    assert refused.status_code == 422
+    errors = [f for f in refused.get_json()["details"]["findings"] if f["severity"] == "error"]
+    assert [(e["code"], e["file"]) for e in errors] == [("image_undecodable", f"{FOLDER}/a_cut.jpg")]
+    assert "truncated" in errors[0]["message"]
+    out = folder.parent / "out"
+    # the worker's flags at the rig's size; fp32, as the rig README says for a CPU that emulates bf16 slowly
+    argv = [a.replace("--mixed_precision=bf16", "--mixed_precision=no")
+            for a in real_trainer.argv(rig, folder, out, steps=1)]
+    cap = real_trainer.run(argv, rig / "sd-scripts", real_trainer.env(folder.parent), out, timeout=900)
+    stdout, stderr = cap.text("stdout"), cap.text("stderr")
+    assert cap.rc != 0 and cap.cancel is None, stdout[-2000:] + stderr[-2000:]
+    assert "caching latents" in stdout and f"Error loading file: {folder / FOLDER / 'a_cut.jpg'}" in stdout + stderr
+    assert "image file is truncated" in stderr
+    assert not (out / "ohwx.safetensors").exists()

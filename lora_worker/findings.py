@@ -24,8 +24,9 @@ FINDINGS: dict[str, tuple[Severity, str]] = {
     "image_empty": ("error", "The image file is empty."),
     "image_format": ("error", "The file's content is none of PNG, JPEG, WebP, BMP."),
     "image_too_large": ("error", "The image file is larger than an image may be (64 MiB)."),
-    "image_size_unreadable": ("error", "Pillow cannot read the image's size: sd-scripts takes it as 0x0 and divides "
-                                       "by zero when it makes the buckets."),
+    "image_size_unreadable": ("error", "Pillow cannot open the image or read its size: sd-scripts takes it as 0x0 "
+                                       "and divides by zero when it makes the buckets, or (where its `imagesize` "
+                                       "reads the header) dies at `caching latents`."),
     "image_undecodable": ("error", "Pillow cannot decode the whole image (truncated or corrupt): the trainer would "
                                    "die at `caching latents`, after loading the model."),
     "image_too_many_pixels": ("error", "More pixels than the trainer's Pillow opens (178,956,970): it would die "

@@ -4,7 +4,10 @@ joiners and flags, curly quotes, mojibake and HTML entities (ftfy mends them), l
 odd whitespace, control characters, the special tokens' own text, and captions past 75 tokens."""
 from __future__ import annotations
 
+import gzip
 import random
+import shutil
+from pathlib import Path
 
 WORDS = ("a photo of ohwx woman portrait close-up smiling outdoors sunlight bokeh studio lighting wearing red dress "
          "standing in a field of flowers highly detailed 8k masterpiece best quality cinematic dramatic shadows "
@@ -48,3 +51,20 @@ def corpus(seed: int, n: int) -> list[str]:
     rng = random.Random(seed)
     found = [caption(rng) for _ in range(n)]
     return [c for c in found if c.strip()]
+
+
+CLIP_DATA = Path(__file__).resolve().parent.parent / "data" / "clip"
+
+
+def clip_tokenizer_cache(root: Path) -> Path:
+    """A --tokenizer_cache_dir of the two SDXL tokenizers with CLIP's real merges (tests/data/clip): what the caption
+    count reads (the fakes' tokenizers are only shaped like CLIP's)."""
+    from lora_worker.host.trainer import TOKENIZER_DIRS
+
+    merges = gzip.decompress((CLIP_DATA / "merges.txt.gz").read_bytes())
+    for name, config in zip(TOKENIZER_DIRS, ("clip_l", "bigg")):
+        folder = root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "merges.txt").write_bytes(merges)
+        shutil.copy(CLIP_DATA / f"{config}_tokenizer_config.json", folder / "tokenizer_config.json")
+    return root

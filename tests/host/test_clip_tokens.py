@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import gzip
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from lora_worker.host.clip_tokens import CONTENT_TOKENS, ClipBpe, load_counter, parse_merges, parse_specials
 from lora_worker.host.trainer import TOKENIZER_DIRS, FileUnusable
+from tests.helpers.captions import clip_tokenizer_cache
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "clip"
 TABLE = json.loads((DATA / "token_counts.json").read_text())["rows"]
@@ -46,12 +46,7 @@ def test_known_captions(tokenizers, caption, clip_l, bigg):
 
 
 def cache_dir(root: Path) -> Path:
-    for name, config in zip(TOKENIZER_DIRS, ("clip_l", "bigg")):
-        folder = root / name
-        folder.mkdir(parents=True)
-        (folder / "merges.txt").write_bytes(gzip.decompress((DATA / "merges.txt.gz").read_bytes()))
-        shutil.copy(DATA / f"{config}_tokenizer_config.json", folder / "tokenizer_config.json")
-    return root
+    return clip_tokenizer_cache(root)
 
 
 def test_the_counter_of_a_tokenizer_cache_takes_the_larger_count_and_rereads_a_changed_file(tmp_path):

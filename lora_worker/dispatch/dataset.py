@@ -124,10 +124,7 @@ def _read_folder(folder_fd: int, folder_name: str) -> tuple[DatasetImage, ...]:
     entries = dict(_entries(folder_fd, Path(folder_name)))
     images = [name for name in sorted(entries) if kohya.is_trained_image(name)]
     if not images:  # what sd-scripts' glob passes over is the lint's (dispatch/lint.py: file_skipped)
-        skipped = sum(1 for name in entries if kohya.skipped_image(name) or kohya.is_hidden_image(name))
-        none = Finding("no_images", folder_name, f"holds no images ({', '.join(kohya.IMAGE_EXTENSIONS)}, or the "
-                       "same in upper case)" + (f"; {skipped} image file(s) sd-scripts would skip" if skipped else ""))
-        raise DatasetInvalid({"dataset_dir": [f"{folder_name!r} {none.message}."]}, findings=[none.as_dict()])
+        _no_images(folder_name, entries)
     manifest = []
     problems: list[Finding] = []
     for name in images:
@@ -138,6 +135,14 @@ def _read_folder(folder_fd: int, folder_name: str) -> tuple[DatasetImage, ...]:
         shown = [str(p) for p in problems[:10]] + ([f"… and {len(problems) - 10} more"] if len(problems) > 10 else [])
         raise DatasetInvalid({"dataset_dir": shown}, findings=[p.as_dict() for p in problems])
     return tuple(manifest)
+
+
+def _no_images(folder_name: str, entries: dict[str, os.stat_result]) -> None:
+    """sd-scripts would log `No data found` and exit 0 without a LoRA."""
+    skipped = sum(1 for name in entries if kohya.skipped_image(name) or kohya.is_hidden_image(name))
+    none = Finding("no_images", folder_name, f"holds no images ({', '.join(kohya.IMAGE_EXTENSIONS)}, or the same in "
+                   "upper case)" + (f"; {skipped} image file(s) sd-scripts would skip" if skipped else ""))
+    raise DatasetInvalid({"dataset_dir": [f"{folder_name!r} {none.message}."]}, findings=[none.as_dict()])
 
 
 def _read_image(folder_fd: int, name: str, entries: dict[str, os.stat_result]) -> tuple[DatasetImage, list[Finding]]:

@@ -1,6 +1,7 @@
-"""sd-scripts' bucket arithmetic (dispatch/buckets.py) and the one presentation of a dataset (dispatch/plan.py). The
-arithmetic is held to the real trainer's printed tables on the rig (tests/rig/test_real_buckets.py); here, its cases
-by sd-scripts' own BucketManager (read off the rig), and the mean's summation to numpy's own (the same numpy as the rig's venv, 2.4.6)."""
+"""sd-scripts' bucket arithmetic (dispatch/buckets.py) and the one presentation of a dataset (dispatch/plan.py).
+The arithmetic is held to the real trainer's printed tables on the rig (tests/rig/test_real_buckets.py); here, its
+cases as sd-scripts' own BucketManager answers them (read off the rig), and the mean's summation to numpy's own (the
+same numpy as the rig's venv, 2.4.6)."""
 from __future__ import annotations
 
 import random

@@ -1,7 +1,7 @@
-"""Datasets as sd-scripts reads them: what it accepts is accepted, what it would misread is a 422 that says so, and
-what it would silently skip is a warning (`file_skipped`) in the 202 that names it. Each rule is held to sd-scripts' source at the pinned commit (kohya-ss/sd-scripts main
-48d368fa, the same tree as the sd3 branch 3265f2ed that fluxgym clones; docs/reference/sd-scripts.md).
-`TU` is library/train_util.py there."""
+"""Datasets as sd-scripts reads them: what it accepts is accepted, what it would misread is a 422 that says so,
+and what it would silently skip is a warning (`file_skipped`) in the 202 that names it. Each rule is held to
+sd-scripts' source at the pinned commit (kohya-ss/sd-scripts main 48d368fa, the same tree as the sd3 branch 3265f2ed
+that fluxgym clones; docs/reference/sd-scripts.md). `TU` is library/train_util.py there."""
 from __future__ import annotations
 
 import io

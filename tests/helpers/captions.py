@@ -9,12 +9,13 @@ import random
 import shutil
 from pathlib import Path
 
-WORDS = ("a photo of ohwx woman portrait close-up smiling outdoors sunlight bokeh studio lighting wearing red dress "
-         "standing in a field of flowers highly detailed 8k masterpiece best quality cinematic dramatic shadows "
-         "looking at viewer long hair blonde brunette freckles city street night neon rain umbrella cat dog sitting "
-         "on the grass beach sunset mountains snow forest river bridge car vintage film grain analog kodak portra "
-         "400 35mm f/1.8 depth of field soft focus black and white monochrome watercolor oil painting sketch anime "
-         "illustration 3d render octane unreal engine trending on artstation by greg rutkowski").split()
+TAGS = ("a photo of ohwx woman portrait close-up smiling outdoors sunlight bokeh studio lighting wearing red dress "
+        "standing in a field of flowers highly detailed 8k masterpiece best quality cinematic dramatic shadows "
+        "looking at viewer long hair blonde brunette freckles city street night neon rain umbrella cat dog sitting "
+        "on the grass beach sunset mountains snow forest river bridge car vintage film grain analog kodak portra "
+        "400 35mm f/1.8 depth of field soft focus black and white monochrome watercolor oil painting sketch anime "
+        "illustration 3d render octane unreal engine trending on artstation by greg rutkowski")
+WORDS = tuple(TAGS.split(" "))
 PUNCT = ("!", "!!", "!!!", "?!", "!?", "...", ",", ", ", ";", ":", "-", "—", "–", "(", ")", "[", "]", "{", "}", "'",
          '"', "/", "\\", "&", "#", "@", "%", "*", "+", "=", "<", ">", "|", "~", "^", "_", "``", "''")
 PIECES = ("café", "naïve", "Zoë", "São Paulo", "Ångström", "façade", "Straße", "İstanbul", "ǅ", "東京の夜景",

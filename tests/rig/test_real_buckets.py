@@ -88,8 +88,9 @@ def rig_api(tmp_path_factory: pytest.TempPathFactory):
     rig, root = Path(RIG), tmp_path_factory.mktemp("rigbuckets")
     settings = Settings(
         state_dir=root / "state", train_root=root / "train", model_dirs=(rig / "models",),
-        accelerate=rig / "venv/bin/accelerate", sd_scripts_dir=rig / "sd-scripts", tokenizer_cache_dir=rig / "tokenizers",
-        cpu_threads=2, nvml_fake_file=fake_gpus(root / "gpus.json"), sandbox="none")
+        accelerate=rig / "venv/bin/accelerate", sd_scripts_dir=rig / "sd-scripts",
+        tokenizer_cache_dir=rig / "tokenizers", cpu_threads=2, nvml_fake_file=fake_gpus(root / "gpus.json"),
+        sandbox="none")
     migrated_ledger(settings.database_path)
     from lora_worker import create_app
     app = create_app(settings)

@@ -3,6 +3,7 @@ and 200 with the plan; the lint's errors are a 422 on both, its warnings ride th
 from __future__ import annotations
 
 import io
+import json
 import os
 import sqlite3
 from dataclasses import replace
@@ -48,7 +49,8 @@ def test_a_dry_run_answers_the_plan_and_changes_nothing(webhook_api, host, monke
     api, settings, launches = webhook_api
     senders: list[object] = []
     monkeypatch.setattr("lora_worker.web.service.ensure_sender", lambda s: senders.append(s))
-    before_ledger, before_state, before_train = ledger_counts(settings), tree(settings.state_dir), tree(host.root / "train")
+    before_ledger, before_state = ledger_counts(settings), tree(settings.state_dir)
+    before_train = tree(host.root / "train")
     answer = api.post("/train?dry_run=1", json=host.payload(), headers={"Idempotency-Key": "k-1"})
     assert answer.status_code == 200, answer.get_json()
     plan = answer.get_json()
@@ -63,7 +65,7 @@ def test_a_dry_run_answers_the_plan_and_changes_nothing(webhook_api, host, monke
     conn = sqlite3.connect(settings.database_path)
     argv = conn.execute("SELECT argv FROM jobs").fetchone()[0]
     conn.close()
-    assert plan["argv"] == __import__("json").loads(argv)
+    assert plan["argv"] == json.loads(argv)
     assert plan["lint"]["warnings"] == accepted.get_json()["warnings"] == job["warnings"]
     assert ledger_counts(settings)["webhook_events"] == 1
 

@@ -39,8 +39,8 @@ FINDINGS: dict[str, tuple[Severity, str]] = {
     "caption_not_utf8": ("error", "The caption is not UTF-8: sd-scripts raises on it while it reads the captions."),
     "caption_empty": ("error", "The caption's first line is empty: sd-scripts asserts on an empty file, and trains "
                                "on nothing for an empty first line."),
-    "image_small": ("warning", "The image has fewer pixels than the tier's resolution squared: under "
-                               "--bucket_no_upscale it trains at its own size (`details` names its bucket)."),
+    "image_small": ("warning", "The image has fewer than half the pixels of the tier's resolution squared: under "
+                               "--bucket_no_upscale it trains at its own size (the message names its bucket)."),
     "image_not_verified": ("warning", "The image has more pixels than the check decodes (89,478,485): its size was "
                                       "read from its header, its content not decoded."),
     "image_duplicate": ("warning", "The image's bytes are the same as another's (sha256): it trains twice as often."),

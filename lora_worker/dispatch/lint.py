@@ -42,6 +42,9 @@ TRAINER_PIXEL_LIMIT = 2 * DECODE_PIXELS  # past it the trainer's Image.open rais
 DECODE_SECONDS = 60.0
 FORMATS = ("PNG", "JPEG", "WEBP", "BMP")  # the plugins dataset.py's magic bytes admit; no other parses these bytes
 SHOWN_ERRORS = 10
+# An image is small under half the tier's area: SDXL's own shapes (1216x832 at 1024) are a few percent under it and
+# train as well; one far under it trains at its own size under --bucket_no_upscale, in a bucket of its own.
+SMALL_AREA = 0.5
 
 # The lint measures and bounds pixels itself (above), before anything is decoded; Pillow's own check would raise
 # before it says the size, or warn through the process-wide warnings filter.
@@ -191,9 +194,9 @@ def _bucket(name: str, size: tuple[int, int], resolution: int) -> tuple[Bucket |
         bucket = select_bucket(*size, resolution)
     except NoBucket as exc:
         return None, [Finding("image_edge_under_64", name, f"{exc}: an edge under 64 px at the size it trains at")]
-    if size[0] * size[1] < resolution * resolution:
+    if size[0] * size[1] < SMALL_AREA * resolution * resolution:
         w, h = bucket.resolution
-        return bucket, [Finding("image_small", name, f"{size[0]}x{size[1]} is under the tier's {resolution}x"
+        return bucket, [Finding("image_small", name, f"{size[0]}x{size[1]} is under half the tier's {resolution}x"
                                 f"{resolution}: it trains at its own size, in bucket {w}x{h}")]
     return bucket, []
 

@@ -139,6 +139,12 @@ def test_a_small_image_is_a_warning_naming_its_bucket(folder, counter):
     assert "bucket 448x256" in report.findings[0].message
 
 
+def test_small_is_under_half_the_tiers_area_not_sdxls_own_shapes(folder, counter):
+    put(folder, "sdxl.png", image(1216, 832))  # 3.5 % under 1024²: one of SDXL's own training shapes
+    put(folder, "half.png", image(700, 700, colour=(1, 1, 1)))  # 47 % of 1024²
+    assert found(run(folder, counter, resolution=1024)) == {("image_small", f"{FOLDER}/half.png")}
+
+
 def test_exact_duplicates_are_warnings_naming_the_first(folder, counter):
     put(folder, "a.png", image())
     put(folder, "b.png", image())

@@ -32,7 +32,7 @@ from lora_worker.errors import DatasetInvalid, TrainerUnavailable
 from lora_worker.findings import Finding
 from lora_worker.host import fs, kohya
 from lora_worker.host.clip_tokens import CONTENT_TOKENS, CaptionCounter, load_counter
-from lora_worker.host.trainer import FileUnusable
+from lora_worker.host.trainer import FileUnusable, require_trainer
 
 MAX_IMAGES = 1000
 MAX_IMAGE_BYTES = 64 * 1024 * 1024
@@ -89,10 +89,12 @@ class LintReport:
 
 
 def caption_counter(settings: Settings) -> CaptionCounter:
-    """The trainer's two tokenizers (`tokenizer_cache_dir`); a broken one is the trainer's problem, a 503."""
+    """The trainer's two tokenizers (`tokenizer_cache_dir`); a broken one is the trainer's problem, a 503 naming
+    every file that fails (the preflight's own), not only the first the counter met."""
     try:
         return load_counter(settings.tokenizer_cache_dir)
     except FileUnusable as exc:
+        require_trainer(settings)
         raise TrainerUnavailable(f"The trainer installation is incomplete or broken: {exc}.",
                                  missing=[str(exc)]) from exc
 

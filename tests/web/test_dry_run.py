@@ -33,22 +33,24 @@ def tree(path: Path) -> list[str]:
 
 
 @pytest.fixture
-def webhook_api(host, tmp_path):
+def webhook_api(host, monkeypatch):
     """An app with a webhook target configured (so a real POST writes job.queued to the outbox) and a recording
-    launcher; the sender it would start is recorded instead."""
+    launcher; each sender the web would start (at start-up, after a dispatch) is recorded instead."""
+    senders: list[object] = []
+    for where in ("lora_worker.web.app", "lora_worker.web.service"):
+        monkeypatch.setattr(f"{where}.ensure_sender", senders.append)
     settings = replace(host.settings, webhook_url="http://127.0.0.1:9/hook")
     migrate(settings)
     launches = Launches()
     app = create_app(settings, launch=launches)
     app.config["TESTING"] = True
-    yield app.test_client(), settings, launches
+    senders.clear()  # the one the start-up asks for
+    yield app.test_client(), settings, launches, senders
     app.extensions["lora_worker"].db.dispose()
 
 
-def test_a_dry_run_answers_the_plan_and_changes_nothing(webhook_api, host, monkeypatch):
-    api, settings, launches = webhook_api
-    senders: list[object] = []
-    monkeypatch.setattr("lora_worker.web.service.ensure_sender", lambda s: senders.append(s))
+def test_a_dry_run_answers_the_plan_and_changes_nothing(webhook_api, host):
+    api, settings, launches, senders = webhook_api
     before_ledger, before_state = ledger_counts(settings), tree(settings.state_dir)
     before_train = tree(host.root / "train")
     answer = api.post("/train?dry_run=1", json=host.payload(), headers={"Idempotency-Key": "k-1"})

@@ -21,6 +21,8 @@ FINDINGS: dict[str, tuple[Severity, str]] = {
     "dataset_too_large": ("error", "The images together are larger than a dataset may be (4 GiB)."),
     "image_not_regular": ("error", "The image is a link, a FIFO or a device, not a regular file in the dataset."),
     "image_unreadable": ("error", "The image cannot be opened or read."),
+    "image_name_not_utf8": ("error", "The image's file name is not UTF-8: sd-scripts would train on it, but no "
+                                     "record or answer can hold its name as it is."),
     "image_empty": ("error", "The image file is empty."),
     "image_format": ("error", "The file's content is none of PNG, JPEG, WebP, BMP."),
     "image_too_large": ("error", "The image file is larger than an image may be (64 MiB)."),

@@ -10,6 +10,7 @@ PACKAGE = TESTS.parent / "lora_worker"
 # Folders of tests that are not a package of lora_worker/, each for what it tests.
 NOT_A_PACKAGE = {
     "chaos": "faults injected across the whole worker",
+    "contract": "the life of a job, one contract proven on every backend",
     "cluster": "the real single-node Slurm cluster (tests/cluster/cluster.py)",
     "deploy": "systemd/, deploy/ and the Makefile",
     "helpers": "what the tests share (no tests)",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from lora_worker.host import fs, kohya
 # The most a caption may hold. sd-scripts uses only its first line, and captions become LoRA metadata; a
 # caption past this is refused rather than read (one linked to /dev/zero never ends).
 CAPTION_MAX_BYTES = 64 * 1024
+LINE_END = re.compile(r"\r\n|\r|\n")  # universal newlines, as a text-mode open reads them
 
 # The formats of sd-scripts' extension list, by their first bytes. sd-scripts opens images by content (PIL's
 # Image.open, imagesize), never by name: a PNG named `.JPG` trains as a PNG. PIL would open a GIF or TIFF
@@ -122,19 +124,25 @@ def _open_folder(dataset_fd: int, dataset_dir: Path, name: str, st: os.stat_resu
 
 def _read_folder(folder_fd: int, folder_name: str) -> tuple[DatasetImage, ...]:
     entries = dict(_entries(folder_fd, Path(folder_name)))
-    images = [name for name in sorted(entries) if kohya.is_trained_image(name)]
-    if not images:  # what sd-scripts' glob passes over is the lint's (dispatch/lint.py: file_skipped)
+    trained = [name for name in sorted(entries) if kohya.is_trained_image(name)]
+    images = [name for name in trained if _is_utf8(name)]
+    problems = _name_problems(folder_name, trained)
+    if not images and not problems:  # what sd-scripts' glob passes over is the lint's (dispatch/lint.py: file_skipped)
         _no_images(folder_name, entries)
     manifest = []
-    problems: list[Finding] = []
     for name in images:
         image, found = _read_image(folder_fd, name, entries)
-        problems += [Finding(p.code, f"{folder_name}/{p.file}", p.message) for p in found]
+        problems += [Finding(p.code, f"{folder_name}/{printable(p.file)}", p.message) for p in found]
         manifest.append(image)
     if problems:
-        shown = [str(p) for p in problems[:10]] + ([f"… and {len(problems) - 10} more"] if len(problems) > 10 else [])
-        raise DatasetInvalid({"dataset_dir": shown}, findings=[p.as_dict() for p in problems])
+        _refuse(problems)
     return tuple(manifest)
+
+
+def _refuse(problems: list[Finding]) -> None:
+    """DatasetInvalid listing the first ten problems in `fields`, and every one with its code in `details`."""
+    listed = [str(p) for p in problems[:10]] + ([f"… and {len(problems) - 10} more"] if len(problems) > 10 else [])
+    raise DatasetInvalid({"dataset_dir": listed}, findings=[p.as_dict() for p in problems])
 
 
 def _no_images(folder_name: str, entries: dict[str, os.stat_result]) -> None:
@@ -186,6 +194,38 @@ def _check_image(folder_fd: int, name: str, st: os.stat_result) -> tuple[int, Fi
     return st.st_size, None
 
 
+def _name_problems(folder_name: str, trained: list[str]) -> list[Finding]:
+    """The images whose names cannot be recorded: sd-scripts would train on an image whose name is not UTF-8
+    (os.listdir gives its bytes as surrogates), but no manifest, ledger row or JSON answer holds that name as it is,
+    so the worker cannot say what it trains and refuses. (The files sd-scripts would skip without a word are the
+    lint's warnings: dispatch/lint.py.)"""
+    return [Finding("image_name_not_utf8", f"{folder_name}/{printable(name)}", "the file name is not UTF-8; rename it")
+            for name in trained if not _is_utf8(name)]
+
+
+def _is_utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def printable(text: str) -> str:
+    """A name as a message shows it: bytes that are not UTF-8 (a surrogate escape of os.listdir) as `\\xff`."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate no file name decodes to
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def first_line(text: str) -> str:
+    """The caption sd-scripts trains on: `open(path, "rt", encoding="utf-8").readlines()[0].strip()`
+    (train_util.py read_caption), lines ended by universal newlines only (\\n, \\r, \\r\\n; str.splitlines also
+    ends one at \\x0b, \\x0c, \\x1c-\\x1e, \\x85, U+2028 and U+2029, which sd-scripts leaves in the caption)."""
+    return LINE_END.split(text, maxsplit=1)[0].strip()
+
+
 def image_format(head: bytes) -> str | None:
     """The format PIL would open these first bytes as, or None."""
     if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
@@ -216,7 +256,7 @@ def _read_caption(folder_fd: int, name: str, st: os.stat_result | None) -> tuple
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         return None, Finding("caption_not_utf8", name, "caption is not UTF-8")
-    first = text.splitlines()[0].strip() if text else ""
+    first = first_line(text)
     if not first:
         return None, Finding("caption_empty", name, "caption is empty (sd-scripts uses only its first line)")
     return first, None

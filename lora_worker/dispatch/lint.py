@@ -26,7 +26,7 @@ from pathlib import Path
 from PIL import Image
 
 from lora_worker.dispatch.buckets import Bucket, NoBucket, select_bucket
-from lora_worker.dispatch.dataset import DatasetManifest
+from lora_worker.dispatch.dataset import DatasetManifest, printable
 from lora_worker.config import Settings
 from lora_worker.errors import DatasetInvalid, TrainerUnavailable
 from lora_worker.findings import Finding
@@ -232,7 +232,7 @@ def _skipped(folder: str, entries: dict[str, os.stat_result]) -> list[Finding]:
         if why is None and kohya.is_hidden_image(name):
             why = "a dot-file (macOS leaves ._ files in zips): glob's * never matches a leading dot"
         if why is not None:
-            found.append(Finding("file_skipped", f"{folder}/{name}", why))
+            found.append(Finding("file_skipped", f"{folder}/{printable(name)}", why))
     return found
 
 

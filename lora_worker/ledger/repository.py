@@ -179,6 +179,12 @@ def transition_in(s: Session, job_id: int, to: JobState, *, actor: str, reason: 
     return sql.transition_in(_on(s), job_id, to, actor=actor, reason=reason, **values)
 
 
+def note(db: Database, job_id: int, reason: str, *, actor: str) -> None:
+    """An event of a running job that changes no state (running → running), e.g. a file moved aside."""
+    with db.write() as s:
+        _event(s, job_id, JobState.RUNNING, JobState.RUNNING, actor, reason)
+
+
 def fail_job(db: Database, job_id: int, *, actor: str, failure_class: FailureClass, sentence: str,
              log_lines: Sequence[str] = (), **values: Any) -> bool:
     """Move a job to `failed`, the one way any code but the supervisor does (its own ledger path runs the same
@@ -190,6 +196,21 @@ def fail_job(db: Database, job_id: int, *, actor: str, failure_class: FailureCla
     with db.write() as s:
         return sql.fail_in(_on(s), job_id, actor=actor, failure_class=failure_class, sentence=sentence,
                            log_lines=log_lines, **values)
+
+
+def note_active(db: Database, job_id: int, *, actor: str, reason: str) -> bool:
+    """An event (from == to) on an active job saying why it stays active, unless its latest event says so
+    already (reconcile asks on every look at the job); False if nothing was written."""
+    with db.write() as s:
+        job = s.get(Job, job_id)
+        if job is None or JobState(job.status) not in ACTIVE_STATES:
+            return False
+        latest = s.scalars(select(JobEvent.reason).where(JobEvent.job_id == job_id)
+                           .order_by(JobEvent.id.desc()).limit(1)).first()
+        if latest == reason:
+            return False
+        _event(s, job_id, JobState(job.status), JobState(job.status), actor, reason)
+        return True
 
 
 def request_cancel(db: Database, job_id: int, *, actor: str, reason: str = "cancel requested",

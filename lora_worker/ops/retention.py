@@ -3,7 +3,7 @@
 Never an active job (the delete itself re-checks the state), and never a finished LoRA: a trained LoRA belongs
 to the client and stays where it is. What goes with a job is what the worker itself made for it: its run log
 (head and tail, and any log moved aside as `.replaced-…`), its job lock file (unless someone holds it), and a
-partial LoRA the supervisor moved aside (`<name>.partial-<job_id>`, run/jobfiles.py). That last one lies in the
+partial LoRA its follower moved aside (`<name>.partial-<job_id>`, transcript/partial.py). That last one lies in the
 train root, which another party writes: the output dir is opened without following a link and held to the
 identity dispatch recorded, and only a regular file of that exact name is removed, through that descriptor.
 """
@@ -28,7 +28,7 @@ from lora_worker.transcript.logfile import log_paths
 log = logging.getLogger(__name__)
 
 DELETE_BATCH = 500  # rows per transaction: the supervisor's progress writes never wait long
-PARTIAL = ".partial-"  # run/jobfiles.py's name for a LoRA moved aside
+PARTIAL = ".partial-"  # transcript/partial.py's name for a LoRA moved aside
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""Reasons to stop that come from outside the trainer: a cancel or a lost row in the ledger, and SIGTERM, SIGINT
-or SIGHUP to the supervisor itself, noted by the handler and acted on by the loop. A signal is no client's cancel:
-the job ends `failed`, `supervisor_signalled`, naming it (transcript/outcome.py).
+"""Reasons to stop that come from outside the trainer, as facts for the follower (transcript/follower.py): a
+cancel or a lost row in the ledger, and SIGTERM, SIGINT or SIGHUP to the supervisor itself, noted by the handler
+and passed on by the loop. A signal is no client's cancel: the job ends `failed`, `supervisor_signalled`, naming
+it (transcript/outcome.py).
 
 The ledger is looked at twice a second, and at once after a wake-up: the web's cancel signals the supervisor
 (run/local.py `wake_supervisor`) right after it flagged the row. The poll stays: a wake-up can be lost (a
@@ -12,27 +13,25 @@ import signal
 
 from lora_worker.ledger.supervisor import SupervisorLedger
 from lora_worker.transcript.persist import TRANSIENT
-from lora_worker.run.seam import Trainer
-from lora_worker.run.stopper import StopReason, Stopper
 from lora_worker.states import JobState
 
 log = logging.getLogger(__name__)
 
 CANCEL_POLL_S = 0.5
-LOST = "the job is no longer running in the ledger"
 
 
 class StopRequests:
-    def __init__(self, db: SupervisorLedger, job_id: int, stopper: Stopper) -> None:
+    def __init__(self, db: SupervisorLedger, job_id: int) -> None:
         self.db = db
         self.job_id = job_id
-        self.stopper = stopper
         self.signalled: int | None = None
+        self.cancel = False  # a client's cancel is flagged on the row
+        self.lost = False  # the row is no longer `running`
         self.last_poll = 0.0
         self.woken = False  # a wake-up came: look at the ledger on the next check, whatever the poll's time
 
     def on_signal(self, signum: int) -> None:
-        self.signalled = signum  # acted on by the loop, never in the handler
+        self.signalled = signum  # passed on by the loop, never acted on in the handler
 
     @property
     def signal_name(self) -> str | None:
@@ -41,26 +40,17 @@ class StopRequests:
     def wake(self) -> None:
         self.woken = True
 
-    def check(self, trainer: Trainer, now: float) -> None:
+    def check(self, now: float) -> None:
         if self.woken or now - self.last_poll >= CANCEL_POLL_S:
             self.woken = False
             self.last_poll = now
-            self._poll_ledger(trainer)
-        if self.signalled is not None:
-            name = signal.Signals(self.signalled).name
-            self.stopper.begin(trainer, StopReason.SIGNAL, f"supervisor received {name}")
+            self._poll_ledger()
 
-    def lost(self, trainer: Trainer) -> None:
-        """The ledger refused a progress write: the row is no longer `running`."""
-        self.stopper.begin(trainer, StopReason.LOST, LOST)
-
-    def _poll_ledger(self, trainer: Trainer) -> None:
+    def _poll_ledger(self) -> None:
         try:
             status, cancel = self.db.cancel_state(self.job_id)
         except TRANSIENT as exc:
             log.warning("job %s: cannot read the ledger (%s); will retry", self.job_id, exc)
             return
-        if status != JobState.RUNNING.value:
-            self.lost(trainer)
-        elif cancel:
-            self.stopper.begin(trainer, StopReason.CANCEL, "cancel requested")
+        self.lost = self.lost or status != JobState.RUNNING.value
+        self.cancel = self.cancel or cancel

@@ -1,8 +1,9 @@
-"""The run loop of one job: start the stored argv, read its output, keep the ledger current, stop it when asked
-or when it stalls, and record one honest terminal state.
+"""The local supervisor of one job: start the stored argv, pipe its output to the job's follower
+(transcript/follower.py: progress, the stop decision, the verified end), deliver the stops it asks for, and hold
+the GPU lock and the job lock around it all.
 
-The parts: `OutputReader` (the pipe), `ProgressReporter` (the ledger while it runs), `Watchdog` (stalls),
-`Stopper` (TERM, grace, KILL), and the outcome step here. Every OS call goes through a `RunHost`.
+The parts: `OutputReader` (the pipe), `StopRequests` (the row's cancel flag, a signal to this process),
+`Stopper` (TERM, KILL, the wait until every process is gone). Every OS call goes through a `RunHost`.
 
 Order at the end matters: every process of the job is gone, then the GPU lock goes (before a full or locked ledger
 is waited on, or the LoRA hashed), then the terminal state (retried until the ledger takes it), then the job lock.
@@ -13,8 +14,6 @@ import importlib
 import logging
 import shlex
 import signal
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from lora_worker.config import Settings
 from lora_worker.host.locks import gpu_lock_path
@@ -22,24 +21,17 @@ from lora_worker.host.processes import decode_wait_status
 from lora_worker.host import sandbox
 from lora_worker.ledger.statements import utcnow
 from lora_worker.ledger.supervisor import JobRecord, SupervisorLedger
-from lora_worker.transcript.checkpoints import Checkpoints
-from lora_worker.transcript.eta import EtaClock, estimate_tail
+from lora_worker.transcript.ending import Reasons
+from lora_worker.transcript.follower import Exit, Facts, Follower, Timing
 from lora_worker.transcript.logfile import JobLog
-from lora_worker.transcript.ending import Reasons, drop_states, ended, write_final
-from lora_worker.transcript.outcome import Outcome, artifact_values, decide, recorded_lora
-from lora_worker.transcript.output import TrainerOutput
-from lora_worker.transcript.persist import TRANSIENT, persist
-from lora_worker.transcript.progress import ProgressReporter
+from lora_worker.transcript.outcome import Outcome
+from lora_worker.transcript.persist import persist, until_done
 from lora_worker.run.reader import OutputReader
 from lora_worker.run.requests import StopRequests
 from lora_worker.run.seam import RunHost, Trainer
-from lora_worker.run.jobfiles import open_run_log, set_aside
-from lora_worker.run.stopper import StopReason, Stopper, StopState
-from lora_worker.transcript.watchdog import Watchdog
+from lora_worker.run.jobfiles import open_run_log
+from lora_worker.run.stopper import Stopper
 from lora_worker.states import FailureClass, JobState, Phase
-
-if TYPE_CHECKING:
-    from lora_worker.host.safetensors import ArtifactCheck
 
 log = logging.getLogger(__name__)
 # What only the end of a run uses: imported once the trainer runs (`load_the_end`), so that its start waits
@@ -49,6 +41,7 @@ END_MODULES = ("lora_worker.transcript.explain", "lora_worker.host.safetensors",
 GPU_LOCK_WAIT_S = 2.0  # an admission probe holds it shared for microseconds; a trainer holds it for hours
 DRAIN_GRACE_S = 10.0  # after the launcher exits, how long stragglers may hold the pipe
 COALESCE_S = 0.25  # the loop's shortest period while the trainer writes little (reader.BUSY_BYTES)
+RUNNING = Facts()
 LOCAL_REASONS = Reasons(succeeded="trainer finished and the LoRA verified",
                         cancelled="cancelled; every process of the job is gone")
 
@@ -96,91 +89,86 @@ class Runner:
 
 
 class JobRun:
-    """One started job: its trainer, from the GPU lock to the terminal state."""
+    """One started job, from the GPU lock to the terminal state: the local adapter of the follower
+    (transcript/follower.py), which decides when to stop and how the job ends. This says how the bytes arrive (the
+    pipe), how a stop is delivered (the process group and our descendants), and how the exit is learned (the
+    launcher's wait status, through bwrap)."""
 
     def __init__(self, job: JobRecord, settings: Settings, db: SupervisorLedger, host: RunHost, joblog: JobLog) -> None:
         self.job = job
         self.job_id = job.id
         self.settings = settings
-        self.db = db
         self.host = host
         self.joblog = joblog  # opened before the job was `running` (run/jobfiles.py)
-        self.output = TrainerOutput(self.joblog, self._on_output, step_offset=job.resume_step)
-        # The tail (save and teardown after the last step) is learned from the history once the trainer runs.
-        self.clock = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s,
-                              first_step=job.resume_step)
-        self._tail_learned = False
+        self.follower = Follower(job, joblog, db, host, Timing(settings.stall_limits_s, settings.cancel_grace_s,
+                                                               settings.progress_interval_s), LOCAL_REASONS)
+        self.output = self.follower.output
         self.reader = OutputReader(host, self.output)
-        self.reporter = ProgressReporter(db, job.id, host, self.output, self.clock, settings.progress_interval_s,
-                                         on_lost=self._lost, checkpoints=Checkpoints(job))
-        self.watchdog = Watchdog(settings.stall_limits_s, host.monotonic())
-        self.stopper = Stopper(host, self.output, settings.cancel_grace_s, job.id)
-        self.requests = StopRequests(db, job.id, self.stopper)
+        self.stopper = Stopper(host, self.output, job.id)
+        self.requests = StopRequests(db, job.id)
         self.trainer: Trainer | None = None
-        self.artifact_values: dict[str, object] = {}
         self._exited_at: float | None = None
+        self._orphaned: str | None = None
         self._gpu_fd: int | None = None
 
     def run(self) -> None:
         self._gpu_fd = self.host.take_lock(gpu_lock_path(self.settings, self.job.device_index), GPU_LOCK_WAIT_S)
         try:
             if self._gpu_fd is None:
-                outcome = Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR,
-                                  f"GPU {self.job.device_index} is locked by another trainer.")
+                self.follower.decide(refused(f"GPU {self.job.device_index} is locked by another trainer."))
             else:
-                outcome = self._run_guarded(self.job)
+                self._run_guarded(self.job)
         finally:
             self._free_gpu()  # every process of the job is gone by now (freed already after a trainer ran)
-        set_aside(self.job, outcome, self.trainer is not None, self.db, self.output, self.host.sleep)  # no partial LoRA
-        self._finish(outcome)
+        # The outcome is known and must not be lost: written in the follower's order, retried while the job lock
+        # is held.
+        until_done(self.follower.finish, self.host.sleep)
         self.joblog.close()
 
-    def _run_guarded(self, job: JobRecord) -> Outcome:
+    def _run_guarded(self, job: JobRecord) -> None:
         try:
-            return self._run_trainer(job)
+            self.follower.decide(self._run_trainer(job))
         except Exception as exc:
             # A bug here must not leave a trainer running unsupervised, nor the row "running".
             log.exception("job %s: supervisor error", self.job_id)
             if self.trainer is not None:
                 self.stopper.ensure_gone(self.trainer.pid)
-            return Outcome(JobState.FAILED, FailureClass.SUPERVISOR_LOST,
-                           f"The supervisor hit an internal error ({type(exc).__name__}: {exc}); "
-                           "every process of the job was stopped.", log_lines=tuple(self.output.tail))
+            self.follower.decide(Exit(trainer_ran=self.trainer is not None, settled=Outcome(
+                JobState.FAILED, FailureClass.SUPERVISOR_LOST,
+                f"The supervisor hit an internal error ({type(exc).__name__}: {exc}); "
+                "every process of the job was stopped.", log_lines=tuple(self.output.tail))))
 
     # -- the trainer -------------------------------------------------------------------------------------
 
-    def _run_trainer(self, job: JobRecord) -> Outcome:
+    def _run_trainer(self, job: JobRecord) -> Exit:
         simulated = "SIMULATED trainer (a test double: no GPU, nothing learned); " if self.settings.simulated else ""
         self.output.note(f"{simulated}job {job.id}: {shlex.join(job.argv)}")
         self.output.note(f"sandbox: {sandbox.describe(self.settings)}")
         self.host.become_subreaper()
-        self.watchdog.restart(self.host.monotonic())  # the watchdog counts from the trainer's start
         if (moved := self.host.what_moved(job)) is not None:  # the last look, right before exec
             self.output.note(f"refusing to start the trainer: {moved}")
-            return Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR, f"Refusing to start the trainer: {moved}.")
+            return refused(f"Refusing to start the trainer: {moved}.")
         try:  # the stored argv, in the job's sandbox (host/sandbox.py): only the job's paths exist there
             trainer = self.host.spawn(self.host.command_for(job, self.settings), cwd=self.settings.sd_scripts_dir,
                                       env=job.env)
         except OSError as exc:
             self.output.note(f"cannot start the trainer: {exc}")
-            return Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR, f"Cannot start the trainer: {exc}",
-                           log_lines=tuple(self.output.tail))
+            return refused(f"Cannot start the trainer: {exc}", tuple(self.output.tail))
         self.trainer = trainer
+        self.follower.start(self.host.monotonic())  # the watchdog counts from the trainer's start
         ident = self.host.identity(trainer.pid)
         # Reconcile needs these to kill a trainer whose supervisor died: kept until a write lands.
-        self.reporter.keep(trainer_pid=trainer.pid, trainer_start_ticks=ident.start_ticks if ident else None)
-        self.reporter.write()
+        self.follower.reporter.keep(trainer_pid=trainer.pid, trainer_start_ticks=ident.start_ticks if ident else None)
+        self.follower.reporter.write()
         log.info("job %s: trainer group %s started", self.job_id, trainer.pid)
-        self._learn_tail()  # only now: the trainer's start waits for nothing it does not need
-        load_the_end()
+        load_the_end()  # only now, as the ETA's history: the trainer's start waits for nothing it does not need
         self._supervise(trainer)
         self.stopper.ensure_gone(trainer.pid)
         self._free_gpu()
         trainer.close()
-        self.reporter.flush_until_taken()
         rc = sandbox.wait_status(trainer.returncode, self.settings)  # the launcher's own, through bwrap
         self.output.note(f"trainer ended: {decode_wait_status(rc)}")
-        return self._outcome(job, rc)
+        return Exit(returncode=rc)
 
     def _supervise(self, trainer: Trainer) -> None:
         restore = self.host.on_stop_signals(self.requests.on_signal)
@@ -210,81 +198,31 @@ class JobRun:
         if trainer.poll() is not None and self._exited_at is None:
             self._exited_at = now
             if self.reader.open and trainer.returncode is not None and trainer.returncode < 0:
-                # The launcher itself was killed; its trainer runs on orphaned and the run has failed
-                # already, so stop the rest now rather than let it hold the GPU.
-                self.stopper.begin(trainer, StopReason.ORPHANED,
-                                   f"the launcher was {decode_wait_status(trainer.returncode)}")
+                # The launcher itself was killed; its trainer runs on orphaned (a fact the follower stops on).
+                self._orphaned = f"the launcher was {decode_wait_status(trainer.returncode)}"
         if self._exited_at is not None and self.reader.open and now - self._exited_at > DRAIN_GRACE_S:
             # accelerate waits for its trainer, so whatever still holds the pipe is a straggler.
             self.stopper.kill_everything(trainer.pid, signal.SIGKILL)
 
-    def _on_output(self, phase: Phase, step: int) -> None:
-        p = self.output.progress
-        now = self.host.monotonic()
-        self.watchdog.saw_output(phase, step, p, now)
-        self.clock.follow(p.phase, p.step, now)
-        if p.phase is not phase:
-            self.reporter.flush(force=True)
-
-    # -- periodic work -----------------------------------------------------------------------------------
-
-    def _learn_tail(self) -> None:
-        """The save and teardown after the last step, as jobs of this tier and device took them. Read once the
-        trainer runs, and never waited on: a ledger that refuses the read is asked again on the next tick."""
-        try:
-            tails = self.db.save_and_teardown_durations(backend=self.job.backend, tier=self.job.tier,
-                                                        device_index=self.job.device_index)
-        except TRANSIENT as exc:
-            log.warning("job %s: cannot read the history yet (%s); will retry", self.job_id, exc)
-            return
-        self.clock.tail_s = estimate_tail(tails)
-        self._tail_learned = True
-
     def _tick(self, trainer: Trainer, now: float) -> None:
-        if not self._tail_learned:
-            self._learn_tail()
-        self.output.tick(now)
         self.host.reap_orphans(keep={trainer.pid})
-        if self.reporter.due(now):
-            self.reporter.flush()
-        self.requests.check(trainer, now)
-        if self.stopper.state is StopState.NONE and (why := self.watchdog.check(self.output.progress.phase, now)):
-            self.stopper.begin(trainer, StopReason.STALL, why)
-        if self.stopper.state is StopState.NONE and (nan_at := self.output.progress.nan_at) is not None:
-            self.stopper.begin(trainer, StopReason.NAN_LOSS, f"the loss became NaN at step {nan_at}")
-        self.stopper.tick(trainer, now)
+        self.requests.check(now)
+        requests, exited = self.requests, self._exited_at is not None
+        if requests.cancel or requests.lost or requests.signalled is not None or exited:
+            ended = exited and self._orphaned is None and not self.host.group_members(trainer.pid)
+            facts = Facts(cancel=requests.cancel, lost=requests.lost, signalled=requests.signal_name,
+                          orphaned=self._orphaned, ended=ended)
+        else:
+            facts = RUNNING  # the steady state: nothing to say but the bytes
+        order = self.follower.tick(now, facts)
+        if order is not None:
+            self.stopper.deliver(trainer.pid, order)
 
-    def _lost(self) -> None:
-        if self.trainer is not None:
-            self.requests.lost(self.trainer)
 
-    # -- the outcome -------------------------------------------------------------------------------------
-
-    def _outcome(self, job: JobRecord, rc: int | None) -> Outcome:
-        from lora_worker.host.safetensors import verify_lora
-
-        reason, p = self.stopper.reason, self.output.progress
-        artifact: ArtifactCheck | None = None
-        if rc == 0 and reason is None and "model_saved" in p.flags:
-            artifact = verify_lora(Path(job.lora_file), recorded_lora(job))  # held to the row, not the tier
-            if artifact.problem is None:
-                self.artifact_values = artifact_values(artifact, recorded_commit=self.job.sd_scripts_commit)
-        return decide(returncode=rc, progress=p, log_tail=self.output.tail, cancelled=reason is StopReason.CANCEL,
-                      stalled_in=self.watchdog.stalled_in, artifact=artifact,
-                      signalled=self.requests.signal_name if reason is StopReason.SIGNAL else None,
-                      nan_at=p.nan_at if reason is StopReason.NAN_LOSS else None)
-
-    def _finish(self, outcome: Outcome) -> None:
-        def write() -> bool:
-            return write_final(self.db, self.job_id, outcome, self.output.progress, LOCAL_REASONS,
-                               artifact=self.artifact_values)
-
-        # The outcome is known and must not be lost: keep trying, holding the job lock meanwhile.
-        if not persist(write, f"job {self.job_id}: write the final state", self.host.sleep):
-            log.warning("job %s: already ended elsewhere; %s not recorded", self.job_id, outcome.state.value)
-        elif outcome.state is JobState.SUCCEEDED:
-            drop_states(self.job.output_dir, self.job.output_name, self.job_id)
-        log.info("job %s: %s", self.job_id, ended(outcome))
+def refused(sentence: str, log_lines: tuple[str, ...] = ()) -> Exit:
+    """No trainer of the job started: a `launch_error`, whatever else happens."""
+    return Exit(trainer_ran=False, settled=Outcome(JobState.FAILED, FailureClass.LAUNCH_ERROR, sentence,
+                                                   log_lines=log_lines))
 
 
 def load_the_end() -> None:

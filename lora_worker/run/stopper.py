@@ -1,64 +1,41 @@
-"""Stopping the trainer: SIGTERM to its group, a grace, then SIGKILL to whatever of the job is left.
+"""Stopping the trainer, the local way: SIGTERM to its group and our descendants, SIGKILL to whatever of the job
+is left, and the wait until nothing of it is.
 
-When to send which signal is transcript/stop.py's schedule, the same one Slurm's jobs follow; this module
-says how, with the trainer's process group and the supervisor's descendants.
+When to stop, and when TERM becomes KILL, is the follower's (transcript/follower.py, over transcript/stop.py's
+schedule, the same one Slurm's jobs follow); this module says how, with the trainer's process group and the
+supervisor's descendants.
 """
 from __future__ import annotations
 
 import logging
 import signal
 
+from lora_worker.transcript.facts import Order, Stop
 from lora_worker.transcript.output import TrainerOutput
-from lora_worker.transcript.stop import StopReason, StopSchedule, StopState
-from lora_worker.run.seam import RunHost, Trainer
-
-__all__ = ["StopReason", "StopState", "Stopper"]
+from lora_worker.run.seam import RunHost
 
 log = logging.getLogger(__name__)
 
 PATIENT_S = 30.0  # how long processes that outlive SIGKILL are polled quickly before the loop slows down
 WARN_EVERY_S = 300.0
+HOW = {Stop.TERM: (signal.SIGTERM, "SIGTERM to process group {pgid}"),
+       Stop.KILL: (signal.SIGKILL, "SIGKILL to the job's processes")}
 
 
 class Stopper:
     """Stops one job's processes: the group catches the launcher, the trainer and its workers; the
     descendants catch a grandchild that started its own session (we are their subreaper)."""
 
-    def __init__(self, host: RunHost, output: TrainerOutput, grace_s: float, job_id: int) -> None:
+    def __init__(self, host: RunHost, output: TrainerOutput, job_id: int) -> None:
         self.host = host
         self.output = output
-        self.grace_s = grace_s
         self.job_id = job_id
-        self.schedule = StopSchedule(grace_s)
 
-    @property
-    def state(self) -> StopState:
-        return self.schedule.state
-
-    @property
-    def reason(self) -> StopReason | None:
-        return self.schedule.reason
-
-    @property
-    def deadline(self) -> float | None:
-        return self.schedule.deadline
-
-    def begin(self, trainer: Trainer, reason: StopReason, why: str) -> None:
-        """SIGTERM, unless a stop began already or the trainer ended on its own (its outcome stands)."""
-        if self.state is not StopState.NONE:
-            return
-        if trainer.poll() is not None and not self.host.group_members(trainer.pid):
-            return
-        self.schedule.begin(reason, self.host.monotonic())
-        self.output.note(f"{why}; SIGTERM to process group {trainer.pid}")
-        log.info("job %s: %s; stopping the trainer", self.job_id, why)
-        self.kill_everything(trainer.pid, signal.SIGTERM)
-
-    def tick(self, trainer: Trainer, now: float) -> None:
-        """SIGKILL once the grace after SIGTERM is over."""
-        if self.schedule.kill_due(now):
-            self.output.note(f"grace of {self.grace_s:g}s over; SIGKILL to the job's processes")
-            self.kill_everything(trainer.pid, signal.SIGKILL)
+    def deliver(self, pgid: int, order: Order) -> None:
+        """The follower's stop: TERM or KILL to every process of the job (nothing is queued here to cancel)."""
+        sig, how = HOW[order.stop]
+        self.output.note(f"{order.why}; {how.format(pgid=pgid)}")
+        self.kill_everything(pgid, sig)
 
     def kill_everything(self, pgid: int, sig: int) -> None:
         self.host.signal_group(pgid, sig)

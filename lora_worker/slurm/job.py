@@ -1,47 +1,40 @@
-"""One Slurm job followed by the poller, with the parts the local supervisor's run has: the trainer's output
-(transcript/output.py) from the node's log, the progress reporter, the watchdog, the stop schedule and the
-outcome → row write (transcript/). Only how it watches (`scheduler` answers, read by the poller once per
-cycle for every job) and how it signals (`scancel`) are Slurm's.
+"""One Slurm job followed by the poller: the Slurm adapter of the job's follower (transcript/follower.py), which
+owns the output, progress, stop decision and verified end for every backend. What is Slurm's here: how it
+watches (`scheduler` answers, read by the poller once per cycle for every job; the node's log, `NodeLog`), how
+it stops (`scancel`), how it learns the exit (the `.rc` file, sacct/scontrol: `states.ending`), and what the
+scheduler adds (the queue reason, a requeue, its own endings).
 
 `observe` takes the job's row and what Slurm last said of it, and returns True once nothing is left to do for
 the row (it ended, or someone else ended it). Its stage decides:
 - PENDING: the row stays `queued`, with Slurm's reason in `queue_reason`; pending again after it ran is a
   requeue (despite --no-requeue): a second run under the same id is refused, the job stopped, `node_fail`.
 - RUNNING: the row becomes `running` (once), then carries the progress of the log.
-- ENDED: the row's terminal state is `states.settle`'s, once the ending has settled (the `.rc` file is there,
-  or one more cycle passed: a CANCELLED job's ExitCode reads `0:0` first).
+- ENDED: the follower decides the end from `states.ending`'s facts and its own, once the ending has settled
+  (the `.rc` file is there, or one more cycle passed: a CANCELLED job's ExitCode reads `0:0` first).
 - UNLISTED: only an answer from accounting counts; after UNKNOWN_CYCLES answered cycles the job is
   scancelled (it may still run) and settled with what is left (the `.rc` file, or `slurm_lost`).
 - UNKNOWN (a state word this worker does not know): nothing changes; it is not an answer.
-A stop (a cancel, a stall, a requeue) is a plain scancel while pending, else the stop schedule's TERM then
-KILL as `scancel --signal=… --full`.
+A stop the follower orders (a cancel, a stall, a NaN loss, a requeue) is a plain scancel while the job is
+pending, else TERM then KILL as `scancel --signal=… --full`.
 """
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 from datetime import UTC, timedelta
-from pathlib import Path
 
 from lora_worker.config import Settings
-from lora_worker.host.safetensors import ArtifactCheck, verify_lora
 from lora_worker.ledger.models import Job, utcnow
 from lora_worker.slurm.ledger import SlurmLedger
 from lora_worker.slurm.nodelog import NodeLog
 from lora_worker.slurm.sbatch import log_path, refused_outcome
 from lora_worker.slurm.scheduler import Scheduler, SlurmJob
-from lora_worker.slurm.states import Stage, settle, stage
-from lora_worker.states import FailureClass, JobState, Phase
-from lora_worker.transcript.checkpoints import Checkpoints
-from lora_worker.transcript.ending import Reasons, drop_states, ended, write_final
-from lora_worker.transcript.eta import EtaClock
+from lora_worker.slurm.states import Stage, ending, stage
+from lora_worker.states import FailureClass, JobState
+from lora_worker.transcript.ending import Reasons, ended
+from lora_worker.transcript.follower import Exit, Facts, Follower, Order, Stop, Timing
 from lora_worker.transcript.logfile import JobLog
-from lora_worker.transcript.outcome import Outcome, artifact_values, recorded_lora
-from lora_worker.transcript.output import TrainerOutput
-from lora_worker.transcript.progress import ProgressReporter
 from lora_worker.transcript.resume import ResumedLog, resumed
-from lora_worker.transcript.stop import StopReason, StopSchedule
-from lora_worker.transcript.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -60,30 +53,28 @@ class _Clock:
 
 
 class SlurmRun:
+    """The Slurm adapter of one job's follower (transcript/follower.py), which decides when to stop and how the
+    job ends. This says how the bytes arrive (the node's log, `NodeLog`), how a stop is delivered (`scancel`),
+    how the exit is learned (the `.rc` file, sacct/scontrol: `states.ending`), and what Slurm adds (the queue
+    reason, a requeue, its own endings)."""
+
     def __init__(self, job: Job, settings: Settings, ledger: SlurmLedger, scheduler: Scheduler,
                  monotonic: Callable[[], float]) -> None:
         self.job, self.settings, self.ledger, self.scheduler = job, settings, ledger, scheduler
         self.monotonic = monotonic
         s = settings
         make = ResumedLog if resumed(s.log_dir, job.id) else JobLog
-        self.output = TrainerOutput(make(s.log_dir, job.id, head_bytes=s.log_head_bytes, tail_bytes=s.log_tail_bytes),
-                                    self._saw_output, step_offset=job.resume_step)
+        self.follower = Follower(job, make(s.log_dir, job.id, head_bytes=s.log_head_bytes, tail_bytes=s.log_tail_bytes),
+                                 ledger, _Clock(monotonic), Timing(s.stall_limits_s, s.cancel_grace_s, 0.0),
+                                 SLURM_REASONS, started=self._started_at(job))
+        self.output = self.follower.output
         self.node_log = NodeLog(s, job.id, self.output)
         self.output.note(f"job {job.id} on Slurm (job {job.slurm_job_id or 'not submitted yet'}); its output as the "
                          f"node wrote it: {log_path(s, job.id)}"
                          + (f", from byte {self.node_log.logged} on" if self.node_log.logged else ""))
-        self.clock = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s,
-                              first_step=job.resume_step)
-        self.reporter = ProgressReporter(ledger, job.id, _Clock(monotonic), self.output, self.clock, 0.0,
-                                         on_lost=self._lost, started=self._started_at(job),
-                                         checkpoints=Checkpoints(job))
-        self.watchdog: Watchdog | None = None  # from the first cycle that sees the job run
-        self.stop = StopSchedule(s.cancel_grace_s)
-        self.plain_cancel: StopReason | None = None  # the plain scancel of a pending job, and why
         self.stage = Stage.UNLISTED
-        self.requeued = False  # seen pending again after it ran
+        self.requeued: str | None = None  # seen pending again after it ran: what Slurm said
         self.unlisted_cycles = self.ended_cycles = 0
-        self.final: tuple[Outcome, dict[str, object]] | None = None  # the outcome, once decided
         self.gone = False  # the row ended elsewhere
 
     def _started_at(self, job: Job) -> float:
@@ -100,11 +91,9 @@ class SlurmRun:
         self.job = job
         if job.slurm_job_id is None:
             return self._unsubmitted()
-        if self.final is not None:  # decided already; only its write is left
-            return self._finish(known)
+        if self.follower.outcome is not None:  # decided already; only its writes are left
+            return self._write_end()
         self.node_log.pump(self.monotonic())
-        p = self.output.progress
-        self.clock.follow(p.phase, p.step, self.monotonic())
         where = stage(known)
         if where is not Stage.UNKNOWN:
             self.stage = where
@@ -114,11 +103,9 @@ class SlurmRun:
 
     def _pending(self, known: SlurmJob | None, answered: bool) -> bool:
         self.unlisted_cycles = self.ended_cycles = 0
-        if self.job.status == JobState.RUNNING.value and not self.requeued:
-            self.requeued = True
-            self.output.note(f"Slurm requeued job {self.job.slurm_job_id} ({known.detail if known else '?'}); "
-                             "stopping it")
-        self._drive_stop()
+        if self.job.status == JobState.RUNNING.value and self.requeued is None:
+            self.requeued = f"Slurm requeued job {self.job.slurm_job_id} ({known.detail if known else '?'})"
+        self._tick(running=False)
         reason = known.reason if known else None
         if self.job.status == JobState.QUEUED.value and self.job.queue_reason != reason:
             self.ledger.record_queue_reason(self.job.id, reason)
@@ -126,22 +113,17 @@ class SlurmRun:
 
     def _running(self, known: SlurmJob | None, answered: bool) -> bool:
         self.unlisted_cycles = self.ended_cycles = 0
-        now = self.monotonic()
-        if self.watchdog is None:
-            self.watchdog = Watchdog(self.settings.stall_limits_s, now)
-        if self.watchdog.stalled_in is None and self.job.cancel_requested_at is None \
-                and (why := self.watchdog.check(self.output.progress.phase, now)):
-            self.output.note(f"stalled: {why}; stopping Slurm job {self.job.slurm_job_id}")
-        self._drive_stop()
         if self.job.status == JobState.QUEUED.value:
             self._mark_running()
-        self.reporter.flush()
+        elif not self.follower.started:  # a poller taking up a job that already ran: it runs from now on here
+            self.follower.start(self.monotonic())
+        self._tick(running=True)
         return False
 
     def _ended(self, known: SlurmJob | None, answered: bool) -> bool:
         self.ended_cycles += 1
         if self.node_log.recorded_status() is not None or self.ended_cycles > 1:
-            return self._finish(known)
+            return self._end(known)
         return False
 
     def _unlisted(self, known: SlurmJob | None, answered: bool) -> bool:
@@ -152,67 +134,49 @@ class SlurmRun:
             return False
         self.scheduler.cancel(self.job.slurm_job_id or "")  # it may still run: stopped before the row ends
         self.output.note(f"Slurm lists job {self.job.slurm_job_id} nowhere; scancelled in case it still runs")
-        return self._finish(None)
+        return self._end(None)
 
     def _unknown(self, known: SlurmJob | None, answered: bool) -> bool:
         log.warning("job %s: Slurm says %r of job %s, a state this worker does not know; no change",
                     self.job.id, known.detail if known else "?", self.job.slurm_job_id)
         return False
 
-    # -- stopping --------------------------------------------------------------------------------------
+    # -- stopping: the follower decides, scancel delivers ----------------------------------------------
 
-    def _stop_reason(self) -> StopReason | None:
-        if self.job.cancel_requested_at is not None:
-            return StopReason.CANCEL
-        if self.requeued:
-            return StopReason.REQUEUED
-        if self.watchdog is not None and self.watchdog.stalled_in is not None:
-            return StopReason.STALL
-        return None
+    def _tick(self, *, running: bool) -> None:
+        order = self.follower.tick(self.monotonic(), Facts(cancel=self.job.cancel_requested_at is not None,
+                                                           requeued=self.requeued, running=running))
+        if self.follower.lost:  # the row ended elsewhere: nobody follows the job any more, so Slurm ends it
+            self.gone = True
+            self.abandon()
+        elif order is not None:
+            self._deliver(order)
 
-    def _drive_stop(self) -> None:
-        reason, sid = self._stop_reason(), self.job.slurm_job_id or ""
-        if reason is None and self.stop.reason is None:
+    def _deliver(self, order: Order) -> None:
+        sid = self.job.slurm_job_id or ""
+        if order.stop is Stop.CANCEL:
+            self.scheduler.cancel(sid)
+            self.output.note(f"{order.why}; scancel of the pending Slurm job {sid}")
             return
-        if self.stage is Stage.PENDING:
-            if self.plain_cancel is None and reason is not None:
-                self.scheduler.cancel(sid)
-                self.plain_cancel = reason
-                self.output.note("stopping: scancel of the pending Slurm job")
-            return
-        now = self.monotonic()
-        if reason is not None and self.stop.begin(reason, now):
-            self.scheduler.cancel(sid, "TERM")
-            self.output.note(f"stopping: SIGTERM to every process of Slurm job {sid}")
-        elif self.stop.kill_due(now):
-            self.scheduler.cancel(sid, "KILL")
-            self.output.note(f"still running {self.settings.cancel_grace_s:g}s after SIGTERM: SIGKILL")
-
-    def _cancelled(self, known: SlurmJob | None) -> bool:
-        """The worker's cancel reached the job: its stop was sent, or Slurm says it cancelled the job after
-        the worker asked (a restarted poller does not know what its predecessor sent)."""
-        sent = self.stop.reason or self.plain_cancel
-        if sent is not None:
-            return sent.cancels
-        return self.job.cancel_requested_at is not None and known is not None and known.state == "CANCELLED"
+        word = "TERM" if order.stop is Stop.TERM else "KILL"
+        self.scheduler.cancel(sid, word)
+        self.output.note(f"{order.why}; SIG{word} to every process of Slurm job {sid}")
 
     def abandon(self) -> None:
         """The row ended elsewhere while Slurm may still run the job: it is stopped, not left running."""
-        if self.job.slurm_job_id and self.stage.may_run and self.final is None:
+        if self.job.slurm_job_id and self.stage.may_run and self.follower.outcome is None:
             self.scheduler.cancel(self.job.slurm_job_id)
             log.warning("job %s: its row ended elsewhere; Slurm job %s scancelled", self.job.id,
                         self.job.slurm_job_id)
-
-    def _lost(self) -> None:
-        self.gone = True
-        self.abandon()
 
     # -- the stages' writes ----------------------------------------------------------------------------
 
     def _mark_running(self) -> bool:
         if not self.ledger.mark_running(self.job.id):
             return False
-        self.reporter.started = self.monotonic()
+        now = self.monotonic()
+        self.follower.reporter.started = now
+        self.follower.start(now)
         return True
 
     def _unsubmitted(self) -> bool:
@@ -222,47 +186,32 @@ class SlurmRun:
         return self.ledger.fail_job(self.job.id, failure_class=FailureClass.LAUNCH_ERROR,
                                     sentence="The submission to Slurm never completed (no Slurm job id was recorded)")
 
-    def _decide(self, known: SlurmJob | None) -> tuple[Outcome, dict[str, object]]:
+    def _end(self, known: SlurmJob | None) -> bool:
+        """Slurm says the job ended: the follower decides how, once, from Slurm's facts and its own."""
         job = self.job
         self.node_log.pump(self.monotonic())
-        self.output.end()
         recorded = self.node_log.recorded_status()
-        artifact: list[ArtifactCheck] = []
-
-        def verify() -> ArtifactCheck:
-            artifact.append(verify_lora(Path(job.lora_file), recorded_lora(job)))  # held to the row
-            return artifact[-1]
-
         refused = refused_outcome(self.settings, job.id, self.output.tail)  # the node's pre-exec look said no
-        outcome = refused or settle(known, slurm_job_id=job.slurm_job_id or "?", recorded=recorded,
-                                    cancelled=self._cancelled(known), requeued=self.requeued,
-                                    stalled_in=self.watchdog.stalled_in if self.watchdog else None,
-                                    progress=self.output.progress, log_tail=self.output.tail, verify=verify)
-        extra = artifact_values(artifact[-1], recorded_commit=job.sd_scripts_commit) \
-            if artifact and outcome.state is JobState.SUCCEEDED else {}
+        ran = self.follower.started or job.status == JobState.RUNNING.value or recorded is not None
+        outcome = self.follower.decide(Exit(trainer_ran=False, settled=refused) if refused else ending(
+            known, slurm_job_id=job.slurm_job_id or "?", recorded=recorded, requeued=self.requeued is not None,
+            cancel_flagged=job.cancel_requested_at is not None, log_tail=self.output.tail, ran=ran))
         self.output.note(f"Slurm job {job.slurm_job_id}: {known.detail if known else 'unknown to Slurm'}; "
                          f"recorded return code {recorded}; the job is {ended(outcome)}")
-        return outcome, extra
+        return self._write_end()
 
-    def _finish(self, known: SlurmJob | None) -> bool:
-        if self.final is None:  # decided once; a write the ledger refused is retried next cycle, as decided
-            self.final = self._decide(known)
-        outcome, extra = self.final
-        running = self.job.status == JobState.RUNNING.value
-        if not running and outcome.state is not JobState.CANCELLED:
-            running = self._mark_running()  # it ran between two cycles: a terminal state comes through `running`
-        if running and not self.reporter.flush(force=True):  # the last loss points land before the end
+    def _write_end(self) -> bool:
+        outcome = self.follower.outcome
+        assert outcome is not None
+        if not self.follower.started:
+            if self.job.status == JobState.RUNNING.value:
+                self.follower.started = True  # its last progress lands before the end
+            elif outcome.state is not JobState.CANCELLED:
+                self._mark_running()  # it ran between two cycles: a terminal state comes through `running`
+        if self.follower.finish() is None:  # the ledger refused: the same end, written next cycle
             return False
-        if write_final(self.ledger, self.job.id, outcome, self.output.progress, SLURM_REASONS, artifact=extra):
-            log.info("job %s: %s", self.job.id, ended(outcome))
-            if outcome.state is JobState.SUCCEEDED:
-                drop_states(self.job.output_dir, self.job.output_name, self.job.id)
         self.node_log.discard()
         return True
-
-    def _saw_output(self, phase: Phase, step: int) -> None:
-        if self.watchdog is not None:
-            self.watchdog.saw_output(phase, step, self.output.progress, self.monotonic())
 
     def close(self) -> None:
         self.node_log.close()

@@ -1,5 +1,5 @@
-"""The Slurm poller's ledger, in the shape the shared parts write through (transcript/progress.py's
-`ProgressLedger`, transcript/ending.py's `FinalLedger`): the web's ledger, every event by actor "slurm".
+"""The Slurm poller's ledger, in the shape the follower writes through (transcript/follower.py's
+`FollowerLedger`): the web's ledger, every event by actor "slurm".
 
 A Slurm row ends outside `queued`/`running` with its `queue_reason` cleared, whatever the outcome.
 """
@@ -28,6 +28,13 @@ class SlurmLedger:
     def mark_running(self, job_id: int) -> bool:
         return repo.transition(self.db, job_id, JobState.RUNNING, actor=ACTOR, reason="Slurm started the job",
                                started_at=utcnow(), phase=Phase.LAUNCHING.value, queue_reason=None)
+
+    def note(self, job_id: int, reason: str) -> None:
+        repo.note(self.db, job_id, reason, actor=ACTOR)
+
+    def save_and_teardown_durations(self, *, backend: str, tier: str, device_index: int | None) -> list[float]:
+        # Slurm places the job, not the row's device_index: any card of the backend's history counts.
+        return repo.save_and_teardown_durations(self.db, backend=backend, tier=tier, device_index=None)
 
     def record_queue_reason(self, job_id: int, reason: str | None) -> None:
         repo.record_queue_reason(self.db, job_id, reason)

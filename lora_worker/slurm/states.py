@@ -12,22 +12,22 @@
 | not listed, sacct knows nothing, no .rc file | failed, slurm_lost (scancelled first)                        |
 | a state word not in this table      | nothing: no answer (never an ending)                                  |
 | (stopped by the poller's watchdog)  | failed, stalled (as local)                                            |
+| (the log's loss became NaN)         | failed, nan_loss: stopped by the poller (as local)                    |
 | PENDING again after RUNNING         | requeued (despite --no-requeue): scancelled, failed, node_fail        |
 
 The exit status is the trainer's own, as the batch script recorded it in `<id>.rc` (a Popen return code:
-negative for a signal), never sacct's, which truncates codes above 127 and reads `0:0` before `15:0`. A cancel
-the worker asked for wins over whatever else ended the job meanwhile once it reached the job, as the local
-supervisor's does; a job that completed before its cancel was delivered keeps its own outcome.
+negative for a signal), never sacct's, which truncates codes above 127 and reads `0:0` before `15:0`. What the
+worker stopped the job for is the follower's to weigh (transcript/follower.py), for both backends: a cancel it
+delivered wins over whatever else ended the job meanwhile, a stall or a NaN loss over Slurm's own ending; a job
+that completed before its cancel was delivered keeps its own outcome. `ending` gives it Slurm's side of the end.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from enum import Enum
 
-from lora_worker.host.safetensors import ArtifactCheck
 from lora_worker.transcript.explain import quotable
-from lora_worker.transcript.outcome import ERROR_TAIL_LINES, Outcome, decide
-from lora_worker.transcript.parser import Progress
+from lora_worker.transcript.follower import Exit
+from lora_worker.transcript.outcome import ERROR_TAIL_LINES, Outcome
 from lora_worker.slurm.scheduler import SlurmJob
 from lora_worker.states import FailureClass, JobState
 
@@ -85,42 +85,30 @@ def returncode_of(job: SlurmJob | None, recorded: int | None) -> int | None:
     return job.exit_code
 
 
-def settle(job: SlurmJob | None, *, slurm_job_id: str, recorded: int | None, cancelled: bool,
-           progress: Progress, log_tail: list[str], verify: Callable[[], ArtifactCheck],
-           stalled_in: str | None = None, requeued: bool = False) -> Outcome:
-    """The outcome of a Slurm job that has ended (`job` as sacct/scontrol/squeue last said, None if none of them
-    knows it any more). `cancelled`: the worker's cancel reached the job (its scancel was sent while Slurm ran
-    it, or Slurm says it was cancelled after the worker asked); a job that ended before keeps its own outcome.
-    `verify` checks the LoRA; it is called only when the run claims success."""
+def ending(job: SlurmJob | None, *, slurm_job_id: str, recorded: int | None, cancel_flagged: bool,
+           requeued: bool, log_tail: list[str], ran: bool) -> Exit:
+    """How a Slurm job that has ended ended, as Slurm's facts for the follower's one end (transcript/follower.py):
+    `job` as sacct/scontrol/squeue last said (None if none of them knows it any more), `recorded` the `.rc`
+    file's return code, `cancel_flagged` whether a client's cancel is on the row, `requeued` whether the poller
+    saw the job pending again after it ran, `ran` whether a trainer of the job ran. The follower weighs them
+    against its own reasons to stop the job (a cancel it delivered, a stall, a NaN loss)."""
     returncode = returncode_of(job, recorded)
-    stopped = _stopped_by_worker(slurm_job_id, returncode, cancelled=cancelled, requeued=requeued,
-                                 stalled_in=stalled_in, progress=progress, log_tail=log_tail)
-    if stopped is not None:
-        return stopped
+    cancel_seen = cancel_flagged and job is not None and job.state == "CANCELLED"
+    if requeued:  # the poller stopped a second run under the same id; the first one's node was lost
+        return Exit(returncode, ran, scheduler=_failed(
+            FailureClass.NODE_FAIL, f"Slurm requeued job {slurm_job_id} after it had run (its node was lost, or "
+            "requeue is forced); a second run was refused and the job stopped", log_tail, returncode))
     if job is None and recorded is None:
-        return _failed(FailureClass.SLURM_LOST, f"Slurm no longer knows job {slurm_job_id} and it left no exit "
-                       "status: it ended without the worker seeing how", log_tail, returncode)
+        return Exit(returncode, ran, scheduler=_failed(
+            FailureClass.SLURM_LOST, f"Slurm no longer knows job {slurm_job_id} and it left no exit status: it "
+            "ended without the worker seeing how", log_tail, returncode))
     state = job.state if job is not None else "COMPLETED" if recorded == 0 else "FAILED"
     if state not in ("COMPLETED", "FAILED"):
-        return _ended_by_slurm(state, job, slurm_job_id, log_tail, returncode)
+        return Exit(returncode, ran, scheduler=_ended_by_slurm(state, job, slurm_job_id, log_tail, returncode),
+                    cancel_seen=cancel_seen)
     if returncode is None:
         returncode = 0 if state == "COMPLETED" else 1
-    artifact = verify() if returncode == 0 and "model_saved" in progress.flags else None
-    return decide(returncode=returncode, progress=progress, log_tail=log_tail, artifact=artifact)
-
-
-def _stopped_by_worker(slurm_job_id: str, returncode: int | None, *, cancelled: bool, requeued: bool,
-                       stalled_in: str | None, progress: Progress, log_tail: list[str]) -> Outcome | None:
-    """The outcome of a job the worker stopped (a cancel, a requeue, a stall), whatever Slurm calls its end."""
-    if cancelled:
-        return decide(returncode=returncode, progress=progress, log_tail=log_tail, cancelled=True)
-    if requeued:  # the poller stopped a second run under the same id; the first one's node was lost
-        return _failed(FailureClass.NODE_FAIL, f"Slurm requeued job {slurm_job_id} after it had run (its node "
-                       "was lost, or requeue is forced); a second run was refused and the job stopped", log_tail,
-                       returncode)
-    if stalled_in is not None:
-        return decide(returncode=returncode, progress=progress, log_tail=log_tail, stalled_in=stalled_in)
-    return None
+    return Exit(returncode, ran)
 
 
 def _ended_by_slurm(state: str, job: SlurmJob | None, slurm_job_id: str, log_tail: list[str],

@@ -31,3 +31,13 @@ def persist(write: Callable[[], T], what: str, sleep: Callable[[float], None]) -
             log.warning("%s: ledger unavailable (%s); retrying in %.1fs", what, exc, delay)
             sleep(delay)
             delay = min(delay * 2, MAX_DELAY_S)
+
+
+def until_done(step: Callable[[], T | None], sleep: Callable[[float], None]) -> T:
+    """Call `step` until it is done (anything but None; None: the ledger refused it and `step` said why), with
+    `persist`'s pauses in between."""
+    delay = FIRST_DELAY_S
+    while (done := step()) is None:
+        sleep(delay)
+        delay = min(delay * 2, MAX_DELAY_S)
+    return done

@@ -19,7 +19,7 @@ from lora_worker.ledger.statements import utcnow
 from lora_worker.transcript.checkpoints import Checkpoints
 from lora_worker.transcript.eta import EtaClock
 from lora_worker.transcript.output import TrainerOutput
-from lora_worker.transcript.persist import FIRST_DELAY_S, MAX_DELAY_S, TRANSIENT
+from lora_worker.transcript.persist import TRANSIENT
 from lora_worker.states import Phase
 
 log = logging.getLogger(__name__)
@@ -90,13 +90,6 @@ class ProgressReporter:
         if self.checkpoints is not None:
             for row in self.checkpoints.take(self.output.progress, ended=self.output.ended):
                 self.pending_checkpoints[(row.kind, row.path)] = row
-
-    def flush_until_taken(self) -> None:
-        """The last loss points land before the terminal state does."""
-        delay = FIRST_DELAY_S
-        while not self.flush(force=True):
-            self.host.sleep(delay)
-            delay = min(delay * 2, MAX_DELAY_S)
 
     def write(self, points: list[Point] | None = None, checkpoints: Sequence[CheckpointRow] = (),
               **values: object) -> bool:

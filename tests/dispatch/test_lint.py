@@ -6,6 +6,7 @@ caption over 75 tokens is truncated by its tokenizers)."""
 from __future__ import annotations
 
 import io
+import os
 import struct
 import zlib
 from pathlib import Path
@@ -209,3 +210,17 @@ def test_a_folder_replaced_after_the_check_is_refused(folder, counter):
     (folder.parent / FOLDER).mkdir()
     with pytest.raises(DatasetInvalid, match="replaced"):
         lint.lint_dataset(folder.parent, manifest, resolution=768, counter=counter)
+
+
+def test_a_name_that_is_not_utf8_is_an_error_for_an_image_and_shown_escaped_when_skipped(folder, counter):
+    put(folder, "a.png", image())
+    with open(os.fsencode(folder) + b"/b\xff.Jpg", "wb") as skipped:  # skipped by the glob: a warning, escaped
+        skipped.write(b"x")
+    report = run(folder, counter)
+    assert found(report) == {("file_skipped", f"{FOLDER}/b\\xff.Jpg")}
+    with open(os.fsencode(folder) + b"/c\xfe.png", "wb") as unnamed:
+        unnamed.write(image())
+    with pytest.raises(DatasetInvalid) as refused:
+        inspect_dataset(folder.parent, FOLDER)
+    assert [(f["code"], f["file"]) for f in refused.value.details["findings"]] == [
+        ("image_name_not_utf8", f"{FOLDER}/c\\xfe.png")]

@@ -66,7 +66,8 @@ def test_a_second_resume_without_a_key_is_refused_naming_the_first(api, host, db
     original = submit(api, host)
     interrupted(db, host.settings, original)
     first = api.post(f"/train/{original}/resume").get_json()["worker_job_id"]
-    repo.fail_job(db, first, actor="test", failure_class=FailureClass.LAUNCH_ERROR, sentence="x")
+    # the first resume ran and failed (one that never ran counts as no resume: tests/dispatch/test_resume_retry.py)
+    repo.fail_job(db, first, actor="test", failure_class=FailureClass.STALLED, sentence="x")
     answer = api.post(f"/train/{original}/resume")
     body = answer.get_json()
     assert answer.status_code == 422 and body["error"] == "not_resumable"

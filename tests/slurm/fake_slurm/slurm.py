@@ -1,7 +1,8 @@
 """A fake Slurm on this host, as command-line tools (sbatch, squeue, sacct, scancel; scontrol ping, sinfo and srun for
 the deep health check), for tests of the whole
 path (HTTP → sbatch → node → poller process → ledger) where no real Slurm is installed. It is not Slurm: one
-"node" (this host), no queue (every job starts at once), a job's processes are its session. It prints what
+"node" (this host), no queue (every job starts at once, unless a `hold` file beside the tools keeps new jobs
+PENDING, reason Resources, for as long as it is there), a job's processes are its session. It prints what
 Slurm 22.05 prints in the formats the worker asks for. Real-cluster tests are elsewhere.
 
 Every tool is this file, called by its name (a link); its state lives in `state/` beside it.
@@ -39,8 +40,10 @@ def sbatch(args):
     counter.write_text(str(job_id + 1))
     at = next(i for i, a in enumerate(args) if not a.startswith("--"))
     options, script, script_args, output = args[:at], args[at], args[at + 1:], option(args, "output")
-    (STATE / f"{job_id}.json").write_text(json.dumps({"state": "RUNNING", "options": options,
-                                                      "name": option(options, "job-name")}))
+    held = (HERE / "hold").exists()
+    (STATE / f"{job_id}.json").write_text(json.dumps({"state": "PENDING" if held else "RUNNING", "options": options,
+                                                      "name": option(options, "job-name"),
+                                                      "reason": "Resources" if held else "None"}))
     env = {**os.environ, "SLURM_JOB_ID": str(job_id), "CUDA_VISIBLE_DEVICES": "0"}
     subprocess.Popen([sys.executable, str(HERE / "slurm.py"), "node", str(job_id), output, script, *script_args],  # noqa: S603
                      env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -56,7 +59,15 @@ def sbatch(args):
 
 
 def node(job_id, output, script, *script_args):
-    """The job's life on the node: the batch script with its output into --output, then its ending."""
+    """The job's life on the node: pending while the `hold` file is there (a plain scancel ends it so, and it
+    never runs), then the batch script with its output into --output, then its ending."""
+    while (rec := record(job_id))["state"] == "PENDING":
+        if not (HERE / "hold").exists():
+            rec.update(state="RUNNING", reason="None")
+            (STATE / f"{job_id}.json").write_text(json.dumps(rec))
+        time.sleep(0.05)
+    if rec["state"] != "RUNNING":
+        return 0
     with open(output, "ab") as out:  # the job's own session: what scancel --full signals, not this process
         proc = subprocess.Popen([script, *script_args], stdout=out, stderr=subprocess.STDOUT,  # noqa: S603
                                 start_new_session=True)
@@ -96,7 +107,7 @@ def squeue(args):
     for job_id in named(args):
         rec = record(job_id)
         if rec is not None:
-            print(f"{job_id}|{rec['state']}|None")
+            print(f"{job_id}|{rec['state']}|{rec.get('reason', 'None')}")
     return 0
 
 
@@ -122,6 +133,10 @@ def scancel(args):
 
 def cancel(args, job_id):
     rec = record(job_id)
+    if rec is not None and rec["state"] == "PENDING" and option(args, "signal") is None:
+        rec.update(state="CANCELLED", reason="None", exit="0:0")
+        (STATE / f"{job_id}.json").write_text(json.dumps(rec))
+        return 0
     if rec is None or rec["state"] != "RUNNING":
         return 0
     (STATE / f"{job_id}.cancelled").touch()

@@ -28,6 +28,8 @@ RESUME_REASONS: dict[str, str] = {
                       "own limits: failure_class says which); only a reboot, a lost supervisor, a kill by a "
                       "signal or a stall is resumed.",
     "already_resumed": "A resume of this job exists already (`details.resumed_by`): resume that one if it failed.",
+    "resume_never_ran": "The job is a resume whose launch failed before any trainer ran: it resumed nothing and "
+                        "counts as no resume, so the job it was to resume (`resumed_from`) is resumed instead.",
     "output_dir_replaced": "The job's output directory is gone or is not the one it wrote into.",
     "lora_file_exists": "A file is at the LoRA's path already (a final save cut short?): never overwritten; "
                         "move it aside to resume.",

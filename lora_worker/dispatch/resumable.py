@@ -14,13 +14,13 @@ The newest state that passes is chosen; the reasons say why each newer one, or t
 """
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lora_worker.config import Settings
 from lora_worker.dispatch import refingerprint as fp
+from lora_worker.dispatch.plan import presentation
 from lora_worker.host import fs
 from lora_worker.host.train_state import Problem, StateCheck, check_state, find_states
 from lora_worker.ledger import repository as repo
@@ -41,7 +41,7 @@ ENDINGS: dict[FailureClass, bool] = {
     FailureClass.NODE_FAIL: True,
     FailureClass.SLURM_LOST: True,
     FailureClass.TIME_LIMIT: True,  # a resume trains only the steps left: it does not end the same way
-    FailureClass.LAUNCH_ERROR: True,  # nothing ran: the states of the run it resumed are as they were
+    FailureClass.LAUNCH_ERROR: True,  # nothing ran (a resume that never ran is refused: its original is resumed)
     FailureClass.CUDA_OOM: False,
     FailureClass.OUT_OF_MEMORY: False,
     FailureClass.DATASET_INVALID: False,
@@ -70,10 +70,11 @@ class Verdict:
 
 
 def steps_per_epoch_at_least(job: Job) -> int | None:
-    """A lower bound of sd-scripts' batches per epoch: each bucket's batches are rounded up, so the epoch has
-    at least ceil(images × repeats / batch size) of them (None when the batch size is not in the argv)."""
+    """A lower bound of sd-scripts' batches per epoch, as the one presentation of a dataset says it (dispatch/plan.py:
+    ceil(images × repeats / batch size)); None when the batch size is not in the argv."""
     batch = fp.batch_size_of(job.argv)
-    return math.ceil(job.image_count * job.repeats / batch) if batch else None
+    return presentation(job.image_count, job.repeats, batch, job.total_steps).first_epoch_steps_at_least \
+        if batch else None
 
 
 def ending_problems(db: Database, job: Job) -> list[Problem]:
@@ -84,6 +85,11 @@ def ending_problems(db: Database, job: Job) -> list[Problem]:
         return [Problem("job_succeeded", f"job {job.id} succeeded; its LoRA is {job.lora_path}")]
     if state is JobState.CANCELLED:
         return [Problem("job_cancelled", f"job {job.id} was cancelled")]
+    if job.resumed_from is not None and job.failure_class == FailureClass.LAUNCH_ERROR.value:
+        # It resumed nothing (resumes.resume_of leaves it out): the job it was to resume is the one resumed, so
+        # that one chain of resumes continues one run
+        return [Problem("resume_never_ran", f"job {job.id}, a resume of job {job.resumed_from}, failed to launch "
+                        f"before any trainer ran: resume job {job.resumed_from} instead")]
     if job.failure_class is None or not ENDINGS.get(FailureClass(job.failure_class), False):
         return [Problem("failure_recurs", f"job {job.id} failed with {job.failure_class}, which a resume would "
                         "meet again")]

@@ -18,17 +18,20 @@ train_network.py L943-948). A resume loads every one of them (`accelerator.load_
 from __future__ import annotations
 
 import json
+import lzma
 import os
 import re
+import struct
 import time
 import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lora_worker.host import fs
 from lora_worker.host.safetensors import HeaderError, lora_info, parse_header
 
-STATE_DIR = re.compile(r"^(?P<name>.+)-step(?P<step>\d{8})-state$")
+STATE_DIR = re.compile(r"^(?P<name>.+)-step(?P<step>[0-9]{8})-state$")  # `%08d`: ASCII digits, not any \d
 MODEL = "model.safetensors"
 TRAIN_STATE = "train_state.json"
 ARCHIVES = ("optimizer.bin", "scheduler.bin", "random_states_0.pkl")
@@ -40,6 +43,13 @@ MAX_TRAIN_STATE_BYTES = 4096
 MAX_ARCHIVE_BYTES = 4 << 30
 MAX_CHECK_S = 120.0
 CHUNK = 1 << 20
+# What zipfile raises on bytes that are not an intact archive, beyond its BadZipFile: a member flagged encrypted
+# (RuntimeError) or compressed by a method it lacks (NotImplementedError), a deflate, bzip2 or LZMA stream that
+# does not decode (zlib.error, OSError, LZMAError), a record cut short (EOFError, struct.error), an offset past
+# what a seek takes (OverflowError, ValueError). A power cut or a flipped bit gives any of them; each is the
+# archive's refusal, `state_archive_corrupt` (tests/host/test_train_state_fuzz.py flips bits in real archives).
+ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError, NotImplementedError, zlib.error,
+              lzma.LZMAError, struct.error, OverflowError)
 
 
 @dataclass(frozen=True)
@@ -134,8 +144,8 @@ def _check_train_state(dir_fd: int, check: StateCheck) -> None:
             data = json.loads(fs.read_capped(fd, MAX_TRAIN_STATE_BYTES))
         finally:
             os.close(fd)
-    except (OSError, ValueError) as exc:
-        check.refuse("state_json_invalid", f"{TRAIN_STATE} cannot be read as JSON: {exc}")
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: 4 KB of `[` nest past the stack
+        check.refuse("state_json_invalid", f"{TRAIN_STATE} cannot be read as JSON: {type(exc).__name__}: {exc}")
         return
     step = data.get("current_step") if isinstance(data, dict) else None
     epoch = data.get("current_epoch") if isinstance(data, dict) else None
@@ -184,8 +194,8 @@ def _check_archive(dir_fd: int, name: str, check: StateCheck, budget: _Budget) -
                         if budget.clock() > budget.deadline:
                             check.refuse("state_unverifiable", f"{name} was not read whole within {MAX_CHECK_S:.0f} s")
                             return
-    except (OSError, zipfile.BadZipFile, EOFError, ValueError) as exc:
-        check.refuse("state_archive_corrupt", f"{name} is not an intact zip archive: {exc}")
+    except ZIP_ERRORS as exc:
+        check.refuse("state_archive_corrupt", f"{name} is not an intact zip archive: {type(exc).__name__}: {exc}")
 
 
 def remove_states(output_dir: str, output_name: str) -> list[str]:

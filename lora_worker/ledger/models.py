@@ -139,7 +139,9 @@ class Job(Base):
     attempt: Mapped[int] = mapped_column(Integer, server_default="1")
     resume_step: Mapped[int] = mapped_column(Integer, server_default="0")
     base_model_identity: Mapped[str | None] = mapped_column(String(96))  # dev:ino:size:mtime_ns:ctime_ns at dispatch
-    # Sample images (migration 0018): the prompts, each {prompt, seed} ([]: none; NULL: a job from before), and
+    # The dataset lint's warnings at dispatch (JSON list of findings, lora_worker/findings.py; migration 0016).
+    dataset_warnings: Mapped[str | None] = mapped_column(Text)
+    # Sample images (migration 0017): the prompts, each {prompt, seed} ([]: none; NULL: a job from before), and
     # the step whose verified step LoRA a client promoted to be the result (NULL: the final LoRA is).
     sample_prompts: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
     promoted_step: Mapped[int | None] = mapped_column(Integer)

@@ -1,4 +1,4 @@
-"""The `samples` rows (migration 0018): each image a job's trainer drew in a sample pass, as its follower found and
+"""The `samples` rows (migration 0017): each image a job's trainer drew in a sample pass, as its follower found and
 decoded it (transcript/samples.py), written with the progress (statements.update_running_in); and a promotion:
 a verified step LoRA made the job's result. DB-API only, like every statement both ledger paths run.
 

@@ -58,7 +58,7 @@ class JobRecord:
     sd_scripts_commit: str | None
     resume_step: int = 0  # a resume's first step (migration 0014): its steps bar counts from there
     backend: str = "local"  # where it runs (the column's own default: rows before migration 0009 are local)
-    sample_prompts: list[dict[str, Any]] | None = None  # the job's sample prompts (migration 0018)
+    sample_prompts: list[dict[str, Any]] | None = None  # the job's sample prompts (migration 0017)
 
 
 RECORD_COLUMNS = tuple(f.name for f in fields(JobRecord))

@@ -10,8 +10,8 @@
 - `samples`: one row per image the job's follower found in `<output_dir>/sample/` and decoded: its name, step,
   prompt index, seed, size, bytes and sha256. One row per (job, name); pruning a job deletes its rows.
 
-Revision ID: 0018
-Revises: 0015
+Revision ID: 0017
+Revises: 0016
 Create Date: 2026-12-06
 """
 from __future__ import annotations
@@ -19,8 +19,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0018"
-down_revision = "0015"
+revision = "0017"
+down_revision = "0016"
 branch_labels = None
 depends_on = None
 

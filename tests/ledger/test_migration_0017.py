@@ -1,4 +1,4 @@
-"""Migration 0018 (issue 33): `jobs` rebuilt for the `sampling` phase (0008's triggers and AUTOINCREMENT kept), its
+"""Migration 0017 (issue 33): `jobs` rebuilt for the `sampling` phase (0008's triggers and AUTOINCREMENT kept), its
 `sample_prompts` and `promoted_step`, and the `samples` table; its rows written with a running job's progress on
 both ledger paths, each pass's first write its one `job.sample` event; a promotion; up, down, up."""
 from __future__ import annotations
@@ -31,9 +31,9 @@ def image(step: int, index: int) -> SampleRow:
 
 def test_up_down_up_keeps_rows_triggers_ids_and_says_sampling_was_training(tmp_path):
     path = tmp_path / "ledger.sqlite3"
-    upgrade(path, "0015")
+    upgrade(path, "0016")
     before = triggers(path)
-    upgrade(path, "0018")
+    upgrade(path, "0017")
     assert triggers(path) == before
     assert "AUTOINCREMENT" in sql(path, "SELECT sql FROM sqlite_master WHERE name = 'jobs'")[0][0]
     db = Database.open(path)
@@ -45,10 +45,10 @@ def test_up_down_up_keeps_rows_triggers_ids_and_says_sampling_was_training(tmp_p
         db.dispose()
     with pytest.raises(sqlite3.IntegrityError, match="CHECK"):
         sql(path, "UPDATE jobs SET phase = 'dreaming' WHERE id = ?", job.id)
-    command.downgrade(alembic_config(path), "0015")
+    command.downgrade(alembic_config(path), "0016")
     assert triggers(path) == before and sql(path, "SELECT phase FROM jobs") == [("training",)]
     assert not sql(path, "SELECT name FROM sqlite_master WHERE name = 'samples'")
-    upgrade(path, "0018")
+    upgrade(path, "0017")
     db = Database.open(path)
     try:
         again = repo.create_job(db, columns(slot="slurm-1", lora_file="/x.safetensors"))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_worker.ledger import outbox
+from lora_worker.ledger import repository as repo
 from tests.helpers.life import TO_TRAINING, End, Worker, end_of, hooks, phase_hooks, phases
 from tests.helpers.runs import wait_states_removed
 
@@ -143,7 +144,13 @@ def cancel_saving(worker: Worker) -> None:
     worker.modes(partial_save_then_hang=True)
     job_id = worker.submit()
     lora = Path(worker.job(job_id)["output_dir"]) / LORA
-    worker.wait(job_id, "half a LoRA, saving", lambda j: j["phase"] == "saving" and j["step"] == 400 and lora.exists())
+    # Step 400 has a step save of its own (phase saving too) before the final save: the row may say saving at 400
+    # with the half file already written while the final save's phases are not yet on the row, and the cancel's note
+    # would then come before them. So the wait is for the final save's phase, the last of SAVES.
+    final_save = SAVES.count("saving")
+    worker.wait(job_id, "half a LoRA, in the final save", lambda j: j["phase"] == "saving" and j["step"] == 400
+                and lora.exists() and sum(e.reason == "phase saving" for e in repo.job_events(worker.db, job_id))
+                == final_save)
     worker.cancel(job_id)
     worker.wait_end(job_id)
     assert end_of(worker, job_id) == end("cancelled", None, "saving", upto=TO_TRAINING + SAVES, notes=ASKED + MOVED,

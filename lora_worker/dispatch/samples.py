@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,9 +123,12 @@ def _write(found: PromptsFile) -> None:
             return
     except FileNotFoundError:
         pass
-    temporary = found.path.with_name(f".{found.path.name}.{os.getpid()}.tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o640)
+    # A name of its own per write (O_EXCL): two requests of the same prompts in one process at once (gthread) each
+    # write theirs, and the second rename replaces the first with the same bytes.
+    fd, name = tempfile.mkstemp(dir=found.path.parent, prefix=f".{found.path.name}.", suffix=".tmp")
+    temporary = Path(name)
     try:
+        os.fchmod(fd, 0o640)
         view = memoryview(found.data)
         while view:
             view = view[os.write(fd, view):]

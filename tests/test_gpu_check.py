@@ -20,7 +20,7 @@ from bench.gpu_check import bundle, pins
 from bench.gpu_check.nvml_check import SmiApp, SmiGpu, bus_key, compare, parse_apps, parse_gpus
 from bench.gpu_check.runs import Outcome, RunSpec, png, rows_of
 from bench.gpu_check.table import Row, as_json, failed, number, render, unmeasured
-from bench.gpu_check.tokenizers import FOLDERS, vocabulary, write_folders
+from bench.gpu_check.clip_vocab import FOLDERS, vocabulary, write_folders
 from bench.gpu_check.watch import SAMPLE_START, Seen, Watcher
 from lora_worker.config import Settings
 from lora_worker.host.nvml import GpuProcess, GpuReading

@@ -216,7 +216,7 @@ def _run(spec: RunSpec, first: bool, args: argparse.Namespace, settings: Setting
          nvml: Nvml | None, deadline: float, rows: list[Row]) -> tuple[Outcome, Settings]:
     """The run's service (its tier sizes), the deep checks on the first, the job; the service stopped after."""
     svc = Service(settings.with_overrides(rig_tier_sizes={spec.tier: spec.sizes()}), work / "logs",
-                  spec.name.replace(" ", "").replace("+", "-")).start()
+                  spec.name.replace(" ", "").replace("+", "-"), deep=first).start()
     try:
         if first:
             svc, settings = _deep_health(svc, settings, spec, work, rows, args)
@@ -244,7 +244,7 @@ def _deep_health(svc: Service, settings: Settings, spec: RunSpec, work: Path, ro
     settings = settings.with_overrides(sandbox="none")
     rows.append(Row("deep health", "sandbox for the runs", "none", how=f"bwrap failed here: {sandbox['detail']}"))
     return Service(settings.with_overrides(rig_tier_sizes={spec.tier: spec.sizes()}), work / "logs",
-                   "nosandbox").start(), settings
+                   "nosandbox", deep=False).start(), settings
 
 
 def _machine() -> dict[str, Any]:

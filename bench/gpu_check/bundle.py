@@ -5,7 +5,7 @@ Debian into `.gpu-bundle/` (ignored by git), in two parts, each under what one d
   .gpu-bundle/b/trainer/  the trainer's other wheels (pins.PART_B_TRAINER)
   .gpu-bundle/b/worker/   the worker's runtime, exactly deploy/requirements.lock (hashes checked), and pip
   .gpu-bundle/b/sd-scripts.tar.gz   sd-scripts at the pinned commit, from a checkout of it (SD_SCRIPTS_DIR)
-  .gpu-bundle/b/tokenizers/         the two offline CLIP tokenizer folders (built here: tokenizers.py)
+  .gpu-bundle/b/tokenizers/         the two offline CLIP tokenizer folders (built here: clip_vocab.py)
   .gpu-bundle/b/deb/      Debian's bubblewrap .deb (the image may have no bwrap), when apt-get can fetch it
   .gpu-bundle/manifest.json        every file with its size and sha256, each part's total
 
@@ -26,7 +26,7 @@ import zipfile
 from pathlib import Path
 
 from bench.gpu_check import pins
-from bench.gpu_check.tokenizers import write_folders
+from bench.gpu_check.clip_vocab import write_folders
 from lora_worker.config import REPO_ROOT
 
 MIB = 1 << 20

@@ -17,7 +17,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.getcwd())
+# Python put this file's folder first on the path: none of the check's modules may stand in for a package the
+# trainer imports (a `tokenizers.py` here once hid transformers' tokenizers). sd-scripts' `library` comes from the cwd.
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [os.getcwd()] + [p for p in sys.path if os.path.abspath(p or ".") != _here]
 import torch  # noqa: E402
 from accelerate import init_empty_weights  # noqa: E402
 from diffusers import AutoencoderKL  # noqa: E402

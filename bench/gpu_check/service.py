@@ -20,6 +20,7 @@ import psutil
 from lora_worker.config import REPO_ROOT, Settings, settings_to_json
 
 SETTINGS_FILE_ENV = "LW_GPU_CHECK_SETTINGS"  # the settings file wsgi.py builds the app from
+DEEP_ENV = "LW_GPU_CHECK_DEEP"  # "0": this service skips the start-up deep checks (wsgi.py)
 
 
 def free_port() -> int:
@@ -29,8 +30,8 @@ def free_port() -> int:
 
 
 class Service:
-    def __init__(self, settings: Settings, work: Path, name: str) -> None:
-        self.settings = settings
+    def __init__(self, settings: Settings, work: Path, name: str, *, deep: bool = True) -> None:
+        self.settings, self.deep = settings, deep
         self.port = free_port()
         self.log = work / f"gunicorn-{name}.log"
         self.settings_file = work / f"settings-{name}.json"
@@ -42,7 +43,7 @@ class Service:
 
     def start(self, timeout_s: float = 60.0) -> Service:
         self.settings_file.write_text(settings_to_json(self.settings))
-        env = {**os.environ, SETTINGS_FILE_ENV: str(self.settings_file)}
+        env = {**os.environ, SETTINGS_FILE_ENV: str(self.settings_file), DEEP_ENV: "1" if self.deep else "0"}
         env = {k: v for k, v in env.items() if not k.startswith("LORA_WORKER_")}  # the file says everything
         gunicorn = str(Path(sys.executable).parent / "gunicorn")
         with self.log.open("ab") as out:

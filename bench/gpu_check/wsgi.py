@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from bench.gpu_check.service import SETTINGS_FILE_ENV
+from bench.gpu_check.service import DEEP_ENV, SETTINGS_FILE_ENV
 from lora_worker import create_app
 from lora_worker.config import settings_from_json
 from lora_worker.web.app import start_reconcile_timer
@@ -19,5 +19,7 @@ from lora_worker.web.app import start_reconcile_timer
 _settings = settings_from_json(Path(os.environ[SETTINGS_FILE_ENV]).read_text())
 # gunicorn.conf.py's post_fork says where gunicorn really listens: the app insists on loopback without a token.
 _settings = _settings.with_overrides(bind=os.environ.get("LORA_WORKER_BIND", _settings.bind))
-app = create_app(_settings, deep_health=True)
+# The first service of a check runs the deep checks and the check reads them; the later ones, one per run, leave them
+# out: their probe (the trainer's torch, in the sandbox) would hold the GPU while the run's job is admitted.
+app = create_app(_settings, deep_health=os.environ.get(DEEP_ENV) != "0")
 start_reconcile_timer(app)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_check.tokenizers import write_folders
+from bench.gpu_check.clip_vocab import write_folders
 from lora_worker.config import REPO_ROOT
 from lora_worker.host import sandbox
 

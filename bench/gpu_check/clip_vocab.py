@@ -3,9 +3,10 @@
 the 512 byte tokens, the merges, the two special tokens (vocab 49408 from the real file, 48894 merges).
 
 The same files, byte for byte, as the CPU rig's ../shared/rig/make_tokenizers.py writes (tests/rig checks it).
-Pure Python: `make gpu-bundle` builds them here and the GPU machine only unpacks them.
+Pure Python: `make gpu-bundle` builds them here and the GPU machine only unpacks them. (Not named `tokenizers`:
+make_sdxl.py runs from this folder, where such a module would hide the trainer's `tokenizers` package.)
 
-usage: python -m bench.gpu_check.tokenizers BPE.txt.gz OUT_DIR
+usage: python -m bench.gpu_check.clip_vocab BPE.txt.gz OUT_DIR
 """
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--base-model", type=Path, default=None, help="an SDXL checkpoint to use instead of building one")
     p.add_argument("--bwrap", type=Path, default=None, help="the bubblewrap executable for the sandbox")
     p.add_argument("--sandbox-none", metavar="WHY", default=None, help="no sandbox, and why (printed in the table)")
-    p.add_argument("--budget-s", type=float, default=None, help="seconds for everything (GPU 560, CPU 3000), counted "
+    p.add_argument("--budget-s", type=float, default=None, help="seconds for everything (GPU 420, CPU 3000), counted "
                    "from $LW_GPU_CHECK_T0 when set; a run that would not fit is skipped, and said so")
     p.add_argument("--runs", default=None, help="comma-separated run names to keep (e.g. '768 px,1024 px')")
     p.add_argument("--batch-size", type=int, default=1, help="train_batch_size of the check's card profile")
@@ -78,7 +78,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse(argv)
     t0 = float(os.environ.get("LW_GPU_CHECK_T0") or time.time())
-    deadline = time.monotonic() - (time.time() - t0) + (args.budget_s or (3000.0 if args.cpu else 560.0))
+    deadline = time.monotonic() - (time.time() - t0) + (args.budget_s or (3000.0 if args.cpu else 420.0))
     out = args.out or Path(os.environ.get("OUT") or REPO_ROOT / "var" / "gpu-check")
     out.mkdir(parents=True, exist_ok=True)
     work = args.work.resolve()

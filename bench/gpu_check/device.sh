@@ -87,6 +87,7 @@ case "${1:-}" in
     install_b
     choose_sandbox
     say "sandbox: ${SANDBOX[*]}"
+    cd "$REPO" || fail "no $REPO"
     exec "$REPO/.venv/bin/python" -m bench.gpu_check --trainer-venv "$(trainer_venv)" --sd-scripts "$ROOT/sd-scripts" \
       --tokenizers "$ROOT/tokenizers" --work "$ROOT/work" --out "$OUT" "${SANDBOX[@]}" "$@" ;;
   *) echo "usage: $0 install-a | run [options]" >&2; exit 2 ;;

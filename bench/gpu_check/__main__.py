@@ -70,6 +70,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sandbox-none", metavar="WHY", default=None, help="no sandbox, and why (printed in the table)")
     p.add_argument("--budget-s", type=float, default=None, help="seconds for everything (GPU 420, CPU 3000), counted "
                    "from $LW_GPU_CHECK_T0 when set; a run that would not fit is skipped, and said so")
+    p.add_argument("--host-note", action="append", default=[], help="what device.sh changed on the host (a row)")
     p.add_argument("--runs", default=None, help="comma-separated run names to keep (e.g. '768 px,1024 px')")
     p.add_argument("--batch-size", type=int, default=1, help="train_batch_size of the check's card profile")
     return p.parse_args(argv)
@@ -90,6 +91,8 @@ def main(argv: list[str]) -> int:
                             "machine": _machine(), "trainer": {}, "arguments": argv}
     outcomes: list[tuple[RunSpec, Outcome | None]] = []
     model = None
+    rows += [Row("host", "device.sh", note, how="what the GPU machine's setup found or changed")
+             for note in args.host_note]
     try:
         meta["trainer"] = _trainer(python, rows)
         meta["card"] = _card(args, python, rows, meta["trainer"])

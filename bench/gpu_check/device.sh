@@ -67,6 +67,21 @@ choose_sandbox() {  # SANDBOX: the image's bwrap, else the carried .deb's, else 
   SANDBOX=(--bwrap "$ROOT/bwrap/usr/bin/bwrap")
 }
 
+cuda_loader() {  # NOTES += what was done. The trainer's environment is an allow-list (no LD_LIBRARY_PATH), so
+  # libcuda.so.1 must be in ld.so.cache, as on a host whose driver was installed; an image may find it by the
+  # variable alone. Then its folder goes into ld.so.conf.d (root, on a machine lent for minutes), and the table says so.
+  local d paths=${LD_LIBRARY_PATH:-}
+  ldconfig -p 2>/dev/null | grep -q 'libcuda\.so\.1 ' && return 0
+  for d in ${paths//:/ } /usr/local/nvidia/lib64 /usr/local/nvidia/lib /usr/lib/x86_64-linux-gnu; do
+    if [ -e "$d/libcuda.so.1" ]; then
+      echo "$d" >/etc/ld.so.conf.d/zz-lw-gpu-check.conf && ldconfig &&
+        NOTES+=(--host-note "libcuda.so.1 was not in ld.so.cache (found by LD_LIBRARY_PATH alone): $d added to it")
+      return 0
+    fi
+  done
+  NOTES+=(--host-note "libcuda.so.1 is in neither ld.so.cache nor LD_LIBRARY_PATH's folders")
+}
+
 install_b() {
   [ -f "$ROOT/.a-installed" ] || fail "part a is not installed on this machine: call 1 (install-a) first, on the same warm machine"
   [ -d "$BUNDLE/b" ] || fail "no $BUNDLE/b: carry .gpu-bundle/b"
@@ -86,9 +101,11 @@ case "${1:-}" in
     shift
     install_b
     choose_sandbox
-    say "sandbox: ${SANDBOX[*]}"
+    NOTES=()
+    cuda_loader
+    say "sandbox: ${SANDBOX[*]}; ${NOTES[*]}"
     cd "$REPO" || fail "no $REPO"
     exec "$REPO/.venv/bin/python" -m bench.gpu_check --trainer-venv "$(trainer_venv)" --sd-scripts "$ROOT/sd-scripts" \
-      --tokenizers "$ROOT/tokenizers" --work "$ROOT/work" --out "$OUT" "${SANDBOX[@]}" "$@" ;;
+      --tokenizers "$ROOT/tokenizers" --work "$ROOT/work" --out "$OUT" "${SANDBOX[@]}" "${NOTES[@]}" "$@" ;;
   *) echo "usage: $0 install-a | run [options]" >&2; exit 2 ;;
 esac

@@ -2,9 +2,10 @@
 long poll to its end while watch.py samples the card, the processes and the log; then the run's rows.
 
 Where each figure comes from:
-- seconds per step: the trainer's own bar (`rate`, the mean over the run; sd-scripts' bar has smoothing=0 and
-  leaves sample passes out), and the whole training phase from the ledger (finished_at - training_started_at,
-  over the steps: saves and sample passes included);
+- seconds per step: the trainer's last `steps` bar in the run log (its mean over the run: sd-scripts' bar has
+  smoothing=0, and pauses over a sample pass); beside it the worker's own `rate` (its recent window, what its ETA
+  uses); and the whole training phase from the ledger (finished_at - training_started_at, over the steps: saves
+  and sample passes included);
 - the pre-training phase: started_at to training_started_at (the ledger), and each phase as the long poll saw
   it change (within the poll's latency, milliseconds);
 - VRAM: NVML's memory in use on the card, five times a second, less what was in use before the POST;

@@ -14,13 +14,13 @@ The newest state that passes is chosen; the reasons say why each newer one, or t
 """
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lora_worker.config import Settings
 from lora_worker.dispatch import refingerprint as fp
+from lora_worker.dispatch.plan import presentation
 from lora_worker.host import fs
 from lora_worker.host.train_state import Problem, StateCheck, check_state, find_states
 from lora_worker.ledger import repository as repo
@@ -70,10 +70,11 @@ class Verdict:
 
 
 def steps_per_epoch_at_least(job: Job) -> int | None:
-    """A lower bound of sd-scripts' batches per epoch: each bucket's batches are rounded up, so the epoch has
-    at least ceil(images × repeats / batch size) of them (None when the batch size is not in the argv)."""
+    """A lower bound of sd-scripts' batches per epoch, as the one presentation of a dataset says it (dispatch/plan.py:
+    ceil(images × repeats / batch size)); None when the batch size is not in the argv."""
     batch = fp.batch_size_of(job.argv)
-    return math.ceil(job.image_count * job.repeats / batch) if batch else None
+    return presentation(job.image_count, job.repeats, batch, job.total_steps).first_epoch_steps_at_least \
+        if batch else None
 
 
 def ending_problems(db: Database, job: Job) -> list[Problem]:

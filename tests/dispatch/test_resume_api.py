@@ -32,6 +32,8 @@ def test_a_resume_is_a_new_row_linked_to_the_original_and_launched(api, host, db
     status = api.get(f"/train/{new}").get_json()
     assert (status["resumed_from"], status["attempt"], status["resume_step"]) == (original, 2, 4)
     assert any("resumed as job" in (e.reason or "") for e in repo.job_events(db, original))
+    # the dataset lint's warnings of the original ride along: the resume trains the same dataset
+    assert status["warnings"] == api.get(f"/train/{original}").get_json()["warnings"] != []
 
 
 def test_the_verdict_is_readable_before(api, host, db):

@@ -2,8 +2,10 @@
 # The GPU check on a borrowed GPU machine (no network, the repository's tree plus 64 MiB of carried files a call),
 # in two back-to-back calls on the same warm machine (docs/benchmarks.md, "The first real GPU"):
 #
-#   call 1 (carry .gpu-bundle/a):  bash bench/gpu_check/device.sh install-a
-#   call 2 (carry .gpu-bundle/b):  bash bench/gpu_check/device.sh run [python -m bench.gpu_check options]
+#   call 1 (carry .gpu-bundle/a, timeout_s 180):  bash bench/gpu_check/device.sh install-a
+#   call 2 (carry .gpu-bundle/b, timeout_s 480):  bash bench/gpu_check/device.sh run [python -m bench.gpu_check options]
+#
+# call 2's check keeps to 420 s from this script's start (--budget-s), leaving 60 s to write the table and stop.
 #
 # install-a puts bitsandbytes and transformers into the image's torch venv (the trainer's venv here). run installs
 # part b (the trainer's other wheels; the worker's venv from its lock; sd-scripts at the pinned commit; the CLIP

@@ -72,3 +72,33 @@ def test_the_supervisor_gets_the_same_sizes() -> None:
     again = settings_from_json(settings_to_json(rig_settings(rig_tier_sizes=RIG)))
     assert again.tiers["fast"] == rig_settings(rig_tier_sizes=RIG).tiers["fast"]
     assert again.save_every_n_steps("fast") == 2
+
+
+def fast_request(settings: Settings):  # type: ignore[no-untyped-def]
+    raw = TrainRequest(dataset_dir="/t/t1/dataset", base_model_path="/m/sdxl.safetensors", output_dir="/t/t1/output",
+                       output_name="ohwx", trigger="ohwx", subject_class="dog", repeats=3, tier="fast",
+                       device_index=0, seed=42)  # type: ignore[call-arg]
+    return resolve_request(raw, train_id="t1", dataset_dir=Path("/t/t1/dataset"),
+                           base_model_path=Path("/m/sdxl.safetensors"), output_dir=Path("/t/t1/output"),
+                           tiers=settings.tiers)
+
+
+def test_a_sample_pass_only_for_a_tier_whose_rig_sizes_name_one() -> None:
+    """The GPU check's sample pass (bench/gpu_check): the prompts file in the job's output dir, at the start and
+    every N steps; no other tier, and no worker without rig sizes, gets a sample flag."""
+    sampled = rig_settings(rig_tier_sizes={"fast": {**RIG["fast"], "sample_every_n_steps": 3}})
+    argv = build_argv(fast_request(sampled), sampled, LocalBackend())
+    assert argv[-3:] == ["--sample_prompts=/t/t1/output/sample-prompts.txt", "--sample_every_n_steps=3",
+                         "--sample_at_first"]
+    for settings in (rig_settings(), rig_settings(rig_tier_sizes=RIG)):
+        assert not [t for t in build_argv(fast_request(settings), settings, LocalBackend()) if t.startswith("--sample")]
+    assert sampled.sample_every_n_steps("balanced") is None and rig_settings().sample_every_n_steps("fast") is None
+    again = settings_from_json(settings_to_json(sampled))
+    assert build_argv(fast_request(again), again, LocalBackend()) == argv  # the supervisor runs the same command
+
+
+def test_a_config_file_may_not_ask_for_a_sample_pass(tmp_path: Path) -> None:
+    config = tmp_path / "worker.toml"
+    config.write_text('sandbox = "none"\n[rig_tier_sizes.fast]\nsample_every_n_steps = 5\n')
+    with pytest.raises(ConfigError, match="refused in a config file"):
+        load_settings({"LORA_WORKER_CONFIG": str(config)})

@@ -1,7 +1,8 @@
 """The one command the worker runs, built by pure functions from a ResolvedRequest and the audited constants.
 
 Shape: `<venv>/accelerate launch <pinned launcher flags> <abs sdxl_train_network.py> <script args>`, where
-every script arg is either a constant `--flag` or one `--key=value` token with a key from SCRIPT_KEYS.
+every script arg is either a constant `--flag` or one `--key=value` token with a key from SCRIPT_KEYS (and, for
+the CPU rig and the GPU check only, the sample pass's SAMPLE_KEYS and SAMPLE_FLAGS).
 A value can never become a flag of its own (`--config_file=…` would replace the whole configuration), and
 no key ever comes from the request. `shlex.join` is for display only; nothing here goes through a shell.
 """
@@ -17,8 +18,8 @@ from lora_worker.host.trainer import ENV_KEYS, trainer_env
 if TYPE_CHECKING:
     from lora_worker.backends import Backend
 
-__all__ = ["ENV_KEYS", "SCRIPT_FLAGS", "SCRIPT_KEYS", "build_argv", "build_env", "keep_last", "launcher_argv",
-           "script_args", "trainer_env"]
+__all__ = ["ENV_KEYS", "SAMPLE_FLAGS", "SAMPLE_KEYS", "SAMPLE_PROMPTS", "SCRIPT_FLAGS", "SCRIPT_KEYS", "build_argv",
+           "build_env", "keep_last", "launcher_argv", "sample_args", "script_args", "trainer_env"]
 
 # Constant switches of the lean SDXL recipe: U-Net only, latents and text-encoder outputs cached in memory
 # (the TE cache requires --network_train_unet_only), gradient checkpointing, SDPA attention, and logs as
@@ -66,6 +67,16 @@ SCRIPT_KEYS: tuple[str, ...] = (
     "max_data_loader_n_workers",
     "seed",
 )
+
+# Test- and GPU-check-only: a sample pass, which the worker's recipe does not have yet (issue #33 brings samples).
+# Only a tier whose `rig_tier_sizes` names `sample_every_n_steps` gets these tokens (code that builds Settings itself:
+# tests/rig, bench/gpu_check; refused in a config file): images before the first step and every N steps, from the
+# prompts file that code wrote into the job's output dir before the POST (the sandbox shows the trainer that dir;
+# sd-scripts writes the images into its `sample/`).
+SAMPLE_PROMPTS = "sample-prompts.txt"
+SAMPLE_KEYS: tuple[str, ...] = ("sample_prompts", "sample_every_n_steps")
+SAMPLE_FLAGS: tuple[str, ...] = ("--sample_at_first",)
+
 
 def launcher_argv(settings: Settings, mixed_precision: str = "bf16") -> list[str]:
     # Every launcher setting pinned on the command line: a stray accelerate config could otherwise turn on
@@ -139,7 +150,15 @@ def build_argv(req: ResolvedRequest, settings: Settings, backend: Backend) -> li
     size and precision are the row's backend's `profile`: the card's on this host, the tier's under Slurm."""
     pairs = [f"--{key}={value}" for key, value in script_args(req, settings, backend)]
     _, mixed_precision = backend.profile(settings, req.tier.name, req.device_index)
-    return [*launcher_argv(settings, mixed_precision), *pairs, *SCRIPT_FLAGS]
+    return [*launcher_argv(settings, mixed_precision), *pairs, *SCRIPT_FLAGS, *sample_args(req, settings)]
+
+
+def sample_args(req: ResolvedRequest, settings: Settings) -> list[str]:
+    """The sample pass's tokens (SAMPLE_KEYS, SAMPLE_FLAGS), only for a tier the rig's sizes give one; else none."""
+    every = settings.sample_every_n_steps(req.tier.name)
+    if every is None:
+        return []
+    return [f"--sample_prompts={req.output_dir / SAMPLE_PROMPTS}", f"--sample_every_n_steps={every}", *SAMPLE_FLAGS]
 
 
 def build_env(req: ResolvedRequest, settings: Settings, backend: Backend) -> dict[str, str]:

@@ -9,6 +9,7 @@ import json
 import os
 import struct
 import subprocess
+import sys
 import tarfile
 import time
 import zlib
@@ -22,7 +23,7 @@ from bench.gpu_check.runs import Outcome, RunSpec, png, rows_of
 from bench.gpu_check.table import Row, as_json, failed, number, render, unmeasured
 from bench.gpu_check.clip_vocab import FOLDERS, vocabulary, write_folders
 from bench.gpu_check.watch import SAMPLE_START, Seen, Watcher
-from lora_worker.config import Settings
+from lora_worker.config import REPO_ROOT, Settings
 from lora_worker.host.nvml import GpuProcess, GpuReading
 
 # -- the table ------------------------------------------------------------------------------------------------
@@ -272,3 +273,22 @@ def test_the_device_script_parses_and_refuses_an_unknown_step(tmp_path):
     done = subprocess.run(["bash", str(script), "what"], capture_output=True, text=True, check=False,
                           env={**os.environ, "LW_GPU_ROOT": str(tmp_path / "root"), "OUT": str(tmp_path / "out")})
     assert done.returncode == 2 and "usage:" in done.stderr
+
+
+def test_a_hang_before_the_runs_ends_within_the_budget_and_the_table_is_still_written(tmp_path):
+    """The device call's limit kills a check that overruns its budget, and a killed check writes no table: a step
+    before the runs (here the trainer's interpreter, hanging) must be cut at the budget, not at its own timeout."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    hanging = venv / "bin" / "python"
+    hanging.write_text("#!/bin/sh\nexec sleep 600\n")
+    hanging.chmod(0o755)
+    out = tmp_path / "out"
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--cpu", "--budget-s", "2",
+                           "--trainer-venv", str(venv), "--sd-scripts", str(tmp_path), "--tokenizers", str(tmp_path),
+                           "--work", str(tmp_path / "work"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert done.returncode != 0 and time.monotonic() - started < 60  # its own timeout was 300 s
+    table = (out / "gpu-check.md").read_text()
+    assert "stopped" in table and "TimeoutExpired" in table

@@ -94,10 +94,10 @@ def main(argv: list[str]) -> int:
     rows += [Row("host", "device.sh", note, how="what the GPU machine's setup found or changed")
              for note in args.host_note]
     try:
-        meta["trainer"] = _trainer(python, rows)
-        meta["card"] = _card(args, python, rows, meta["trainer"])
+        meta["trainer"] = _trainer(python, rows, deadline)
+        meta["card"] = _card(args, python, rows, meta["trainer"], deadline)
         meta["title"] = f"GPU check: {meta['card']}"
-        model = args.base_model or _build_model(args, python, work, rows)
+        model = args.base_model or _build_model(args, python, work, rows, deadline)
         if model is not None:
             settings = _settings(args, work, model, meta["card"])
             settings.state_dir.mkdir(parents=True, exist_ok=True)
@@ -114,9 +114,16 @@ def main(argv: list[str]) -> int:
     return 0 if model is not None and ran and all(o.job.get("status") == "succeeded" for o in ran) else 1
 
 
-def _trainer(python: str, rows: list[Row]) -> dict[str, Any]:
+def within(deadline: float, cap_s: float) -> float:
+    """A step's own timeout, cut to the budget left: the device call's limit comes 60 s after the budget, and a
+    check killed there writes no table, so a hang before the runs must end in time for the table to be written."""
+    return max(1.0, min(cap_s, deadline - time.monotonic()))
+
+
+def _trainer(python: str, rows: list[Row], deadline: float) -> dict[str, Any]:
     """The trainer interpreter's packages (and its CUDA device), as that interpreter reports them."""
-    done = subprocess.run([python, "-c", TRAINER_PROBE], capture_output=True, text=True, timeout=300, check=False)  # noqa: S603
+    done = subprocess.run([python, "-c", TRAINER_PROBE], capture_output=True, text=True,  # noqa: S603
+                          timeout=within(deadline, 300), check=False)
     lines = [line[len("GPU-CHECK "):] for line in done.stdout.splitlines() if line.startswith("GPU-CHECK ")]
     if not lines:
         rows.append(unmeasured("trainer", "packages", f"{python} exited {done.returncode}: {done.stderr[-300:]}"))
@@ -128,14 +135,14 @@ def _trainer(python: str, rows: list[Row]) -> dict[str, Any]:
     return found
 
 
-def _card(args: argparse.Namespace, python: str, rows: list[Row], trainer: dict[str, Any]) -> str:
+def _card(args: argparse.Namespace, python: str, rows: list[Row], trainer: dict[str, Any], deadline: float) -> str:
     """The NVML comparison (with a CUDA process of the check's own on the card) and the card's name."""
     if args.cpu:
         nvml_rows, readings, driver = nvml_check.live_rows()
         rows += nvml_rows
         rows.append(unmeasured("card", "GPU", "--cpu: the CPU rig has no GPU"))
         return f"no GPU (CPU rehearsal on {platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-    with nvml_check.cuda_holder(python) as (pid, why):
+    with nvml_check.cuda_holder(python, timeout_s=within(deadline, 180)) as (pid, why):
         rows.append(Row(nvml_check.SECTION, "the check's CUDA process", f"pid {pid}, 1024 MiB on each device",
                         how="the trainer's torch") if pid else
                     unmeasured(nvml_check.SECTION, "the check's CUDA process", why))
@@ -151,14 +158,15 @@ def _card(args: argparse.Namespace, python: str, rows: list[Row], trainer: dict[
     return name
 
 
-def _build_model(args: argparse.Namespace, python: str, work: Path, rows: list[Row]) -> Path | None:
+def _build_model(args: argparse.Namespace, python: str, work: Path, rows: list[Row], deadline: float) -> Path | None:
     device = "cpu" if args.cpu else "cuda"
     model = work / "models" / "sdxl_random.safetensors"
     log = work / "logs" / "make_sdxl.log"
     started = time.monotonic()
     with log.open("w") as fh:
         done = subprocess.run([python, str(HERE / "make_sdxl.py"), "--device", device, str(model)],  # noqa: S603
-                              cwd=args.sd_scripts, stdout=fh, stderr=subprocess.STDOUT, check=False)
+                              cwd=args.sd_scripts, stdout=fh, stderr=subprocess.STDOUT, check=False,
+                              timeout=within(deadline, 3000))
     took = time.monotonic() - started
     if done.returncode != 0 or not model.exists():
         tail = log.read_text(errors="replace")[-400:]
@@ -222,7 +230,7 @@ def _run(spec: RunSpec, first: bool, args: argparse.Namespace, settings: Setting
                   spec.name.replace(" ", "").replace("+", "-"), deep=first).start()
     try:
         if first:
-            svc, settings = _deep_health(svc, settings, spec, work, rows, args)
+            svc, settings = _deep_health(svc, settings, spec, work, rows, args, deadline)
         return run_one(spec, svc, model, work, nvml=nvml, images=3 if args.cpu else 4,
                        image_size=256 if args.cpu else 1024, deadline=deadline), settings
     finally:
@@ -230,10 +238,10 @@ def _run(spec: RunSpec, first: bool, args: argparse.Namespace, settings: Setting
 
 
 def _deep_health(svc: Service, settings: Settings, spec: RunSpec, work: Path, rows: list[Row],
-                 args: argparse.Namespace) -> tuple[Service, Settings]:
+                 args: argparse.Namespace, deadline: float) -> tuple[Service, Settings]:
     """The service's start-up deep checks (GET /healthz?deep=1), as rows; on a GPU whose sandbox cannot start, the
     runs go on without it (said so) rather than not at all."""
-    deep = svc.deep_health()
+    deep = svc.deep_health(timeout_s=within(deadline, 300))
     checks = deep.get("checks") or []
     if not checks:
         rows.append(unmeasured("deep health", "checks", f"no answer: {deep}"))

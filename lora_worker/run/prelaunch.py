@@ -6,7 +6,8 @@ supervisor starts the trainer, it walks every directory again without following 
 directory, stops the job (`failed`, `launch_error`) before the trainer has opened anything. It also looks
 again at what the trainer will open inside them (no new subset folder, no image or caption turned into a
 link or a FIFO) and at the LoRA's path, where nothing may be yet: the file found there after the run is
-then the trainer's, which is how the artifact check knows it is fresh without comparing clocks.
+then the trainer's, which is how the artifact check knows it is fresh without comparing clocks. The dataset config
+the argv names (dispatch/presentation.py) must still hold the bytes its name is the sha256 of.
 
 The directories stay open from this look to the trainer's start: the sandbox mounts those descriptors, not
 the paths again (`check`; `what_moved` is the look alone).
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lora_worker.host import fs, kohya
+from lora_worker.host.dataset_config import config_path_of, open_checked
 from lora_worker.ledger.supervisor import JobRecord
 
 
@@ -70,6 +72,10 @@ def check(job: JobRecord) -> Checked:
                              or _lora_present(fds["output_dir"], os.path.basename(job.lora_file)))
         except OSError as exc:  # made unreadable meanwhile: as good as moved
             checked.moved = f"the dataset or output_dir can no longer be listed ({exc.strerror or exc})"
+        if checked.moved is None and (config := config_path_of(job.argv)) is not None:
+            fd, checked.moved = open_checked(config)  # held and bound as the directories are
+            if fd is not None:
+                checked.held[Path(config)] = fd
         return checked
     except BaseException:
         checked.close()

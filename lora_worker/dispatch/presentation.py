@@ -20,20 +20,20 @@ of the rows accepted before (the folder's own repeats, `--train_data_dir`), whic
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import secrets
-import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lora_worker.errors import DatasetInvalid, LaunchFailed
 from lora_worker.host import fs
-from lora_worker.host.dataset_config import CONFIG_FLAG, config_path_of, name_for
+from lora_worker.host.dataset_config import CONFIG_FLAG, SUFFIX, Unwritable, class_tokens, config_path_of, render
 
 __all__ = ["CONFIG_FLAG", "DATASETS", "DatasetConfig", "Presentation", "SavedState", "as_folder", "class_tokens",
-           "config_for", "config_path_of", "dataset_config_toml", "one_epoch", "toml_literal", "write"]
+           "config_for", "config_path_of", "dataset_config_toml", "one_epoch", "write"]
 
 if TYPE_CHECKING:
     from lora_worker.backends import Backend
@@ -100,35 +100,12 @@ class DatasetConfig:
     presentation: Presentation
 
 
-def class_tokens(trigger: str, subject_class: str) -> str:
-    """What sd-scripts took from the folder `<repeats>_<trigger> <subject_class>` (everything after the first `_`,
-    config_util.py `extract_dreambooth_params`): the caption of an image without a caption file."""
-    return f"{trigger} {subject_class}"
-
-
-def toml_literal(value: str, what: str) -> str:
-    """`value` as a TOML literal string, or DatasetInvalid when it cannot be one exactly.
-
-    sd-scripts reads the file with the `toml` package 0.10.2 (config_util.py `load_user_config`), whose basic
-    strings mis-read escapes (on the rig, `\\\\u…` and `\\"\\"\\"` came back changed or refused). A literal
-    string has no escapes: its text is read back as written, by that parser (tests/rig/test_real_presentation.py)
-    and by tomllib, whatever it holds except `'`, a control character, or what UTF-8 cannot encode."""
-    bad = next((ch for ch in value if ch == "'" or (ch != "\t" and unicodedata.category(ch) in ("Cc", "Cs"))), None)
-    if bad is not None:
-        raise DatasetInvalid({"dataset_dir": [
-            f"{what} holds {bad!r}, which sd-scripts' dataset config (a TOML literal string, read by the toml "
-            f"0.10.2 parser that mis-reads escapes) cannot carry exactly: rename it without quotes or control "
-            f"characters"]})
-    return f"'{value}'"
-
-
 def dataset_config_toml(image_dir: str, tokens: str, repeats: int) -> bytes:
-    """The whole file: one dataset of one DreamBooth subset; every other value falls back to the argv."""
-    lines = ["[[datasets]]", "", "[[datasets.subsets]]",
-             f"image_dir = {toml_literal(image_dir, 'The kohya folder ' + repr(image_dir))}",
-             f"class_tokens = {toml_literal(tokens, 'The class tokens ' + repr(tokens))}",
-             f"num_repeats = {int(repeats)}", ""]
-    return "\n".join(lines).encode("utf-8")
+    """The file's bytes (host/dataset_config.py `render`); DatasetInvalid (422) for a value it cannot carry."""
+    try:
+        return render(image_dir, tokens, repeats)
+    except Unwritable as exc:
+        raise DatasetInvalid({"dataset_dir": [str(exc)]}) from exc
 
 
 def config_for(req: ResolvedRequest, settings: Settings, backend: Backend, images: int) -> DatasetConfig:
@@ -137,7 +114,8 @@ def config_for(req: ResolvedRequest, settings: Settings, backend: Backend, image
     shown = one_epoch(images, batch, req.expected.steps, settings.save_every_n_steps(req.tier.name))
     content = dataset_config_toml(os.path.join(req.dataset_dir, req.kohya_folder),
                                   class_tokens(req.trigger, req.subject_class), shown.repeats)
-    return DatasetConfig(backend.files_dir(settings) / DATASETS / name_for(content), content, shown)
+    name = hashlib.sha256(content).hexdigest() + SUFFIX
+    return DatasetConfig(backend.files_dir(settings) / DATASETS / name, content, shown)
 
 
 def write(config: DatasetConfig) -> None:

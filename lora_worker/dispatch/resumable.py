@@ -26,7 +26,8 @@ from lora_worker.config import Settings
 from lora_worker.dispatch import refingerprint as fp
 from lora_worker.host import fs
 from lora_worker.dispatch.presentation import Presentation, as_folder, config_path_of, one_epoch
-from lora_worker.host.train_state import Budget, Problem, StateCheck, check_archives, check_state, find_states
+from lora_worker.host.state_archives import Budget
+from lora_worker.host.train_state import Problem, StateCheck, check_archives, check_state, find_states
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger import resumes
 from lora_worker.ledger.db import Database

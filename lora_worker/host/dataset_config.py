@@ -1,15 +1,25 @@
-"""The dataset config a job's argv names (`--dataset_config=`, dispatch/presentation.py writes it), as the process
-that starts the trainer checks it right before exec: on this host (run/prelaunch.py) or on a Slurm node.
+"""The dataset config a job's argv names (`--dataset_config=`): the TOML file sd-scripts reads the job's dataset
+through (dispatch/presentation.py decides what it holds and writes it), and the look at it right before exec, by
+the process that starts the trainer: on this host (run/prelaunch.py) or on a Slurm node.
 
-The file lies in the worker's own directory (the state dir, or the Slurm log dir), named by the sha256 of its
-bytes, so what is checked is simply that the bytes are still those: opened without following a link, read
-capped, hashed. The descriptor stays open and is what the sandbox binds (host/sandbox.py), so nothing swapped in
-after this look is what the trainer reads.
+The file is one DreamBooth subset in literal strings only: sd-scripts reads it with the `toml` package 0.10.2
+(config_util.py `load_user_config`), whose basic strings mis-read escapes (on the rig, `\\"\\"\\"}` came back
+empty and `\\u001F…\\\\u` was refused: tests/rig/test_real_presentation.py). A literal string has no escapes: its
+text is read back as written, by that parser and by tomllib, whatever it holds except `'`, a control character
+other than tab, or what UTF-8 cannot encode; such a value is refused (`Unwritable`), never escaped.
+
+Right before exec, the file must be a regular file (no link followed, nothing that blocks), hold at most
+CONFIG_MAX_BYTES, and be exactly what `render` makes of the job's own row (its kohya folder and class tokens, with
+the repeats it says): what the trainer reads is this job's dataset. The descriptor stays open and is what the
+sandbox binds (host/sandbox.py), so nothing swapped in after this look is what the trainer reads. (Its name is the
+sha256 of its bytes, which dispatch and a resume's fingerprint compare; the supervisor does not hash: OpenSSL is
+loaded only at the end of a run.)
 """
 from __future__ import annotations
 
-import hashlib
 import os
+import re
+import unicodedata
 from collections.abc import Iterable
 
 from lora_worker.host import fs
@@ -17,6 +27,36 @@ from lora_worker.host import fs
 CONFIG_FLAG = "--dataset_config="
 CONFIG_MAX_BYTES = 64 * 1024
 SUFFIX = ".toml"  # sd-scripts reads a TOML config by its name's suffix (config_util.py load_user_config)
+REPEATS = re.compile(rb"^num_repeats = (\d{1,9})$", re.MULTILINE)
+
+
+class Unwritable(ValueError):
+    """A value no TOML literal string can carry exactly."""
+
+
+def class_tokens(trigger: str, subject_class: str) -> str:
+    """What sd-scripts took from the folder `<repeats>_<trigger> <subject_class>` (everything after the first `_`,
+    config_util.py `extract_dreambooth_params`): the caption of an image without a caption file."""
+    return f"{trigger} {subject_class}"
+
+
+def literal(value: str, what: str) -> str:
+    """`value` as a TOML literal string; Unwritable (saying what and why) when it cannot be one exactly."""
+    bad = next((ch for ch in value if ch == "'" or (ch != "\t" and unicodedata.category(ch) in ("Cc", "Cs"))), None)
+    if bad is not None:
+        raise Unwritable(f"{what} holds {bad!r}, which sd-scripts' dataset config (a TOML literal string, read by the "
+                         "toml 0.10.2 parser that mis-reads escapes) cannot carry exactly: rename it without quotes or "
+                         "control characters")
+    return f"'{value}'"
+
+
+def render(image_dir: str, class_tokens: str, repeats: int) -> bytes:
+    """The whole file: one dataset of one DreamBooth subset; every other value falls back to the argv's flags."""
+    lines = ["[[datasets]]", "", "[[datasets.subsets]]",
+             f"image_dir = {literal(image_dir, 'The kohya folder ' + repr(image_dir))}",
+             f"class_tokens = {literal(class_tokens, 'The class tokens ' + repr(class_tokens))}",
+             f"num_repeats = {int(repeats)}", ""]
+    return "\n".join(lines).encode("utf-8")
 
 
 def config_path_of(argv: Iterable[str]) -> str | None:
@@ -24,23 +64,19 @@ def config_path_of(argv: Iterable[str]) -> str | None:
     return next((a[len(CONFIG_FLAG):] for a in argv if a.startswith(CONFIG_FLAG)), None)
 
 
-def name_for(content: bytes) -> str:
-    return hashlib.sha256(content).hexdigest() + SUFFIX
-
-
-def open_checked(path: str) -> tuple[int | None, str | None]:
+def open_checked(path: str, image_dir: str, class_tokens: str) -> tuple[int | None, str | None]:
     """(the file held open, None), or (None, why it must not be used): it cannot be opened as a regular file
-    without following a link, or its bytes are not the ones its name is the sha256 of."""
+    without following a link, or it is not the config of this kohya folder and these class tokens."""
     try:
         fd = fs.open_in(os.path.dirname(path), os.path.basename(path))
     except OSError as exc:
         return None, f"the dataset config {path} cannot be opened ({exc.strerror or exc})"
     try:
         data = fs.read_capped(fd, CONFIG_MAX_BYTES)
-    except OSError as exc:
+        found = REPEATS.search(data)
+        if found is None or data != render(image_dir, class_tokens, int(found[1])):
+            raise fs.Refused(0, f"it is not the config of {image_dir!r} with class tokens {class_tokens!r}")
+    except (OSError, Unwritable) as exc:
         os.close(fd)
-        return None, f"the dataset config {path} cannot be read ({exc.strerror or exc})"
-    if name_for(data) != os.path.basename(path):
-        os.close(fd)
-        return None, f"the dataset config {path} is not the file dispatch wrote (its sha256 is not its name)"
+        return None, f"the dataset config {path} cannot be used ({getattr(exc, 'strerror', None) or exc})"
     return fd, None

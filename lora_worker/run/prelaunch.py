@@ -7,7 +7,7 @@ directory, stops the job (`failed`, `launch_error`) before the trainer has opene
 again at what the trainer will open inside them (no new subset folder, no image or caption turned into a
 link or a FIFO) and at the LoRA's path, where nothing may be yet: the file found there after the run is
 then the trainer's, which is how the artifact check knows it is fresh without comparing clocks. The dataset config
-the argv names (dispatch/presentation.py) must still hold the bytes its name is the sha256 of.
+the argv names (dispatch/presentation.py) must still be the one of this job's kohya folder and class tokens.
 
 The directories stay open from this look to the trainer's start: the sandbox mounts those descriptors, not
 the paths again (`check`; `what_moved` is the look alone).
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lora_worker.host import fs, kohya
-from lora_worker.host.dataset_config import config_path_of, open_checked
+from lora_worker.host.dataset_config import class_tokens, config_path_of, open_checked
 from lora_worker.ledger.supervisor import JobRecord
 
 
@@ -73,7 +73,9 @@ def check(job: JobRecord) -> Checked:
         except OSError as exc:  # made unreadable meanwhile: as good as moved
             checked.moved = f"the dataset or output_dir can no longer be listed ({exc.strerror or exc})"
         if checked.moved is None and (config := config_path_of(job.argv)) is not None:
-            fd, checked.moved = open_checked(config)  # held and bound as the directories are
+            # held and bound as the directories are
+            fd, checked.moved = open_checked(config, os.path.join(job.dataset_dir, folder),
+                                             class_tokens(job.trigger, job.subject_class))
             if fd is not None:
                 checked.held[Path(config)] = fd
         return checked

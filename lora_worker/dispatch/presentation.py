@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING
 
 from lora_worker.errors import DatasetInvalid, LaunchFailed
 from lora_worker.host import fs
-from lora_worker.host.dataset_config import CONFIG_FLAG, SUFFIX, Unwritable, class_tokens, config_path_of, render
+from lora_worker.host.dataset_config import (CONFIG_FLAG, SUFFIX, Unwritable, class_tokens, config_path_of,
+                                             one_epoch_repeats, render)
 
 __all__ = ["CONFIG_FLAG", "DATASETS", "DatasetConfig", "Presentation", "SavedState", "as_folder", "class_tokens",
            "config_for", "config_path_of", "dataset_config_toml", "one_epoch", "write"]
@@ -83,7 +84,7 @@ def one_epoch(images: int, batch: int, steps: int, every: int) -> Presentation:
     """The worker's presentation: the smallest repeats with images × repeats / batch ≥ steps (one epoch)."""
     if images < 1 or batch < 1 or steps < 1 or every < 1:
         raise ValueError(f"no presentation of {images} images at batch {batch} for {steps} steps every {every}")
-    return Presentation(images, batch, steps, every, math.ceil(steps * batch / images))
+    return Presentation(images, batch, steps, every, one_epoch_repeats(images, batch, steps))
 
 
 def as_folder(images: int, repeats: int, batch: int, steps: int, every: int) -> Presentation:

@@ -9,16 +9,15 @@ text is read back as written, by that parser and by tomllib, whatever it holds e
 other than tab, or what UTF-8 cannot encode; such a value is refused (`Unwritable`), never escaped.
 
 Right before exec, the file must be a regular file (no link followed, nothing that blocks), hold at most
-CONFIG_MAX_BYTES, and be exactly what `render` makes of the job's own row (its kohya folder and class tokens, with
-the repeats it says): what the trainer reads is this job's dataset. The descriptor stays open and is what the
-sandbox binds (host/sandbox.py), so nothing swapped in after this look is what the trainer reads. (Its name is the
-sha256 of its bytes, which dispatch and a resume's fingerprint compare; the supervisor does not hash: OpenSSL is
-loaded only at the end of a run.)
+CONFIG_MAX_BYTES, and be exactly what `render` makes of the job's own row (its kohya folder, its class tokens, and
+the repeats one epoch of its steps takes, `one_epoch_repeats`): what the trainer reads is this job's dataset. The
+descriptor stays open and is what the sandbox binds (host/sandbox.py), so nothing swapped in after this look is
+what the trainer reads. (Its name is the sha256 of its bytes, which dispatch and a resume's fingerprint compare;
+the supervisor compares the bytes and hashes nothing: OpenSSL is loaded only at the end of a run.)
 """
 from __future__ import annotations
 
 import os
-import re
 import unicodedata
 from collections.abc import Iterable
 
@@ -27,11 +26,17 @@ from lora_worker.host import fs
 CONFIG_FLAG = "--dataset_config="
 CONFIG_MAX_BYTES = 64 * 1024
 SUFFIX = ".toml"  # sd-scripts reads a TOML config by its name's suffix (config_util.py load_user_config)
-REPEATS = re.compile(rb"^num_repeats = (\d{1,9})$", re.MULTILINE)
+BATCH_FLAG = "--train_batch_size="
 
 
 class Unwritable(ValueError):
     """A value no TOML literal string can carry exactly."""
+
+
+def one_epoch_repeats(images: int, batch: int, steps: int) -> int:
+    """The smallest repeats with images × repeats / batch ≥ steps: one epoch holds every step (the rule of
+    dispatch/presentation.py `one_epoch`, where it is explained)."""
+    return -(-steps * batch // images)
 
 
 def class_tokens(trigger: str, subject_class: str) -> str:
@@ -64,19 +69,25 @@ def config_path_of(argv: Iterable[str]) -> str | None:
     return next((a[len(CONFIG_FLAG):] for a in argv if a.startswith(CONFIG_FLAG)), None)
 
 
-def open_checked(path: str, image_dir: str, class_tokens: str) -> tuple[int | None, str | None]:
+def expected(argv: list[str], image_dir: str, tokens: str, images: int | None, steps: int) -> bytes | None:
+    """The bytes the config of a job's row must hold (None when the row cannot say: no image count or batch)."""
+    batch = next((a[len(BATCH_FLAG):] for a in argv if a.startswith(BATCH_FLAG)), "")
+    if not images or not batch.isdigit() or int(batch) < 1:
+        return None
+    return render(image_dir, tokens, one_epoch_repeats(images, int(batch), steps))
+
+
+def open_checked(path: str, want: bytes | None) -> tuple[int | None, str | None]:
     """(the file held open, None), or (None, why it must not be used): it cannot be opened as a regular file
-    without following a link, or it is not the config of this kohya folder and these class tokens."""
+    without following a link, or it does not hold `want` (the row's config: `expected`)."""
     try:
         fd = fs.open_in(os.path.dirname(path), os.path.basename(path))
     except OSError as exc:
         return None, f"the dataset config {path} cannot be opened ({exc.strerror or exc})"
     try:
-        data = fs.read_capped(fd, CONFIG_MAX_BYTES)
-        found = REPEATS.search(data)
-        if found is None or data != render(image_dir, class_tokens, int(found[1])):
-            raise fs.Refused(0, f"it is not the config of {image_dir!r} with class tokens {class_tokens!r}")
-    except (OSError, Unwritable) as exc:
+        if fs.read_capped(fd, CONFIG_MAX_BYTES) != want:
+            raise fs.Refused(0, "it is not the config of this job's kohya folder, class tokens and steps")
+    except OSError as exc:
         os.close(fd)
-        return None, f"the dataset config {path} cannot be used ({getattr(exc, 'strerror', None) or exc})"
+        return None, f"the dataset config {path} cannot be used ({exc.strerror or exc})"
     return fd, None

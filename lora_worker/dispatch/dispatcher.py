@@ -100,7 +100,8 @@ class Dispatcher:
                    "webhook_events": webhook_subscription(self.settings, raw)}
         return self.launch(columns, request.output_dir, config=config)
 
-    def admit(self, tier: str, device_index: int, output_dir: Path, network_dim: int) -> None:
+    def admit(self, tier: str, device_index: int, output_dir: Path, network_dim: int, *,
+              resuming: bool = False) -> None:
         """What a new row needs of the host and the slots now (a fresh job's and a resume's)."""
         if len(self.backend.slots(self.settings)) == 1:
             active = repo.active_job(self.db)
@@ -114,7 +115,7 @@ class Dispatcher:
             require_sandbox(self.settings)
             require_namespaces(self.settings)  # probed once (at start-up): bwrap can make them here
             admit(tier, device_index, self.settings, self.nvml)
-        require_free_space(output_dir, required_mib(self.settings.disk_mib[tier], network_dim))
+        require_free_space(output_dir, required_mib(self.settings.disk_mib[tier], network_dim, resuming=resuming))
 
     def launch(self, columns: dict[str, Any], output_dir: Path, *, output_id: str | None = None,
                config: presentation.DatasetConfig | None = None) -> Job:

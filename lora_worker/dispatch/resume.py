@@ -60,7 +60,8 @@ def _create(dispatcher: Dispatcher, job_id: int, idempotency_key: str | None, di
     found = verdict(dispatcher.db, dispatcher.settings, original)
     refuse(dispatcher, original, found)
     assert found.state is not None and found.from_step is not None
-    dispatcher.admit(original.tier, original.device_index, Path(original.output_dir), original.lora_rank)
+    dispatcher.admit(original.tier, original.device_index, Path(original.output_dir), original.lora_rank,
+                     resuming=True)
     manifest = inspect_dataset(Path(original.dataset_dir),
                                kohya.folder_name(original.repeats, original.trigger, original.subject_class))
     columns: dict[str, Any] = {

@@ -115,3 +115,18 @@ def test_the_openapi_document_has_both_routes(api):
     assert set(paths["/train/{job_id}/resume"]) == {"get", "post"}
     post = paths["/train/{job_id}/resume"]["post"]
     assert "202" in post["responses"] and "not_resumable" in str(post["responses"])
+
+
+def test_a_resumes_disk_preflight_counts_the_state_it_finds_once(api, host, db, launches, monkeypatch):
+    """The run it continues kept a state and a step LoRA there, which its own first save replaces: a resume needs
+    one state and one step LoRA less free space than the job (docs/resume.md, "What states cost")."""
+    from lora_worker.config_tables import STATE_MIB, STEP_LORA_MIB
+    from lora_worker.dispatch import dispatcher
+
+    needs: list[int] = []
+    real = dispatcher.require_free_space
+    monkeypatch.setattr(dispatcher, "require_free_space", lambda path, need: (needs.append(need), real(path, need)))
+    original = submit(api, host)
+    interrupted(db, host.settings, original)
+    assert api.post(f"/train/{original}/resume").status_code == 202
+    assert needs[0] - needs[1] == STATE_MIB[16] + STEP_LORA_MIB[16] and needs[1] > 0

@@ -4,6 +4,7 @@ once by `--train_data_dir` (the folder's 2 repeats) and once by the worker's TOM
 stdout line before training, in order, but for the paths and the device the fake stands in for."""
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -12,7 +13,8 @@ import pytest
 from lora_worker.dispatch.presentation import dataset_config_toml
 from tests.helpers import SDXL_TINY, install_fake_trainer, make_dataset, set_modes, write_safetensors
 from tests.helpers.fake_trainer import ENV
-from tests.helpers.rig_captures import fake_argv, flag, meta, stream
+from lora_worker.host.safetensors import read_header
+from tests.helpers.rig_captures import RIG, fake_argv, flag, meta, stream
 
 pytestmark = pytest.mark.slow
 
@@ -55,3 +57,25 @@ def test_the_fake_prints_what_the_real_trainer_printed_before_training(rig, name
         str(rig["tokenizer_cache_dir"]): "<tokenizers>", str(rig["model"].parent): "<models>",
         str(rig["config"] if name.endswith("config") else rig["dataset"]): "<dataset>", str(rig["dataset"]): "<train>"})
     assert fake == real
+
+
+def test_the_fakes_lora_under_a_config_has_the_real_ones_metadata_keys_and_datasets(rig):
+    """The final LoRA's `__metadata__` of the rig's run under the worker's config (tests/data/rig/
+    final-lora-presented.header.json): the same keys, `ss_datasets` alike but for the tags the fake does not
+    count (its captions are its own), and the counts of the repeats shown."""
+    real = json.loads((RIG / "final-lora-presented.header.json").read_text())
+    set_modes(rig["sd_scripts_dir"], step_s=0.0)
+    argv = [a if not a.startswith("--max_train_steps=") else "--max_train_steps=10"
+            for a in fake_argv("presented_config", rig)]
+    done = subprocess.run(argv, cwd=rig["sd_scripts_dir"], env=ENV, capture_output=True, timeout=60,
+                          start_new_session=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    fake = read_header(rig["out"] / "ohwx.safetensors").metadata
+    assert set(fake) == set(real)
+    for key in ("ss_num_epochs", "ss_num_train_images", "ss_num_batches_per_epoch", "ss_dataset_dirs", "ss_steps",
+                "ss_max_train_steps"):
+        assert fake[key] == real[key], key
+    fake_sets, real_sets = json.loads(fake["ss_datasets"]), json.loads(real["ss_datasets"])
+    for datasets in (fake_sets, real_sets):
+        datasets[0].pop("tag_frequency")
+    assert fake_sets == real_sets

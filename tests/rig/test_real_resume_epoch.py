@@ -32,7 +32,7 @@ from lora_worker.ledger.db import Database
 from tests.helpers import fake_gpus
 from tests.helpers.ledger import migrated_ledger
 from tests.helpers.runs import wait_state, wait_states_removed
-from tests.rig.test_real_resume import bar_steps, bar_totals, kill_after_state, log_of, report, resume, say
+from tests.helpers.rig_worker import bar_steps, bar_totals, kill_after_state, log_of, report, resume, say
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow, pytest.mark.timeout(3600)]
 

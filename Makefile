@@ -9,7 +9,7 @@ BIND ?=
 PORT ?=
 LOCK := deploy/requirements.lock
 
-.PHONY: run test test-fast lint demo demo-slurm chaos bench install lock clean
+.PHONY: run test test-fast fuzz lint demo demo-slurm chaos bench install lock clean
 
 # The trainer's sandbox is bubblewrap (`sandbox` setting, docs/sandbox.md). Without it, say so first.
 NO_BWRAP_NOTICE = command -v bwrap >/dev/null || [ -n "$$LORA_WORKER_SANDBOX" ] || printf '%s %s\n%s\n' \
@@ -76,6 +76,14 @@ test: lint
 test-fast: $(VENV)/.installed
 	LW_TEST_FAST=1 $(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadgroup -q
 
+# The property tests of the parsers of outside bytes (marked `fuzz`: the safetensors header, the trainer's states,
+# sd-scripts' output, the dataset's names and captions, the Slurm node's files, Retry-After, a receiver's answer)
+# at length: each draws the `fuzz` Hypothesis profile's budget (tests/helpers/fuzz.py FUZZ_EXAMPLES) instead of the few
+# that `make test` draws, with no per-test timeout. Hypothesis keeps what it found in .hypothesis/ and tries it
+# first next time.
+fuzz: $(VENV)/.installed
+	HYPOTHESIS_PROFILE=fuzz $(BIN)/python -m pytest -m fuzz -n $(TEST_WORKERS) -p no:cacheprovider --timeout=0 -q
+
 # No GPU, no sd-scripts: a simulated host under ./var/demo (the test suite's fake trainer, a 24 GB card running
 # TTS and a 48 GB card), the real service on 127.0.0.1:8204, one `fast` job trained live to a verified LoRA,
 # then the curl commands for each step. The server stays up until Ctrl-C (or the terminal closes, or make is
@@ -97,6 +105,8 @@ demo-slurm: $(VENV)/.demo-installed
 	$(BIN)/python -m tests.cluster.cluster $(BIN)/lora-worker demo
 
 # The fault suite at length: hundreds of random kills, a longer contention window, more lifecycle sequences.
+# `make test` runs the same loops shorter (100 iterations each). A new seed each run; a failure names the
+# CHAOS_SEED and CHAOS_ITERATIONS that replay it (docs/testing.md, "Which runs where").
 chaos: $(VENV)/.installed
 	CHAOS_ITERATIONS=200 CHAOS_SECONDS=30 CHAOS_MODEL_EXAMPLES=60 $(BIN)/python -m pytest tests/chaos
 

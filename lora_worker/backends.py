@@ -8,8 +8,9 @@ The seam:
   - `launch`: start attending a queued row (or raise LaunchFailed);
   - `attended`: whether something attends the job now (reconcile fails an active job nobody attends);
   - `wake`: a cancel was just flagged on the row: tell whoever attends it, now rather than at its next look;
-  - `abandon`: reconcile is about to fail the row: make sure nothing of the job still runs (the pids killed);
-    None if that cannot be made sure now, and the row is left for a later reconcile;
+  - `abandon`: reconcile is about to fail the row: make sure nothing of the job still runs (the pids killed,
+    once they are gone); None if that cannot be made sure now, and the row is left for a later reconcile; it
+    raises OutlivedKill (host/processes.py) when what it killed is still there, and the row stays active;
   - `places_here`: whether the job runs on this host's GPUs (so dispatch admits it by NVML, the GPU lock and
     the sandbox here, `device_index` picks the card, and the ETA history is that card's) or the scheduler's
     (`device_index` is accepted and has no effect);

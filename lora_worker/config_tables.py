@@ -143,13 +143,15 @@ WEBHOOK_EVENT_TYPES = ("job.queued", "job.started", "job.phase", "job.progress",
                        "job.succeeded", "job.failed", "job.cancelled")
 
 
-def _slurm_minutes(tier: Tier) -> int:
-    """A Slurm time limit for a tier: half an hour for loading, caching and saving, and 6 s per step (the small
-    card's slowest step is about 3 s); generous, since TIMEOUT ends a run that might have finished."""
+def tier_minutes_at_most(tier: Tier) -> int:
+    """A bound of a tier's wall time, the default Slurm time limit: half an hour for loading, caching and saving,
+    and 6 s per step (the small card's slowest step is about 3 s); generous, since TIMEOUT ends a run that might
+    have finished. A dry run without history says it as an upper bound, never as a forecast."""
     return 30 + -(-tier.max_train_steps * 6 // 60)
 
 
-DEFAULT_SLURM_TIME_LIMIT_MIN: Mapping[str, int] = MappingProxyType({n: _slurm_minutes(t) for n, t in TIERS.items()})
+DEFAULT_SLURM_TIME_LIMIT_MIN: Mapping[str, int] = MappingProxyType(
+    {n: tier_minutes_at_most(t) for n, t in TIERS.items()})
 # Host memory (not VRAM) a job's cgroup may use: SDXL's checkpoint and text encoders load in RAM first, and the
 # 1024 px tier caches larger latents.
 DEFAULT_SLURM_MEM_MB: Mapping[str, int] = MappingProxyType({"fast": 24_000, "balanced": 24_000, "quality": 32_000})

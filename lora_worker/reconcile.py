@@ -6,8 +6,10 @@ touches an active row.
 the supervisor's flock, which the kernel drops when it dies (zombie or not). Before the row is failed, the
 backend stops what of the job may still run (`abandon`): a local leftover trainer is killed only if its
 identity matches the row (run/leftovers.py), a Slurm job is scancelled; a row whose job cannot be made sure
-to be stopped is left for a later reconcile. The failed row quotes the end of the job's run log, as a failure
-the supervisor wrote would.
+to be stopped is left for a later reconcile. A row is failed only once what was killed is gone: a process that
+outlives SIGKILL (state D) keeps the job active, and so its GPU from any new job, and the job's events and run
+log say which (`still_running`). The failed row quotes the end of the job's run log, as a failure the supervisor
+wrote would.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from lora_worker.config import Settings
+from lora_worker.errors import LoraWorkerError
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job, utcnow
@@ -38,13 +41,27 @@ class Action:
 
 def reconcile(db: Database, settings: Settings, *, actor: str = "reconcile",
               backend: Backend | None = None) -> list[Action]:
-    """Mark every unattended active job failed; returns what was done."""
+    """Mark every unattended active job failed; returns what was done. A job whose reconcile fails unexpectedly is
+    logged (its traceback, once a process) and left for the next round; the others are reconciled all the same.
+    A ledger that is busy or gone (LoraWorkerError) stops the round: no job's row can be written."""
     actions = []
     for job in repo.active_jobs(db):
-        action = reconcile_job(db, settings, job, actor=actor, backend=backend)
+        try:
+            action = reconcile_job(db, settings, job, actor=actor, backend=backend)
+        except LoraWorkerError:
+            raise
+        except Exception:  # noqa: BLE001 - contained to this job: the next round tries it again
+            if job.id not in _FAILED:
+                _FAILED.add(job.id)
+                log.exception("job %s: reconcile failed; it is left as it is for the next round", job.id,
+                              extra={"job": job.id})
+            continue
         if action is not None:
             actions.append(action)
     return actions
+
+
+_FAILED: set[int] = set()  # the jobs whose reconcile failed, logged with a traceback once a process
 
 
 def current_job(db: Database, settings: Settings, job_id: int, *, actor: str, backend: Backend | None = None) -> Job:
@@ -64,7 +81,11 @@ def reconcile_job(db: Database, settings: Settings, job: Job, *, actor: str = "r
         return None  # its supervisor is alive
     if job.status == JobState.QUEUED.value and utcnow() - job.created_at < timedelta(seconds=settings.launch_grace_s):
         return None  # being launched right now
-    failure, killed, reason = _what_is_left(job, settings, runs)
+    try:
+        failure, killed, reason = _what_is_left(job, settings, runs)
+    except processes.OutlivedKill as exc:
+        still_running(db, settings, job, exc, actor)
+        return None
     if killed is None:
         return None  # not known to be stopped: the row is not ended while the job may still run
     sentence = reason[0].upper() + reason[1:]
@@ -86,6 +107,17 @@ def _what_is_left(job: Job, settings: Settings, runs: Backend) -> tuple[FailureC
     reason = "the supervisor died; " + (f"killed its leftover processes {list(killed)}" if killed
                                          else "no process of the job was left")
     return FailureClass.SUPERVISOR_LOST, killed, reason
+
+
+def still_running(db: Database, settings: Settings, job: Job, outlived: processes.OutlivedKill, actor: str) -> None:
+    """Processes of the job outlived SIGKILL: the row stays active, so no new job is admitted while they hold the
+    GPU (the one-active-job index), and says why in an event and in the run log, once; a later reconcile ends
+    it when they are gone."""
+    reason = (f"the supervisor died; its processes {list(outlived.pids)} outlived SIGKILL for {outlived.waited_s:g} s; "
+              "the job stays running, holding its GPU, until they are gone")
+    if repo.note_active(db, job.id, actor=actor, reason=reason):
+        log.error("job %s: %s", job.id, reason, extra={"job": job.id})
+        close_log(settings, job.id, f"reconcile ({actor}): {reason[0].upper()}{reason[1:]}")
 
 
 def close_log(settings: Settings, job_id: int, line: str) -> None:

@@ -127,7 +127,7 @@ RESUMABLE: dict[FailureClass, bool] = {
     FailureClass.NODE_FAIL: True,
     FailureClass.SLURM_LOST: True,
     FailureClass.TIME_LIMIT: True,  # a resume trains only the steps left: it does not end the same way
-    FailureClass.LAUNCH_ERROR: True,  # nothing ran: the states of the run it resumed are as they were
+    FailureClass.LAUNCH_ERROR: True,  # nothing ran (a resume that never ran is refused: its original is resumed)
     FailureClass.CUDA_OOM: False,
     FailureClass.OUT_OF_MEMORY: False,
     FailureClass.DATASET_INVALID: False,

@@ -13,12 +13,14 @@ import pytest
 
 from lora_worker.config import Settings
 from lora_worker.ledger.db import Database
-from tests.helpers import Host, Launches, make_host, shared_tokenizers, tokenizer_identities
+from tests.helpers import Host, Launches, fuzz, make_host, shared_tokenizers, tokenizer_identities
 from tests.helpers.ledger import migrated_ledger
 from tests.helpers.processes import not_zombie, pids, processes_of, start_recorder
 from tests.helpers.wakeup import start_listener
 
 pytest_plugins = ["tests.webhooks.fixtures"]  # the webhook target: tests/webhooks and tests/chaos
+
+fuzz.load_profile()  # the property tests' example budget: bounded, or what HYPOTHESIS_PROFILE names
 
 
 @pytest.fixture(scope="session")
@@ -137,7 +139,11 @@ ONE_WORKER_MODULES = {Path(__file__).parent / "deploy" / "test_install.py"}
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The real-cluster tests run on one worker (`--dist loadgroup`), one after another, against the one
     session-scoped cluster, and so do the tests of each module in ONE_WORKER_MODULES; every other test may run
-    on any worker at the same time."""
+    on any worker at the same time. A property test marked fuzz that sets its own budget is refused."""
+    marked = [(item.nodeid, item.obj) for item in items
+              if isinstance(item, pytest.Function) and item.get_closest_marker(fuzz.MARKER)]
+    if offences := fuzz.budget_offences(marked):
+        raise pytest.UsageError("; ".join(offences))
     for item in items:
         path = Path(str(item.path))
         if CLUSTER in path.parents:

@@ -1,6 +1,7 @@
 """Reconcile: no phantom "running" job, and never a signal to a process that is not provably ours."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -74,7 +75,6 @@ def test_a_job_whose_supervisor_holds_its_lock_is_left_alone(db, migrated):
         assert reconcile(db, migrated) == []
         assert repo.get_job(db, job_id).status == "running"
     finally:
-        import os
         os.close(fd)
     assert [a.job_id for a in reconcile(db, migrated)] == [job_id]
 
@@ -163,23 +163,28 @@ def test_a_process_it_did_not_kill_is_never_reported_as_killed(db, migrated):
 
 @pytest.mark.skipif(__import__("shutil").which("bwrap") is None, reason="bubblewrap is not installed")
 @pytest.mark.slow
-def test_a_sandboxed_job_whose_launcher_outlived_its_supervisor_is_killed_namespace_and_all(db, migrated):
-    # The instant between bwrap's start and its parent-death signal: the supervisor is gone, bwrap is not.
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "unrecorded"])
+def test_a_sandboxed_job_whose_launcher_outlived_its_supervisor_is_killed_namespace_and_all(db, migrated, recorded,
+                                                                                          tokens):
+    # The instant between bwrap's start and its parent-death signal: the supervisor is gone, bwrap is not; and
+    # it may have died before it wrote bwrap's pid (then bwrap is found by the job's argv, which it carries).
     marker = f"lora-worker-reconcile-escapee-{id(db)}"
     hider = (f"import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    os.execv(sys.executable, "
              f"[sys.executable, '-c', 'import time; time.sleep(60)', {marker!r}])\ntime.sleep(60)\n")
     bwrap = subprocess.Popen(["bwrap", "--unshare-pid", "--die-with-parent", "--ro-bind", "/", "/", "--proc", "/proc",
-                              "--dev", "/dev", "--", sys.executable, "-c", hider], start_new_session=True)
+                              "--dev", "/dev", "--", sys.executable, "-c", hider, *tokens], start_new_session=True)
     try:
         def escapee() -> int | None:
             return next((p for p in psutil.pids() if marker in " ".join(_cmdline(p))), None)
         from tests.helpers import wait_for
         hidden = wait_for(escapee, what="the escapee")
-        job_id = running_job(db, boot_id=processes.boot_id(), trainer_pid=bwrap.pid,
-                             trainer_start_ticks=processes.start_ticks(bwrap.pid))
+        trainer = {"trainer_pid": bwrap.pid, "trainer_start_ticks": processes.start_ticks(bwrap.pid)}
+        job_id = running_job(db, boot_id=processes.boot_id(), supervisor_start_ticks=processes.start_ticks(os.getpid()),
+                             **(trainer if recorded else {}))
+        _named_argv(db, job_id, tokens)
         (action,) = reconcile(db, migrated)
         assert hidden in action.killed and bwrap.pid in action.killed
-        wait_for(lambda: not pid_alive(hidden), timeout=5, what="the escapee gone")
+        assert not pid_alive(hidden)  # gone when the row is failed
         assert str(hidden) in (repo.get_job(db, job_id).error or "")
     finally:
         bwrap.kill()
@@ -223,3 +228,101 @@ def test_a_job_whose_supervisor_never_started_gets_a_run_log_saying_so(db, migra
     reconcile(db, migrated)
     text = LogReader(migrated.log_dir, job.id).tail_lines(5).text
     assert text.startswith("[lora-worker] reconcile (reconcile): The supervisor never started")
+
+
+# -- a trainer the row does not name yet, and one that outlives SIGKILL ------------------------------------------
+
+@pytest.fixture
+def tokens(tmp_path) -> list[str]:
+    """What the job's argv names its LoRA by: a folder of this test's own, so no test beside it (another xdist
+    worker's) runs a process that looks like this job's."""
+    return [f"--output_dir={tmp_path / 'output'}", "--output_name=ohwx"]
+
+
+def _sleeper(*argv: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *argv], start_new_session=True)
+
+
+def _named_argv(db, job_id: int, tokens: list[str]) -> None:
+    with db.write() as s:
+        s.get(type(repo.get_job(db, job_id)), job_id).argv = ["accelerate", "launch", "train.py", *tokens]
+
+
+# A launcher that starts a trainer with its own argv; the trainer forks a worker that calls setsid.
+LAUNCHER = ("import subprocess, sys, time\n"
+            "subprocess.Popen([sys.executable, '-c', TRAINER, *sys.argv[1:]])\n"
+            "time.sleep(60)\n")
+TRAINER = "import os, time\nif os.fork() == 0:\n    os.setsid()\ntime.sleep(60)\n"
+
+
+@pytest.mark.slow
+def test_a_trainer_started_before_the_row_named_it_is_found_by_its_argv_and_start_and_killed(db, migrated, tokens):
+    # The supervisor died between starting the trainer and writing its pid: the row has its own start only.
+    older = _sleeper(*tokens)  # started before that supervisor: a leftover of some earlier run, not this job's
+    other_lora = _sleeper(tokens[0], "--output_name=other")  # the same folder, another LoRA: another job's
+    ours: list[int] = []
+    try:
+        time.sleep(0.05)  # a few clock ticks
+        supervisor = _sleeper()
+        launcher = subprocess.Popen([sys.executable, "-c", f"TRAINER = {TRAINER!r}\n" + LAUNCHER, *tokens],
+                                    start_new_session=True)
+        from tests.helpers import wait_for
+
+        def tree() -> list[int]:
+            return [p.pid for p in psutil.Process(launcher.pid).children(recursive=True)]
+        ours = [launcher.pid, *wait_for(lambda: len(tree()) == 2 and tree(), what="the trainer and its worker")]
+        job_id = running_job(db, boot_id=processes.boot_id(), supervisor_pid=supervisor.pid,
+                             supervisor_start_ticks=processes.start_ticks(supervisor.pid))
+        _named_argv(db, job_id, tokens)
+        supervisor.kill()
+        supervisor.wait()
+        (action,) = reconcile(db, migrated)
+        assert sorted(action.killed) == sorted(ours)
+        assert not any(pid_alive(p) for p in ours)  # gone when the row is failed, not later
+        assert pid_alive(older.pid) and pid_alive(other_lora.pid)
+        row = repo.get_job(db, job_id)
+        assert row.status == "failed" and f"killed its leftover processes {list(action.killed)}" in (row.error or "")
+        assert launcher.wait(5) == -signal.SIGKILL
+    finally:
+        for pid in ours[1:]:
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        for proc in (older, other_lora, *([launcher] if ours else [])):
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_a_process_that_outlives_sigkill_keeps_the_job_running_says_so_and_holds_off_a_new_job(db, migrated, tokens,
+                                                                                                 monkeypatch):
+    from lora_worker.errors import JobActive
+    from lora_worker.run import leftovers
+    from lora_worker.transcript.logreader import LogReader
+    from tests.helpers.ledger import columns
+
+    trainer = _sleeper(*tokens)
+    try:
+        job_id = running_job(db, boot_id=processes.boot_id(), trainer_pid=trainer.pid,
+                             trainer_start_ticks=processes.start_ticks(trainer.pid))
+        _named_argv(db, job_id, tokens)
+        # A process in uninterruptible sleep (state D, stuck in the driver) takes SIGKILL only when it wakes:
+        # here, a signal that is "sent" and changes nothing.
+        monkeypatch.setattr(processes, "signal_identity", lambda ident, sig: processes.matches(ident))
+        monkeypatch.setattr(processes, "signal_group", lambda pgid, sig: True)
+        monkeypatch.setattr(leftovers, "GONE_WAIT_S", 0.2)
+        assert reconcile(db, migrated) == [] and reconcile(db, migrated) == []
+        row = repo.get_job(db, job_id)
+        assert row.status == "running" and row.finished_at is None  # not ended while a process of it lives
+        said = f"its processes [{trainer.pid}] outlived SIGKILL for 0.2 s"
+        notes = [e for e in repo.job_events(db, job_id) if said in (e.reason or "")]
+        assert [(e.from_status, e.to_status, e.actor) for e in notes] == [("running", "running", "reconcile")]  # once
+        assert said in LogReader(migrated.log_dir, job_id).tail_lines(1).text
+        with pytest.raises(JobActive):  # its GPU is not handed to a new job
+            repo.create_job(db, columns(lora_file="/train/t2/output/ohwx.safetensors"))
+        monkeypatch.undo()  # it woke: SIGKILL takes it
+        (action,) = reconcile(db, migrated)
+        assert action.killed == (trainer.pid,) and trainer.wait(5) == -signal.SIGKILL
+        assert repo.get_job(db, job_id).status == "failed"
+    finally:
+        trainer.kill()
+        trainer.wait()

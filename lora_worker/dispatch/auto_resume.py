@@ -15,12 +15,16 @@ import logging
 from lora_worker.dispatch.dispatcher import Dispatcher
 from lora_worker.dispatch.resumable import verdict
 from lora_worker.dispatch.resume import resume
-from lora_worker.errors import LoraWorkerError
+from lora_worker.errors import LaunchFailed, LoraWorkerError
 from lora_worker.ledger import resumes
 from lora_worker.ledger.models import Job
 
 log = logging.getLogger(__name__)
 AUTO_RESUME_MAX_ATTEMPT = 1  # only a job of its own request is resumed automatically, and once
+# A resume whose launch failed ran no trainer and counts as no resume (resumes.resume_of): it is tried again at
+# the next reconcile, this many launches in all, then left to a client, so a launch that cannot succeed (a broken
+# sandbox, a full disk) does not add a failed row every few seconds.
+AUTO_RESUME_LAUNCH_TRIES = 3
 ACTOR = "reconcile"
 
 
@@ -28,7 +32,15 @@ def follow_up(dispatcher: Dispatcher) -> list[int]:
     """Look at each cut-off job not looked at yet; the ids of the resumes started."""
     started = []
     for job in resumes.cut_off_unlooked(dispatcher.db):
-        new = _follow(dispatcher, job)
+        try:
+            new = _follow(dispatcher, job)
+        except LoraWorkerError:
+            raise  # the ledger is busy or gone: nothing can be noted, the next follow-up looks again
+        except Exception as exc:  # noqa: BLE001 - contained to this job: noted as looked at, so logged once
+            log.exception("job %s: its follow-up after the reboot failed", job.id, extra={"job": job.id})
+            _note(dispatcher, job, f"not looked at: the follow-up failed ({type(exc).__name__}: {exc}); "
+                                   f"GET /train/{job.id}/resume says whether it can be resumed")
+            continue
         if new is not None:
             started.append(new)
     return started
@@ -50,7 +62,16 @@ def _follow(dispatcher: Dispatcher, job: Job) -> int | None:
         return None
     try:
         new, _ = resume(dispatcher, job.id, actor=ACTOR)
-    except LoraWorkerError as exc:  # busy (another job), or the launch failed: said, and left to a client
+    except LaunchFailed as exc:  # no trainer ran: no resume happened, so the next follow-up tries again
+        tries = resumes.launches_failed(dispatcher.db, job.id)
+        if tries < AUTO_RESUME_LAUNCH_TRIES:
+            resumes.note(dispatcher.db, job.id, actor=ACTOR, reason=f"auto_resume {where}: launch {tries} of "
+                         f"{AUTO_RESUME_LAUNCH_TRIES} failed ({exc.message}); tried again at the next reconcile")
+        else:
+            _note(dispatcher, job, f"auto_resume {where} not started: its {tries} launches failed, the last: "
+                                   f"{exc.message}; left to a client (POST /train/{job.id}/resume)")
+        return None
+    except LoraWorkerError as exc:  # busy (another job), or refused now: said, and left to a client
         _note(dispatcher, job, f"auto_resume {where} not started: {exc.code}: {exc.message}")
         return None
     _note(dispatcher, job, f"auto_resume: resumed as job {new.id} {where}")

@@ -13,16 +13,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from lora_worker.errors import DatasetInvalid
+from lora_worker.findings import Finding
 from lora_worker.host import fs, kohya
 
 # The most a caption may hold. sd-scripts uses only its first line, and captions become LoRA metadata; a
 # caption past this is refused rather than read (one linked to /dev/zero never ends).
 CAPTION_MAX_BYTES = 64 * 1024
+LINE_END = re.compile(r"\r\n|\r|\n")  # universal newlines, as a text-mode open reads them
 
 # The formats of sd-scripts' extension list, by their first bytes. sd-scripts opens images by content (PIL's
 # Image.open, imagesize), never by name: a PNG named `.JPG` trains as a PNG. PIL would open a GIF or TIFF
@@ -121,28 +124,41 @@ def _open_folder(dataset_fd: int, dataset_dir: Path, name: str, st: os.stat_resu
 
 def _read_folder(folder_fd: int, folder_name: str) -> tuple[DatasetImage, ...]:
     entries = dict(_entries(folder_fd, Path(folder_name)))
-    images = [name for name in sorted(entries) if kohya.is_trained_image(name)]
-    problems = [f"{folder_name}/{name}: {why}" for name in sorted(entries) if (why := kohya.skipped_image(name))]
-    if not images and not problems:
-        raise DatasetInvalid({"dataset_dir": [
-            f"{folder_name!r} holds no images ({', '.join(kohya.IMAGE_EXTENSIONS)}, or the same in upper case)."]})
+    trained = [name for name in sorted(entries) if kohya.is_trained_image(name)]
+    images = [name for name in trained if _is_utf8(name)]
+    problems = _name_problems(folder_name, trained)
+    if not images and not problems:  # what sd-scripts' glob passes over is the lint's (dispatch/lint.py: file_skipped)
+        _no_images(folder_name, entries)
     manifest = []
     for name in images:
         image, found = _read_image(folder_fd, name, entries)
-        problems += [f"{folder_name}/{p}" for p in found]
+        problems += [Finding(p.code, f"{folder_name}/{printable(p.file)}", p.message) for p in found]
         manifest.append(image)
     if problems:
-        shown = problems[:10] + ([f"… and {len(problems) - 10} more"] if len(problems) > 10 else [])
-        raise DatasetInvalid({"dataset_dir": shown})
+        _refuse(problems)
     return tuple(manifest)
 
 
-def _read_image(folder_fd: int, name: str, entries: dict[str, os.stat_result]) -> tuple[DatasetImage, list[str]]:
+def _refuse(problems: list[Finding]) -> None:
+    """DatasetInvalid listing the first ten problems in `fields`, and every one with its code in `details`."""
+    listed = [str(p) for p in problems[:10]] + ([f"… and {len(problems) - 10} more"] if len(problems) > 10 else [])
+    raise DatasetInvalid({"dataset_dir": listed}, findings=[p.as_dict() for p in problems])
+
+
+def _no_images(folder_name: str, entries: dict[str, os.stat_result]) -> None:
+    """sd-scripts would log `No data found` and exit 0 without a LoRA."""
+    skipped = sum(1 for name in entries if kohya.skipped_image(name) or kohya.is_hidden_image(name))
+    none = Finding("no_images", folder_name, f"holds no images ({', '.join(kohya.IMAGE_EXTENSIONS)}, or the same in "
+                   "upper case)" + (f"; {skipped} image file(s) sd-scripts would skip" if skipped else ""))
+    raise DatasetInvalid({"dataset_dir": [f"{folder_name!r} {none.message}."]}, findings=[none.as_dict()])
+
+
+def _read_image(folder_fd: int, name: str, entries: dict[str, os.stat_result]) -> tuple[DatasetImage, list[Finding]]:
     """One image and its caption as sd-scripts pairs them, and what is wrong with either."""
     size, problem = _check_image(folder_fd, name, entries[name])
     # sd-scripts reads the first candidate that exists (`os.path.isfile`, which follows a link; the worker
     # refuses the link below instead)
-    caption_file = next((c for c in kohya.caption_candidates(name) if c in entries), kohya.caption_name(name))
+    caption_file = kohya.caption_file(name, entries)
     caption, caption_problem = _read_caption(folder_fd, caption_file, entries.get(caption_file))
     return DatasetImage(name, size, caption), [p for p in (problem, caption_problem) if p]
 
@@ -155,26 +171,59 @@ def _entries(dir_fd: int, shown: Path) -> list[tuple[str, os.stat_result]]:
         raise DatasetInvalid({"dataset_dir": [f"Cannot list {shown}: {exc.strerror or exc}."]}) from exc
 
 
-def _check_image(folder_fd: int, name: str, st: os.stat_result) -> tuple[int, str | None]:
+def _check_image(folder_fd: int, name: str, st: os.stat_result) -> tuple[int, Finding | None]:
     """(size, problem). Only a regular file is opened, never through a link, and only its first bytes read."""
     if not stat.S_ISREG(st.st_mode):
-        return 0, f"{name}: a {fs.kind_of(st.st_mode)}; images must be regular files in the dataset"
+        return 0, Finding("image_not_regular", name, f"a {fs.kind_of(st.st_mode)}; images must be regular files in "
+                          "the dataset")
     try:
         fd, st = fs.open_regular(folder_fd, name)
     except OSError as exc:
-        return 0, f"{name}: unreadable ({exc.strerror or exc})"
+        return 0, Finding("image_unreadable", name, f"unreadable ({exc.strerror or exc})")
     try:
         head = os.read(fd, 16)
     except OSError as exc:
-        return st.st_size, f"{name}: unreadable ({exc.strerror or exc})"
+        return st.st_size, Finding("image_unreadable", name, f"unreadable ({exc.strerror or exc})")
     finally:
         os.close(fd)
     if not head:
-        return st.st_size, f"{name}: empty file"
+        return st.st_size, Finding("image_empty", name, "empty file")
     if image_format(head) is None:
-        return st.st_size, (f"{name}: not an image sd-scripts can open (its content is none of "
-                            "PNG, JPEG, WebP, BMP)")
+        return st.st_size, Finding("image_format", name, "not an image sd-scripts can open (its content is none of "
+                                   "PNG, JPEG, WebP, BMP)")
     return st.st_size, None
+
+
+def _name_problems(folder_name: str, trained: list[str]) -> list[Finding]:
+    """The images whose names cannot be recorded: sd-scripts would train on an image whose name is not UTF-8
+    (os.listdir gives its bytes as surrogates), but no manifest, ledger row or JSON answer holds that name as it is,
+    so the worker cannot say what it trains and refuses. (The files sd-scripts would skip without a word are the
+    lint's warnings: dispatch/lint.py.)"""
+    return [Finding("image_name_not_utf8", f"{folder_name}/{printable(name)}", "the file name is not UTF-8; rename it")
+            for name in trained if not _is_utf8(name)]
+
+
+def _is_utf8(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def printable(text: str) -> str:
+    """A name as a message shows it: bytes that are not UTF-8 (a surrogate escape of os.listdir) as `\\xff`."""
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate no file name decodes to
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def first_line(text: str) -> str:
+    """The caption sd-scripts trains on: `open(path, "rt", encoding="utf-8").readlines()[0].strip()`
+    (train_util.py read_caption), lines ended by universal newlines only (\\n, \\r, \\r\\n; str.splitlines also
+    ends one at \\x0b, \\x0c, \\x1c-\\x1e, \\x85, U+2028 and U+2029, which sd-scripts leaves in the caption)."""
+    return LINE_END.split(text, maxsplit=1)[0].strip()
 
 
 def image_format(head: bytes) -> str | None:
@@ -184,29 +233,30 @@ def image_format(head: bytes) -> str | None:
     return next((kind for kind, magic in _MAGIC if head.startswith(magic)), None)
 
 
-def _read_caption(folder_fd: int, name: str, st: os.stat_result | None) -> tuple[str | None, str | None]:
+def _read_caption(folder_fd: int, name: str, st: os.stat_result | None) -> tuple[str | None, Finding | None]:
     """(first line, problem). sd-scripts asserts on a 0-byte caption and raises on non-UTF-8."""
     if st is None:
         return None, None  # sd-scripts then uses the folder's class tokens as the caption
     if not stat.S_ISREG(st.st_mode):
-        return None, f"{name}: a {fs.kind_of(st.st_mode)}; captions must be regular files in the dataset"
+        return None, Finding("caption_not_regular", name, f"a {fs.kind_of(st.st_mode)}; captions must be regular "
+                             "files in the dataset")
     try:
         fd, _ = fs.open_regular(folder_fd, name)
     except OSError as exc:
-        return None, f"{name}: unreadable ({exc.strerror or exc})"
+        return None, Finding("caption_unreadable", name, f"unreadable ({exc.strerror or exc})")
     try:
         data = fs.read_capped(fd, CAPTION_MAX_BYTES)
     except fs.Refused:
-        return None, f"{name}: caption is larger than {CAPTION_MAX_BYTES // 1024} KiB"
+        return None, Finding("caption_too_large", name, f"caption is larger than {CAPTION_MAX_BYTES // 1024} KiB")
     except OSError as exc:
-        return None, f"{name}: unreadable ({exc.strerror or exc})"
+        return None, Finding("caption_unreadable", name, f"unreadable ({exc.strerror or exc})")
     finally:
         os.close(fd)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
-        return None, f"{name}: caption is not UTF-8"
-    first = text.splitlines()[0].strip() if text else ""
+        return None, Finding("caption_not_utf8", name, "caption is not UTF-8")
+    first = first_line(text)
     if not first:
-        return None, f"{name}: caption is empty (sd-scripts uses only its first line)"
+        return None, Finding("caption_empty", name, "caption is empty (sd-scripts uses only its first line)")
     return first, None

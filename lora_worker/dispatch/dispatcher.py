@@ -10,7 +10,9 @@ produce (file, rank, steps, dtype; name and seed). The supervisor reads all of i
 """
 from __future__ import annotations
 
+import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -25,7 +27,9 @@ from lora_worker.dispatch.admission import admit
 from lora_worker.dispatch.argv import build_argv, build_env
 from lora_worker.dispatch.dataset import DatasetManifest, inspect_dataset
 from lora_worker.dispatch.disk import require_free_space, required_mib
+from lora_worker.dispatch.lint import LintReport, caption_counter, lint_dataset
 from lora_worker.dispatch.model import check_base_model
+from lora_worker.dispatch.plan import describe
 from lora_worker.dispatch.refingerprint import model_identity
 from lora_worker.dispatch.request import (ResolvedRequest, TrainRequest, check_device, resolve_request,
                                          webhook_subscription)
@@ -89,16 +93,39 @@ class Dispatcher:
         return job
 
     def _create(self, raw: TrainRequest, idempotency_key: str | None, body_sha256: str | None) -> Job:
-        request = self.resolve(raw)
-        manifest = inspect_dataset(request.dataset_dir, request.kohya_folder)
-        check_base_model(request.base_model_path)
-        paths.require_no_output(str(request.lora_file))
-        config = presentation.config_for(request, self.settings, self.backend, manifest.image_count)
-        self.admit(request.tier.name, request.device_index, request.output_dir, request.tier.network_dim)
+        request, manifest, report, config = self._checked(raw)
         columns = {**self._columns(request, manifest, config), "idempotency_key": idempotency_key,
                    "request_sha256": body_sha256, "backend": self.backend.name,
-                   "webhook_events": webhook_subscription(self.settings, raw)}
+                   "webhook_events": webhook_subscription(self.settings, raw),
+                   "dataset_warnings": json.dumps([w.as_dict() for w in report.warnings], ensure_ascii=False)}
         return self.launch(columns, request.output_dir, config=config)
+
+    def plan(self, raw: TrainRequest) -> dict[str, Any]:
+        """POST /train?dry_run=1: every check `submit` makes, the same refusals, and nothing started or written (no
+        row, no directory, no lock beyond admission's probe, no event): what the job would be."""
+        started = time.monotonic()
+        request, manifest, report, config = self._checked(raw)
+        history = repo.durations_of_similar_jobs(
+            self.db, backend=self.backend.name, tier=request.tier.name, image_count=manifest.image_count,
+            device_index=request.device_index if self.backend.places_here else None)
+        return describe(request, self.settings, self.backend, report, config, history=history,
+                        seconds=time.monotonic() - started)
+
+    def _checked(self, raw: TrainRequest) -> tuple[ResolvedRequest, DatasetManifest, LintReport,
+                                                   presentation.DatasetConfig]:
+        """The request resolved, its dataset read and linted (a 422 on any error), its model and output checked, its
+        dataset config made (not yet written), and the host and slots admitting it now: every refusal of a new job,
+        in order, changing nothing."""
+        request = self.resolve(raw)
+        manifest = inspect_dataset(request.dataset_dir, request.kohya_folder)
+        report = lint_dataset(request.dataset_dir, manifest, resolution=request.tier.resolution,
+                              counter=caption_counter(self.settings))
+        report.raise_errors()
+        check_base_model(request.base_model_path)
+        paths.require_no_output(str(request.lora_file))
+        config = presentation.config_for(request, self.settings, self.backend, manifest.image_count, report.buckets())
+        self.admit(request.tier.name, request.device_index, request.output_dir, request.tier.network_dim)
+        return request, manifest, report, config
 
     def admit(self, tier: str, device_index: int, output_dir: Path, network_dim: int, *,
               resuming: bool = False) -> None:

@@ -14,9 +14,12 @@ class tokens (`<trigger> <subject_class>`, what sd-scripts took from the folder'
 everything else falls back to the argv's flags as it did with `--train_data_dir` (config_util.py
 `generate_params_by_fallbacks`: batch size, resolution, buckets, caption extension).
 
-`Presentation` is the one computation of what sd-scripts will make of a dataset: the repeats it sees, the steps
-of an epoch, the epochs, and the states the run saves and whether each could be resumed. `as_folder` is the rule
-of the rows accepted before (the folder's own repeats, `--train_data_dir`), which their resumes keep.
+`presentation` is THE one computation of what sd-scripts will make of a dataset (the one function to change when
+the way the dataset is handed to it changes): the repeats it sees, images × repeats, the steps of an epoch (by the
+buckets when they are known), the epochs, and the states the run saves and whether each could be resumed. The dry
+run (dispatch/plan.py), the dataset config a launch writes (`config_for`) and the resume check (resumable.py) all
+ask it. A row accepted before issue 32 (`--train_data_dir`) was shown the kohya folder's own repeats
+(`folder_repeats`), which its resumes keep.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import hashlib
 import math
 import os
 import secrets
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,12 +37,13 @@ from lora_worker.host import fs
 from lora_worker.host.dataset_config import (CONFIG_FLAG, SUFFIX, Unwritable, class_tokens, config_path_of,
                                              one_epoch_repeats, render)
 
-__all__ = ["CONFIG_FLAG", "DATASETS", "DatasetConfig", "Presentation", "SavedState", "as_folder", "class_tokens",
-           "config_for", "config_path_of", "dataset_config_toml", "one_epoch", "write"]
+__all__ = ["CONFIG_FLAG", "DATASETS", "DatasetConfig", "Presentation", "SavedState", "class_tokens", "config_for",
+           "config_path_of", "dataset_config_toml", "presentation", "write"]
 
 if TYPE_CHECKING:
     from lora_worker.backends import Backend
     from lora_worker.config import Settings
+    from lora_worker.dispatch.buckets import Bucket
     from lora_worker.dispatch.request import ResolvedRequest
 
 DATASETS = "datasets"  # under the backend's files_dir
@@ -52,44 +57,67 @@ class SavedState:
 
 @dataclass(frozen=True)
 class Presentation:
-    """What sd-scripts makes of `images` images shown `repeats` times, at `batch` per step, for `steps` optimizer
-    steps with a state every `every` steps."""
+    """The dataset as sd-scripts is shown it: `images` images `repeats` times, at `batch_size` per step, for
+    `max_train_steps` optimizer steps with a state every `save_every`; and, when the images' buckets are known, how
+    many fall in each (without repeats)."""
 
     images: int
-    batch: int
-    steps: int
-    every: int
-    repeats: int
+    repeats: int  # the repeats sd-scripts sees (`num_repeats`)
+    batch_size: int
+    max_train_steps: int
+    save_every: int
+    bucket_sizes: tuple[int, ...] | None = None
+
+    @property
+    def images_x_repeats(self) -> int:
+        return self.images * self.repeats
+
+    @property
+    def first_epoch_steps_at_least(self) -> int:
+        """A lower bound of the batches of an epoch without the buckets: each bucket's are rounded up, so an epoch
+        has at least ceil(images × repeats / batch size) of them (with one bucket, exactly that)."""
+        return math.ceil(self.images_x_repeats / self.batch_size)
 
     @property
     def steps_per_epoch(self) -> int:
-        """A lower bound of sd-scripts' batches per epoch: each bucket's batches are rounded up, so an epoch has at
-        least ceil(images × repeats / batch); with one bucket exactly that."""
-        return math.ceil(self.images * self.repeats / self.batch)
+        """sd-scripts' `num batches per epoch`: each bucket's images × repeats in batches, rounded up
+        (train_util.py L1076-1082); the lower bound when the buckets are not known."""
+        if self.bucket_sizes is None:
+            return self.first_epoch_steps_at_least
+        return sum(math.ceil(n * self.repeats / self.batch_size) for n in self.bucket_sizes)
 
     @property
     def epochs(self) -> int:
-        """At most this many epochs (sd-scripts: ceil(max_train_steps / batches per epoch))."""
-        return math.ceil(self.steps / self.steps_per_epoch)
+        """`num epochs`: ceil(max_train_steps / batches per epoch) (train_network.py L978-979)."""
+        return math.ceil(self.max_train_steps / self.steps_per_epoch) if self.steps_per_epoch else 0
+
+    def state_resumable(self, step: int) -> bool:
+        """Whether a state saved at `step` can be resumed from (resumable.py's numbering rules): inside the first
+        epoch by the lower bound the resume check has (it knows no buckets), and not the last step."""
+        return step < self.first_epoch_steps_at_least and step < self.max_train_steps
 
     @property
     def states(self) -> tuple[SavedState, ...]:
-        """Each step sd-scripts saves a state at, and whether a resume from it would train right: it lies inside
-        the first epoch (`state_past_first_epoch` otherwise) and is not the last step (nothing left to train)."""
-        return tuple(SavedState(s, s < self.steps_per_epoch and s < self.steps)
-                     for s in range(self.every, self.steps + 1, self.every))
+        """Each step sd-scripts saves a state at (`--save_every_n_steps`), and whether a resume could start from it
+        (`state_past_first_epoch` and `state_at_last_step` otherwise)."""
+        steps = range(self.save_every, self.max_train_steps + 1, self.save_every) if self.save_every > 0 else ()
+        return tuple(SavedState(s, self.state_resumable(s)) for s in steps)
 
 
-def one_epoch(images: int, batch: int, steps: int, every: int) -> Presentation:
-    """The worker's presentation: the smallest repeats with images × repeats / batch ≥ steps (one epoch)."""
-    if images < 1 or batch < 1 or steps < 1 or every < 1:
-        raise ValueError(f"no presentation of {images} images at batch {batch} for {steps} steps every {every}")
-    return Presentation(images, batch, steps, every, one_epoch_repeats(images, batch, steps))
-
-
-def as_folder(images: int, repeats: int, batch: int, steps: int, every: int) -> Presentation:
-    """The rule before issue 32: sd-scripts saw the folder's own repeats (`--train_data_dir`)."""
-    return Presentation(images, batch, steps, every, repeats)
+def presentation(images: int, batch_size: int, max_train_steps: int, save_every: int,
+                 buckets: list[Bucket] | None = None, *, folder_repeats: int | None = None) -> Presentation:
+    """How sd-scripts is shown `images` images at `batch_size` for `max_train_steps` steps, a state every
+    `save_every`: with the smallest repeats for which images × repeats / batch size ≥ max_train_steps, so one epoch
+    covers the run (every job since issue 32); with `folder_repeats`, the kohya folder's own repeats
+    (`--train_data_dir`: a row accepted before, whose resume keeps its argv). `buckets`: each image's, when known."""
+    if images < 1 or batch_size < 1 or max_train_steps < 1:
+        raise ValueError(f"no presentation of {images} images at batch {batch_size} for {max_train_steps} steps")
+    repeats = folder_repeats if folder_repeats is not None else one_epoch_repeats(images, batch_size, max_train_steps)
+    sizes = None
+    if buckets is not None:
+        counts = Counter(bucket.resolution for bucket in buckets)
+        sizes = tuple(counts[reso] for reso in sorted(counts))
+    return Presentation(images, repeats, batch_size, max_train_steps, save_every, sizes)
 
 
 # -- the dataset config -------------------------------------------------------------------------------------------
@@ -109,10 +137,12 @@ def dataset_config_toml(image_dir: str, tokens: str, repeats: int) -> bytes:
         raise DatasetInvalid({"dataset_dir": [str(exc)]}) from exc
 
 
-def config_for(req: ResolvedRequest, settings: Settings, backend: Backend, images: int) -> DatasetConfig:
-    """The dataset config of a request of `images` images on `backend` (its batch size, its files_dir)."""
+def config_for(req: ResolvedRequest, settings: Settings, backend: Backend, images: int,
+               buckets: list[Bucket] | None = None) -> DatasetConfig:
+    """The dataset config of a request of `images` images on `backend` (its batch size, its files_dir), and the
+    presentation it makes (with the images' `buckets` when known: a dry run's plan)."""
     batch = backend.profile(settings, req.tier.name, req.device_index).train_batch_size
-    shown = one_epoch(images, batch, req.expected.steps, settings.save_every_n_steps(req.tier.name))
+    shown = presentation(images, batch, req.expected.steps, settings.save_every_n_steps(req.tier.name), buckets)
     content = dataset_config_toml(os.path.join(req.dataset_dir, req.kohya_folder),
                                   class_tokens(req.trigger, req.subject_class), shown.repeats)
     name = hashlib.sha256(content).hexdigest() + SUFFIX

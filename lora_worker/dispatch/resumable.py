@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from lora_worker.config import Settings
 from lora_worker.dispatch import refingerprint as fp
 from lora_worker.host import fs
-from lora_worker.dispatch.presentation import Presentation, as_folder, config_path_of, one_epoch
+from lora_worker.dispatch.presentation import Presentation, config_path_of, presentation
 from lora_worker.host.state_archives import Budget
 from lora_worker.host.train_state import Problem, StateCheck, check_archives, check_state, find_states
 from lora_worker.ledger import repository as repo
@@ -56,10 +56,9 @@ def presentation_of(job: Job) -> Presentation | None:
     batch, every = fp.batch_size_of(job.argv), _int_flag(job.argv, "--save_every_n_steps=")
     if not batch or not job.image_count or not job.total_steps:
         return None
-    every = every or job.total_steps
-    if config_path_of(job.argv) is not None:
-        return one_epoch(job.image_count, batch, job.total_steps, every)
-    return as_folder(job.image_count, job.repeats, batch, job.total_steps, every)
+    folder_repeats = None if config_path_of(job.argv) is not None else job.repeats
+    return presentation(job.image_count, batch, job.total_steps, every or job.total_steps,
+                        folder_repeats=folder_repeats)
 
 
 def _int_flag(argv: list[str], flag: str) -> int | None:
@@ -75,6 +74,11 @@ def ending_problems(db: Database, job: Job) -> list[Problem]:
         return [Problem("job_succeeded", f"job {job.id} succeeded; its LoRA is {job.lora_path}")]
     if state is JobState.CANCELLED:
         return [Problem("job_cancelled", f"job {job.id} was cancelled")]
+    if job.resumed_from is not None and job.failure_class == FailureClass.LAUNCH_ERROR.value:
+        # It resumed nothing (resumes.resume_of leaves it out): the job it was to resume is the one resumed, so
+        # that one chain of resumes continues one run
+        return [Problem("resume_never_ran", f"job {job.id}, a resume of job {job.resumed_from}, failed to launch "
+                        f"before any trainer ran: resume job {job.resumed_from} instead")]
     if job.failure_class is None or not ENDINGS.get(FailureClass(job.failure_class), False):
         return [Problem("failure_recurs", f"job {job.id} failed with {job.failure_class}, which a resume would "
                         "meet again")]
@@ -154,9 +158,9 @@ def _check_numbering(job: Job, shown: Presentation | None, check: StateCheck, sa
     """The ledger's rows and the step arithmetic alone, by the directory's name: nothing is opened."""
     if check.step not in saved:
         check.refuse("state_not_seen", f"the ledger saw no `saving state at step {check.step}` in the run's output")
-    if shown is None or check.step >= shown.steps_per_epoch:
+    if shown is None or check.step >= shown.first_epoch_steps_at_least:
         check.refuse("state_past_first_epoch", f"step {check.step} is not inside the first epoch (at least "
-                     f"{shown.steps_per_epoch if shown else None} steps: {job.image_count} images × "
+                     f"{shown.first_epoch_steps_at_least if shown else None} steps: {job.image_count} images × "
                      f"{shown.repeats if shown else job.repeats} repeats / batch size {fp.batch_size_of(job.argv)}); "
                      "sd-scripts would number the resumed steps from that epoch's start")
     if check.step >= job.total_steps:

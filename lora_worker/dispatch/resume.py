@@ -31,7 +31,8 @@ from lora_worker.transcript.eta import estimate_resume
 COPIED = ("train_id", "dataset_dir", "base_model_path", "output_dir", "output_name", "trigger", "subject_class",
           "repeats", "tier", "device_index", "seed", "max_grad_norm", "lora_target_modules", "image_count", "env",
           "total_steps", "lora_file", "lora_rank", "lora_steps", "lora_dtype", "dataset_sha256", "base_model_sha256",
-          "sd_scripts_commit", "trainer_versions", "webhook_events", "base_model_identity")
+          "sd_scripts_commit", "trainer_versions", "webhook_events", "base_model_identity",
+          "dataset_warnings")
 
 
 def body_digest(job_id: int) -> str:

@@ -35,7 +35,7 @@ class Unwritable(ValueError):
 
 def one_epoch_repeats(images: int, batch: int, steps: int) -> int:
     """The smallest repeats with images × repeats / batch ≥ steps: one epoch holds every step (the rule of
-    dispatch/presentation.py `one_epoch`, where it is explained)."""
+    dispatch/presentation.py `presentation`, where it is explained)."""
     return -(-steps * batch // images)
 
 

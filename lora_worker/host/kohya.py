@@ -15,6 +15,7 @@ worker checks is exactly what the trainer will open.
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 # train_util.py L104: each extension in lower and in upper case, nothing else; glob is case-sensitive on Linux.
@@ -51,6 +52,18 @@ def caption_candidates(image: str) -> tuple[str, ...]:
     tokens = stem.split("_")
     face_crop = "_".join(tokens[:-4]) if len(tokens) >= FACE_CROP_TOKENS else stem
     return tuple(dict.fromkeys((stem + CAPTION_EXTENSION, face_crop + CAPTION_EXTENSION)))
+
+
+def caption_file(image: str, names: Collection[str]) -> str:
+    """The caption file sd-scripts reads for this image: the first candidate among `names`, else the plain one
+    (which does not exist: the image has no caption)."""
+    return next((c for c in caption_candidates(image) if c in names), caption_name(image))
+
+
+def is_hidden_image(name: str) -> bool:
+    """A dot-file with an image extension (`._img.jpeg`, macOS's AppleDouble litter from a zip): glob's `*` never
+    matches a leading dot, so sd-scripts never sees it."""
+    return name.startswith(".") and os.path.splitext(name)[1].lower() in SKIPPED_IMAGE_EXTENSIONS
 
 
 def skipped_image(name: str) -> str | None:

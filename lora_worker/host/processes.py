@@ -30,6 +30,15 @@ class Identity:
     start_ticks: int
 
 
+class OutlivedKill(Exception):
+    """Processes that SIGKILL has not ended (yet): one in uninterruptible sleep (state D, in a driver) holds what
+    it holds, the GPU included, until it wakes. Whatever they belong to has not ended."""
+
+    def __init__(self, pids: tuple[int, ...], waited_s: float) -> None:
+        self.pids, self.waited_s = pids, waited_s
+        super().__init__(f"processes {list(pids)} outlived SIGKILL for {waited_s:g} s")
+
+
 def boot_id() -> str:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
@@ -103,6 +112,12 @@ def signal_group(pgid: int, sig: int) -> bool:
         return False
     except PermissionError:
         return False
+
+
+def group_of(pid: int) -> int | None:
+    """The process group of `pid`, None once it is gone."""
+    fields = _stat(pid)
+    return int(fields[2]) if fields is not None else None
 
 
 def group_members(pgid: int) -> list[int]:
@@ -181,13 +196,14 @@ def cmdline_contains(pid: int, token: str) -> bool:
         return False
 
 
-def processes_with_arg(token: str) -> list[int]:
-    """Pids of live processes whose argv holds exactly `token`."""
+def processes_with_args(*tokens: str) -> list[int]:
+    """Pids of live processes whose argv holds each of `tokens` exactly, as whole arguments."""
     import psutil
 
     found = []
     for proc in psutil.process_iter(["cmdline", "status"]):
-        if proc.info["status"] != psutil.STATUS_ZOMBIE and token in (proc.info["cmdline"] or ()):
+        argv = proc.info["cmdline"] or ()
+        if proc.info["status"] != psutil.STATUS_ZOMBIE and all(token in argv for token in tokens):
             found.append(proc.pid)
     return found
 

@@ -8,10 +8,13 @@ read whole is kept by its identity, so the GET before a resume and the POST that
 """
 from __future__ import annotations
 
+import lzma
 import os
+import struct
 import threading
 import time
 import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -24,7 +27,13 @@ MAX_ARCHIVE_BYTES = 4 << 30
 MAX_CHECK_S = 120.0
 MAX_MEMBERS = 65535  # a torch zip of a state holds ~5,400 (one per optimizer tensor); past 65535 it needs zip64
 CHUNK = 1 << 20
-UNREADABLE = (OSError, zipfile.BadZipFile, EOFError, ValueError)
+# What zipfile raises on bytes that are not an intact archive, beyond its BadZipFile: a member flagged encrypted
+# (RuntimeError) or compressed by a method it lacks (NotImplementedError), a deflate, bzip2 or LZMA stream that
+# does not decode (zlib.error, OSError, LZMAError), a record cut short (EOFError, struct.error), an offset past
+# what a seek takes (OverflowError, ValueError). A power cut or a flipped bit gives any of them; each is the
+# archive's refusal, `state_archive_corrupt` (tests/host/test_train_state_fuzz.py flips bits in real archives).
+UNREADABLE = (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError, NotImplementedError, zlib.error,
+              lzma.LZMAError, struct.error, OverflowError)
 
 
 class Refusal(Exception):
@@ -109,7 +118,7 @@ def read_through(dir_fd: int, name: str, budget: Budget) -> Refusal | None:
     except Refusal as exc:
         return exc
     except UNREADABLE as exc:
-        return Refusal("state_archive_corrupt", f"{name} is not an intact zip archive: {exc}")
+        return Refusal("state_archive_corrupt", f"{name} is not an intact zip archive: {type(exc).__name__}: {exc}")
 
 
 def _keep_intact(st: os.stat_result) -> None:

@@ -35,7 +35,7 @@ from lora_worker.host.safetensors import HeaderError, lora_info, parse_header
 from lora_worker.host.state_archives import Budget
 
 
-STATE_DIR = re.compile(r"^(?P<name>.+)-step(?P<step>\d{8})-state$")
+STATE_DIR = re.compile(r"^(?P<name>.+)-step(?P<step>[0-9]{8})-state$")  # `%08d`: ASCII digits, not any \d
 MODEL = "model.safetensors"
 TRAIN_STATE = "train_state.json"
 ARCHIVES = ("optimizer.bin", "scheduler.bin", "random_states_0.pkl")
@@ -183,8 +183,8 @@ def _check_train_state(dir_fd: int, check: StateCheck) -> None:
             data = json.loads(fs.read_capped(fd, MAX_TRAIN_STATE_BYTES))
         finally:
             os.close(fd)
-    except (OSError, ValueError) as exc:
-        check.refuse("state_json_invalid", f"{TRAIN_STATE} cannot be read as JSON: {exc}")
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: 4 KB of `[` nest past the stack
+        check.refuse("state_json_invalid", f"{TRAIN_STATE} cannot be read as JSON: {type(exc).__name__}: {exc}")
         return
     step = data.get("current_step") if isinstance(data, dict) else None
     epoch = data.get("current_epoch") if isinstance(data, dict) else None
@@ -217,7 +217,7 @@ def _check_directory(dir_fd: int, name: str, check: StateCheck) -> None:
     except state_archives.Refusal as exc:
         check.refuse(exc.code, exc.message)
     except state_archives.UNREADABLE as exc:
-        check.refuse("state_archive_corrupt", f"{name} is not an intact zip archive: {exc}")
+        check.refuse("state_archive_corrupt", f"{name} is not an intact zip archive: {type(exc).__name__}: {exc}")
 
 
 def _check_archives(dir_fd: int, check: StateCheck, budget: Budget) -> None:

@@ -94,6 +94,22 @@ def check_file(path: Path, check: Callable[[bytes], None]) -> None:
         os.close(fd)
 
 
+def read_checked(path: Path, check: Callable[[bytes], None]) -> bytes:
+    """The bytes of a tokenizer file, checked as the preflight checks it (FileUnusable names what fails)."""
+    try:
+        fd = _open_nonblocking(path)
+        try:
+            data = _read_regular(fd, os.fstat(fd))
+        finally:
+            os.close(fd)
+        check(data)
+    except FileUnusable as exc:
+        raise FileUnusable(f"tokenizer file {path}: {exc}") from exc
+    except OSError as exc:
+        raise FileUnusable(f"tokenizer file {path}: cannot be read ({exc.strerror or exc})") from exc
+    return data
+
+
 def _open_nonblocking(path: Path) -> int:
     try:
         return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)

@@ -139,6 +139,8 @@ class Job(Base):
     attempt: Mapped[int] = mapped_column(Integer, server_default="1")
     resume_step: Mapped[int] = mapped_column(Integer, server_default="0")
     base_model_identity: Mapped[str | None] = mapped_column(String(96))  # dev:ino:size:mtime_ns:ctime_ns at dispatch
+    # The dataset lint's warnings at dispatch (JSON list of findings, lora_worker/findings.py; migration 0016).
+    dataset_warnings: Mapped[str | None] = mapped_column(Text)
 
     events: Mapped[list[JobEvent]] = relationship(back_populates="job", order_by="JobEvent.id",
                                                   passive_deletes=True)

@@ -198,6 +198,21 @@ def fail_job(db: Database, job_id: int, *, actor: str, failure_class: FailureCla
                            log_lines=log_lines, **values)
 
 
+def note_active(db: Database, job_id: int, *, actor: str, reason: str) -> bool:
+    """An event (from == to) on an active job saying why it stays active, unless its latest event says so
+    already (reconcile asks on every look at the job); False if nothing was written."""
+    with db.write() as s:
+        job = s.get(Job, job_id)
+        if job is None or JobState(job.status) not in ACTIVE_STATES:
+            return False
+        latest = s.scalars(select(JobEvent.reason).where(JobEvent.job_id == job_id)
+                           .order_by(JobEvent.id.desc()).limit(1)).first()
+        if latest == reason:
+            return False
+        _event(s, job_id, JobState(job.status), JobState(job.status), actor, reason)
+        return True
+
+
 def request_cancel(db: Database, job_id: int, *, actor: str, reason: str = "cancel requested",
                    queued_at_once: bool = True) -> Job:
     """Flag a job for cancellation; a queued one is cancelled at once if its backend says so (`queued_at_once`:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import Select, and_, exists, select
+from sqlalchemy import ColumnElement, Select, and_, exists, select
 
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.checkpoints import STATE
@@ -16,9 +16,23 @@ NOTE_PREFIX = "resume: "  # the events `follow_up` writes: a job with one was lo
 
 
 def resume_of(db: Database, job_id: int) -> Job | None:
-    """The job that resumed `job_id`, if one did."""
+    """The job that resumed `job_id`, if one did. A resume whose launch failed before any trainer ran (failed
+    `launch_error`: the sbatch or the supervisor never started, or refused before exec) resumed nothing and does
+    not count: the job is resumed again, by a retry with the same Idempotency-Key or by auto_resume."""
     with db.read() as s:
-        return s.scalars(select(Job).where(Job.resumed_from == job_id).order_by(Job.id)).first()
+        return s.scalars(select(Job).where(Job.resumed_from == job_id, counts_as_resume()).order_by(Job.id)).first()
+
+
+def counts_as_resume() -> ColumnElement[bool]:
+    """The rows that resumed their `resumed_from`: all but a launch that never ran a trainer."""
+    return Job.failure_class.is_(None) | (Job.failure_class != FailureClass.LAUNCH_ERROR.value)
+
+
+def launches_failed(db: Database, job_id: int) -> int:
+    """How many resumes of `job_id` failed to launch (failed `launch_error`)."""
+    with db.read() as s:
+        return len(s.scalars(select(Job.id).where(Job.resumed_from == job_id,
+                                                  Job.failure_class == FailureClass.LAUNCH_ERROR.value)).all())
 
 
 def states_seen(db: Database, job_id: int) -> set[int]:
@@ -53,7 +67,7 @@ def cut_off_unlooked(db: Database, limit: int = 20) -> list[Job]:
 def cut_off_query(limit: int) -> Select[Job]:
     """Read through `ix_jobs_status_failure_class` (migration 0015): every web reconcile runs it, so its cost
     must not grow with the failed jobs of other classes."""
-    later = select(Job.resumed_from).where(Job.resumed_from.is_not(None))
+    later = select(Job.resumed_from).where(Job.resumed_from.is_not(None), counts_as_resume())
     looked = exists().where(JobEvent.job_id == Job.id, JobEvent.reason.like(f"{NOTE_PREFIX}%"))
     return (select(Job).where(Job.status == JobState.FAILED.value,
                               Job.failure_class == FailureClass.HOST_REBOOTED.value,

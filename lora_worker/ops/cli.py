@@ -1,5 +1,5 @@
 """`lora-worker`: the operator's commands (migrate, reconcile, serve, jobs …, doctor, check-ledger, config, demo,
-smoke)."""
+smoke, plan)."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from lora_worker.ops import banner
 from lora_worker.ops import demo as demo_cli
 from lora_worker.ops import jobs as jobs_cli
+from lora_worker.ops import plan as plan_cli
 from lora_worker.ops import smoke as smoke_cli
 from lora_worker.config import Settings, load_settings
 from lora_worker.errors import ConfigError, LedgerCorrupt, LoraWorkerError
@@ -126,6 +127,10 @@ def cmd_smoke(settings: Settings, args: argparse.Namespace) -> int:
     return smoke_cli.run(settings, args)
 
 
+def cmd_plan(settings: Settings, args: argparse.Namespace) -> int:
+    return plan_cli.run(settings, args)
+
+
 def cmd_demo(settings: Settings, args: argparse.Namespace) -> int:
     return demo_cli.run(args)  # its own simulated host: the caller's settings are not used
 
@@ -139,6 +144,7 @@ COMMANDS: dict[str, Callable[[Settings, argparse.Namespace], int]] = {
     "jobs": cmd_jobs,
     "demo": cmd_demo,
     "smoke": cmd_smoke,
+    "plan": cmd_plan,
     "config": cmd_config,
 }
 
@@ -161,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     jobs_cli.add_parser(sub)
     demo_cli.add_parser(sub)
     smoke_cli.add_parser(sub)
+    plan_cli.add_parser(sub)
     banner.add_parser(sub)
     return parser
 

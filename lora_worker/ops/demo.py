@@ -18,6 +18,7 @@ import select
 import shlex
 import signal
 import sys
+import textwrap
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,6 +32,7 @@ from lora_worker.host.safetensors import ExpectedLora, verify_lora
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ops import demo_webhooks
+from lora_worker.ops import plan as plan_cli
 from lora_worker.ops import simulated
 from lora_worker.ops.demo_host import (ON_CLUSTER, TRAINER_PACE, DemoError, Host, die_with_parent, prepare_host,
                                        refuse_taken_port, request, say, server, short, tts_stand_in)
@@ -113,6 +115,9 @@ def _show(host: Host, url: str, started: float, out: TextIO) -> int:
         status, answer = request(url, "POST", "/train", {**body, "device_index": 0})
         say(out, f"POST /train on GPU 0 → {status} {answer.get('error')}: {answer.get('message')}")
     body["device_index"] = DEVICE
+    status, plan = request(url, "POST", "/train?dry_run=1", body)
+    say(out, f"POST /train?dry_run=1 on GPU {DEVICE} → {status}: the plan, nothing started")
+    out.write(textwrap.indent(plan_cli.describe(plan) if status == 200 else plan_cli.refusal(status, plan), "  "))
     status, answer = request(url, "POST", "/train", body)
     say(out, f"POST /train on GPU {DEVICE} → {status} {json.dumps(answer)}")
     if status != 202:
@@ -164,6 +169,8 @@ def curl_commands(url: str, job_id: int, version: int, host: Host) -> str:
     lines = [
         "",
         "Each step again, by hand (the server runs without a token: loopback only):",
+        "  # the plan of another job, nothing started (argv, buckets, states, the dataset lint's warnings)",
+        f"  curl -s -X POST '{url}/train?dry_run=1' -H 'Content-Type: application/json' -d {body}",
         "  # dispatch another job (202 and its id; the same body twice: 422 output_exists)",
         f"  curl -s -X POST {url}/train -H 'Content-Type: application/json' -d {body}",
         "  # status, and a long poll that answers as soon as the job changes (or after 25 s)",

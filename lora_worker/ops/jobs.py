@@ -9,6 +9,7 @@ stdout; one log line per thing done, with its job id, goes to stderr (journald).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import textwrap
@@ -105,6 +106,10 @@ def cmd_show(db: Database, settings: Settings, args: argparse.Namespace, out: Te
             # A multi-line value (the error and its log tail) stays in the value column.
             text = textwrap.indent(str(value), " " * 20).lstrip()
             out.write(f"  {name + ':':<18}{text}\n")
+    warnings = json.loads(job.dataset_warnings) if job.dataset_warnings else []
+    out.write(f"lint: {len(warnings)} warning(s) of the dataset at dispatch\n" if job.dataset_warnings is not None
+              else "lint: none recorded (a job from before the lint)\n")
+    out.writelines(f"  {w['code']}: {w['file']}: {w['message']}\n" for w in warnings)
     out.write("events:\n")
     events = repo.job_events(db, job.id)
     _table(out, ("AT", "FROM", "TO", "ACTOR", "REASON"),

@@ -52,7 +52,7 @@ def run(settings: Settings, args: argparse.Namespace, out: TextIO | None = None)
     model = args.base_model or _only_model(settings)
     devices = args.device or sorted(settings.devices)
     nvml = make_nvml(settings.nvml_timeout_s, settings.nvml_fake_file)
-    token = _token(settings, args.token_file)
+    token = api_token(settings, args.token_file)
     started = time.monotonic()
     out.write(f"smoke: {url}, base model {model}, tier {TIER}, {IMAGES} generated {SIZE} px images, "
               f"device(s) {', '.join(map(str, devices))}\n")
@@ -147,7 +147,8 @@ def _only_model(settings: Settings) -> Path:
     return found[0]
 
 
-def _token(settings: Settings, given: str | None) -> str | None:
+def api_token(settings: Settings, given: str | None) -> str | None:
+    """The API token: from `given` (a file, or `-` for stdin), else the service's credential or `api_token_file`."""
     if given == "-":
         return sys.stdin.readline().strip() or None
     if given is not None:

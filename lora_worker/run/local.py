@@ -115,9 +115,14 @@ class LocalBackend:
         wake_supervisor(job.boot_id, job.supervisor_pid, job.supervisor_start_ticks)
 
     def abandon(self, job: JobProcesses, settings: Settings) -> tuple[int, ...]:
-        from lora_worker.run.leftovers import kill_leftovers  # not before the supervisor's lock
+        """The pids killed, once they are gone; OutlivedKill while one of them is not."""
+        from lora_worker.host.processes import OutlivedKill  # not before the supervisor's lock
+        from lora_worker.run.leftovers import GONE_WAIT_S, kill_leftovers
 
-        return tuple(kill_leftovers(job))
+        left = kill_leftovers(job, GONE_WAIT_S)
+        if left.surviving:
+            raise OutlivedKill(left.surviving, GONE_WAIT_S)
+        return left.killed
 
     def slots(self, settings: Settings) -> list[str]:
         return ["train"]  # one training at a time on this host

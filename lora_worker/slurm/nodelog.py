@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from pathlib import Path
 
 from lora_worker.config import Settings
-from lora_worker.host.fs import open_regular
+from lora_worker.host.fs import open_regular, read_capped
 from lora_worker.slurm.sbatch import log_path, rc_path
 from lora_worker.transcript.output import TrainerOutput
 
@@ -22,6 +23,10 @@ log = logging.getLogger(__name__)
 READ_CAP = 8 << 20  # log bytes taken per job per cycle: a flood is read over a few cycles, not at once
 CHUNK = 1 << 20
 RC_MAX_BYTES = 64
+OFFSET_MAX_BYTES = 32
+OFFSET = re.compile(rb"([0-9]{1,18})\n?")  # what `_save` writes: the offset and a newline
+RETURN_CODE = re.compile(rb"\s*(-?[0-9]{1,3})\s*")  # a Popen return code, as run/node.py writes it
+MAX_SIGNAL, MAX_STATUS = 127, 255
 
 
 def offset_path(settings: Settings, job_id: int) -> Path:
@@ -29,11 +34,30 @@ def offset_path(settings: Settings, job_id: int) -> Path:
 
 
 def saved_offset(settings: Settings, job_id: int) -> int:
+    """How far the run log has the node's log, as `_save` recorded it; 0 (everything is logged again) when there is
+    no record or it is not one `_save` writes: a restart may log some bytes twice, never lose any."""
+    return _number(_read_small(offset_path(settings, job_id), OFFSET_MAX_BYTES), OFFSET) or 0
+
+
+def _read_small(path: Path, cap: int) -> bytes | None:
+    """A small file of ours or the node's, read the one safe way (no link, no FIFO); None if it cannot be, or holds
+    more than `cap` bytes."""
     try:
-        text = offset_path(settings, job_id).read_text().strip()
+        fd, _ = open_regular(None, str(path))
     except OSError:
-        return 0
-    return int(text) if text.isdigit() else 0
+        return None
+    try:
+        return read_capped(fd, cap)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _number(data: bytes | None, form: re.Pattern[bytes]) -> int | None:
+    """The integer `data` holds in `form` (ASCII, nothing else around it but its newline), or None."""
+    found = form.fullmatch(data) if data is not None else None
+    return int(found[1]) if found is not None else None
 
 
 class NodeLog:
@@ -59,7 +83,11 @@ class NodeLog:
 
     def _open(self) -> bool:
         try:
-            self.fd, _ = open_regular(None, str(log_path(self.settings, self.job_id)))
+            self.fd, st = open_regular(None, str(log_path(self.settings, self.job_id)))
+            if self.logged > st.st_size:  # the node only appends: a record past its end is not one we wrote
+                log.warning("job %s: its log offset record %s is past the log's end (%s bytes); the log is "
+                            "logged again from its start", self.job_id, self.logged, st.st_size)
+                self.logged = 0
             return True
         except FileNotFoundError:
             return False
@@ -102,16 +130,8 @@ class NodeLog:
             self.fd = None
 
     def recorded_status(self) -> int | None:
-        """The trainer's return code as the batch script recorded it, None if it did not (or not yet)."""
-        try:
-            fd, _ = open_regular(None, str(rc_path(self.settings, self.job_id)))  # no link, no FIFO: never waited on
-        except OSError:
-            return None
-        try:
-            text = os.read(fd, RC_MAX_BYTES).decode("ascii", "replace").strip()
-        finally:
-            os.close(fd)
-        try:
-            return int(text)
-        except ValueError:
-            return None
+        """The trainer's return code as the node recorded it (run/node.py: a Popen return code, negative when a
+        signal killed it), None if it did not (or not yet), or if the file holds anything else: the node's storage
+        is another party's too, and a number no trainer returns is not its status."""
+        status = _number(_read_small(rc_path(self.settings, self.job_id), RC_MAX_BYTES), RETURN_CODE)
+        return status if status is not None and -MAX_SIGNAL <= status <= MAX_STATUS else None

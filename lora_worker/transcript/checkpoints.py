@@ -31,7 +31,7 @@ from lora_worker.transcript.parser import Progress, Save
 if TYPE_CHECKING:
     from lora_worker.host.safetensors import ArtifactCheck, ExpectedLora
 
-STEP_NUMBER = re.compile(r"\d{8,}")  # `%08d`
+STEP_NUMBER = re.compile(r"[0-9]{8,10}")  # `%08d` of a step a ledger column holds (ASCII: `\d` is any script's)
 
 
 class CheckpointJob(RecordedLora, Protocol):

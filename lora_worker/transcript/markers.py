@@ -51,10 +51,11 @@ LINE_PREFIX = re.compile(
     r"(?:(?:[^\r\n|]{0,64}\d+%\|[^|\r\n]*\|[^\[\r\n]*|\d+it )\[[^\]\r\n]*\])?[ \t]*"
     r"(?:(?:\d{4}-\d\d-\d\d \d\d:\d\d:\d\d[ \t]+)?(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)[ \t]+)?"
 )
-# The same pattern without its named groups, to search with: each branch then starts with a literal that the
-# regex engine rejects in one comparison (a branch that starts with a group is entered and left at every
-# position), ~8x faster. A hit is matched again with MARKERS, at the same place, to name it.
-MARKER_SEARCH = re.compile(re.sub(r"\(\?P<\w+>", "(?:", MARKERS.pattern))
+# A marker where a line's message begins, matched there and nowhere else. It was searched for along the line and
+# its prefix checked after: a branch's `[\w.]+` or `[^\r\n]*` then ran to the line's end from every position, and
+# a 60 KB line of `torch.torch.…` took 134 s of the supervisor's loop (tests/transcript/test_parser_fuzz.py).
+# Anchored, a line costs a few passes over it, whatever it holds.
+LINE_MARKER = re.compile(LINE_PREFIX.pattern + "(?:" + MARKERS.pattern + ")")
 PHASE_GROUPS = {p.value: p for p in (Phase.LOADING_MODEL, Phase.CACHING_LATENTS, Phase.CACHING_TEXT_ENCODER_OUTPUTS,
                                      Phase.PREPARING_TRAINING, Phase.SAVING)}
 # The saves a run announces (train_network.py save_model and remove_model, train_util.py's state savers): each
@@ -63,7 +64,7 @@ SAVE_GROUPS = ("saving", "state_saved", "last_state", "removed_checkpoint", "rem
 FLAG_GROUPS = ("model_saved", "no_data", "cuda_oom", "caption_invalid", "model_load_error", "tokenizer_missing",
                "invalid_arguments", "died", "inner_exit")
 # Where a marker can begin a message, found over a run of log lines in a few C-level passes instead of a regex
-# scan of every character (MARKER_SEARCH is ~0.1 µs a character): each branch of MARKERS begins, at the start of
+# scan of every character (a search of MARKERS is ~0.1 µs a character): each branch of MARKERS begins, at the start of
 # the message, with one of MESSAGE_STARTS, or holds one of INNER_LITERALS (the branches that begin with a
 # name). A message begins a line, or follows a glued redraw's `]`, after LINE_PREFIX's spaces, time and level.
 # A hit is a candidate only, parsed again with MARKERS and LINE_PREFIX, so these may find more, never less

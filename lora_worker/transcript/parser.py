@@ -15,29 +15,30 @@ measures the cost. What a marker is lives in transcript/markers.py, what a redra
 """
 from __future__ import annotations
 
-import codecs
 import math
 import re
 from dataclasses import dataclass, field
 
 from lora_worker.states import Phase
+from lora_worker.transcript.ansi import AnsiFilter, Decoder  # re-exported: the parser's readers take them here
 from lora_worker.transcript.markers import (
     FLAG_GROUPS,
-    LINE_PREFIX,
+    LINE_MARKER,
     MARKER_GUARD_BYTES,
-    MARKER_SEARCH,
-    MARKERS,
     PHASE_GROUPS,
     SAVE_GROUPS,
     line_end,
     message_starts,
 )
-from lora_worker.transcript.redraws import BAR, LOSS, STEPS, bar_before, newest_bar, rate, seconds, segment_end
+from lora_worker.transcript.redraws import (BAR, MAX_COUNT, MAX_SEGMENT, STEPS, bar_before, count, counts, loss,
+                                            newest_bar, rate, seconds, segment_end)
 
-ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
-ANSI_OPEN = re.compile(rb"\x1b(?:\[[0-9;?]*)?\Z")  # an escape the chunk cut: its end comes with the next chunk
-MAX_HELD_ESCAPE = 64
-MAX_PENDING = 64 * 1024  # a stream that never ends a segment must not grow without bound
+__all__ = ["AnsiFilter", "Decoder", "Parser", "Progress", "Save"]
+
+MAX_PENDING = MAX_SEGMENT  # a stream that never ends a segment must not grow without bound: its head is kept
+MAX_SIGNAL, MAX_STATUS = 127, 255  # a signal number (SIGRTMAX is 64) and an exit status
+# The numbers a marker carries, and the most each may be: a line whose number is past it is not the trainer's.
+COUNTED = {"total_steps": MAX_COUNT, "state_step": MAX_COUNT, "signum": MAX_SIGNAL, "inner_rc": MAX_STATUS}
 
 
 @dataclass(frozen=True)
@@ -77,44 +78,6 @@ class Progress:
             self.phases.append(phase)
 
 
-class AnsiFilter:
-    """Terminal escapes taken out of the byte stream, an escape cut between two chunks included (its start is
-    held back until the rest arrives)."""
-
-    def __init__(self) -> None:
-        self._held = b""
-
-    def strip(self, data: bytes) -> bytes:
-        if self._held:
-            data, self._held = self._held + data, b""
-        if b"\x1b" not in data:
-            return data
-        cut = ANSI_OPEN.search(data, max(0, len(data) - MAX_HELD_ESCAPE))
-        if cut is not None:
-            data, self._held = data[:cut.start()], data[cut.start():]
-        return ANSI.sub(b"", data)
-
-    def flush(self) -> bytes:
-        """At end of output: an escape never finished is text."""
-        held, self._held = self._held, b""
-        return held
-
-
-class Decoder:
-    """Bytes to text, for a reader that wants text: ANSI removed (even when cut), UTF-8 kept whole across cuts,
-    bad bytes replaced."""
-
-    def __init__(self) -> None:
-        self._ansi = AnsiFilter()
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-
-    def decode(self, data: bytes, final: bool = False) -> str:
-        data = self._ansi.strip(data)
-        if final:
-            data += self._ansi.flush()
-        return self._decoder.decode(data, final)
-
-
 class Parser:
     """Feed it the output (bytes, or text); it keeps `progress` current and collects each step's loss."""
 
@@ -134,13 +97,14 @@ class Parser:
         before = self._snapshot()
         cr, nl = data.rfind(b"\r"), data.rfind(b"\n")
         if cr < 0 and nl < 0:
-            self._open = (self._open + data)[-MAX_PENDING:]
+            self._open += data[:MAX_PENDING - len(self._open)]
         else:
             first = _first_break(data, cr, nl)
-            self._segment(self._open + data[:first])  # the segment the last chunk left open ends here
+            # the segment the last chunk left open ends here
+            self._segment(self._open + data[:max(0, min(first, MAX_PENDING - len(self._open)))])
             end = max(cr, nl) + 1
             self._region(data, first + 1, end)
-            self._open = data[end:][-MAX_PENDING:]
+            self._open = data[end:end + MAX_PENDING]
         if self._open.startswith(STEPS):
             # A complete redraw counts before its segment ends: tqdm's newest is the open one.
             self._bar(self._open.decode("utf-8", "replace"))
@@ -158,7 +122,9 @@ class Parser:
     # -- the stream, in segments ---------------------------------------------------------------------------
 
     def _segment(self, seg: bytes) -> None:
-        """One whole segment, on its own: its redraw, then its markers."""
+        """One whole segment, on its own: its redraw, then its markers. Of a segment longer than MAX_PENDING only
+        its head counts, however it arrived (a marker or a redraw begins a segment)."""
+        seg = seg[:MAX_PENDING]
         if seg.startswith(STEPS):
             self._bar(seg.decode("utf-8", "replace"))
         if any(g in seg for g in MARKER_GUARD_BYTES):
@@ -213,18 +179,20 @@ class Parser:
             self._apply(m)
 
     def _apply(self, m: re.Match[str]) -> None:
-        # A redraw already applied while its segment was open is not applied again when the segment ends.
-        if m[0] == self._last_bar:
+        # A redraw already applied while its segment was open is not applied again when the segment ends. Text
+        # shaped like the bar but no bar (counts) is passed over first, as the run of redraws passes over it:
+        # it is never the redraw applied last.
+        if (counted := counts(m)) is None or m[0] == self._last_bar:
             return
         self._last_bar = m[0]
+        step, total = counted
         p = self.progress
         p.redraws += 1
-        p.step, p.total_steps = int(m[1]) + self.step_offset, int(m[2]) + self.step_offset
+        p.step, p.total_steps = step + self.step_offset, total + self.step_offset
         p.eta_s = seconds(m[4])
         p.rate = rate(m[5], m[6])
-        loss = LOSS.search(m[7] or "")
-        if loss:
-            p.loss = float(loss[1])
+        if (value := loss(m[7])) is not None:
+            p.loss = value
             if p.nan_at is None and math.isnan(p.loss):
                 p.nan_at = p.step
         if "model_saved" not in p.flags:
@@ -234,34 +202,30 @@ class Parser:
             self._points[p.step] = p.loss
 
     def _scan_markers(self, text: str) -> None:
+        """The marker that begins a line's message, on each line of `text` (a segment is one): only there, after
+        LINE_PREFIX. A marker quoted inside another line (a path, a caption, an exception's message) is data;
+        the rest of a marker's line is its argument, never another marker."""
         pos = 0
-        while (hit := MARKER_SEARCH.search(text, pos)) is not None:
-            start = hit.start()
-            line_start = max(text.rfind("\n", 0, start), text.rfind("\r", 0, start)) + 1
-            if not LINE_PREFIX.fullmatch(text, line_start, start):
-                # Quoted inside another line (a path, a caption, an exception's message): data, not a marker.
-                # Nothing later on this line can begin its message either.
-                pos = line_end(text, start)
-                continue
-            m = MARKERS.match(text, start)
-            assert m is not None  # the same language: MARKER_SEARCH is MARKERS without names
-            pos = line_end(text, m.end())  # the rest of the line is the marker's argument, never another one
-            self._apply_marker(m)
+        while pos <= len(text):
+            m = LINE_MARKER.match(text, pos)
+            if m is not None:
+                self._apply_marker(m)
+            pos = line_end(text, pos) + 1
 
     def _apply_marker(self, m: re.Match[str]) -> None:
         p = self.progress
         kind = m.lastgroup
+        if not _counted(m):
+            return  # a number no trainer prints (digits of another script, or too many): not the trainer's line
         if kind in SAVE_GROUPS:
-            arg = m["checkpoint"] or m["state_step"] or m["removed_path"] or m["removed_state_path"] or (
-                str(p.step) if kind == "last_state" else "")
-            p.saves.append(Save(str(kind), arg.strip(), p.redraws))
+            p.saves.append(Save(str(kind), _save_text(m, p.step), p.redraws))
         if kind in PHASE_GROUPS:
             if "model_saved" not in p.flags:
                 p.enter(PHASE_GROUPS[kind])
             if kind == "saving":
                 p.checkpoints.append(m["checkpoint"].strip())
         elif kind == "total":
-            p.total_steps = int(m["total_steps"])
+            p.total_steps = count(m["total_steps"])
         elif kind in FLAG_GROUPS:
             self._flag(str(kind), m)
 
@@ -273,15 +237,27 @@ class Parser:
             # checkpoint:` print can reach the pipe after this line: the phase is `saving` either way.
             p.enter(Phase.SAVING)
         elif kind == "died":
-            p.signal = int(m["signum"])
+            p.signal = count(m["signum"], MAX_SIGNAL)
         elif kind == "inner_exit":
-            p.inner_exit = int(m["inner_rc"])
+            p.inner_exit = count(m["inner_rc"], MAX_STATUS)
 
     def _snapshot(self) -> tuple[object, ...]:
         p = self.progress
         loss = None if p.loss is None or math.isnan(p.loss) else p.loss
         return (p.phase, p.step, p.total_steps, loss, p.loss is not None and math.isnan(p.loss), p.rate,
                 p.eta_s, len(p.flags), len(p.saves))
+
+def _save_text(m: re.Match[str], step: int) -> str:
+    """A save marker's argument: the path or step it names (`saving last state.` names none: the bar's step)."""
+    arg = m["checkpoint"] or m["state_step"] or m["removed_path"] or m["removed_state_path"] or (
+        str(step) if m.lastgroup == "last_state" else "")
+    return arg.strip()
+
+
+def _counted(m: re.Match[str]) -> bool:
+    """Whether each number the marker carries is one the trainer could print (COUNTED)."""
+    return all(m[group] is None or count(m[group], limit) is not None for group, limit in COUNTED.items())
+
 
 def _first_break(data: bytes, last_cr: int, last_nl: int) -> int:
     """Where the first segment of `data` ends (its first \r or \n), given that it has one."""

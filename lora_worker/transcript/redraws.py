@@ -5,6 +5,7 @@ A redraw ends in `\\r`, never a newline, and holds none of MARKER_GUARD's charac
 """
 from __future__ import annotations
 
+import math
 import re
 
 # steps:  45%|████▌     | 765/1700 [09:44<11:54,  1.31it/s, avr_loss=0.0871]   (one segment: no \r or \n in it)
@@ -13,6 +14,8 @@ BAR = re.compile(
 )
 LOSS = re.compile(r"avr_loss=([-+0-9.eE]+|nan|-?inf)")
 STEPS = b"steps:"
+MAX_COUNT = 10**9  # far past any run's steps, and well inside a ledger INTEGER
+MAX_SEGMENT = 64 * 1024  # of a longer segment only its head is read (transcript/parser.py MAX_PENDING)
 
 
 def newest_bar(data: bytes, lo: int, hi: int) -> tuple[int, re.Match[str]] | None:
@@ -32,7 +35,7 @@ def bar_before(data: bytes, lo: int, at: int, m: re.Match[str]) -> tuple[int, re
     Every redraw of a step has the same bytes up to its counter (`steps:  45%|████▌     | 765/1700 [`), so
     whether a segment is of this step is one comparison at a known offset: a bisection over the run finds
     the step's first redraw in a few of them, without reading the redraws between."""
-    if int(m[1]) == 0:
+    if not m[1].strip("0"):  # step 0: no step before it (no int() of what may be thousands of digits)
         return None
     text = m.string
     offset, counter = len(text[:m.start(1)].encode()), text[m.start(1):text.index("[", m.end(2)) + 1].encode()
@@ -55,7 +58,17 @@ def bar_at(data: bytes, at: int, lo: int, hi: int) -> re.Match[str] | None:
     """The `steps` redraw whose segment starts at `at`, parsed, or None."""
     if at > lo and data[at - 1] not in (10, 13):
         return None  # "validation steps:", or text that mentions steps: not the training bar
-    return BAR.match(data[at:segment_end(data, at, hi)].decode("utf-8", "replace"))
+    m = BAR.match(data[at:min(segment_end(data, at, hi), at + MAX_SEGMENT)].decode("utf-8", "replace"))
+    # a counter that is no number is no bar: the redraw before it is the newest (as when each is read on its own)
+    return m if m is not None and counts(m) is not None else None
+
+
+def counts(m: re.Match[str]) -> tuple[int, int] | None:
+    """A redraw's step and total, or None when they are no counter a bar shows: not ASCII digits, or past
+    MAX_COUNT. A step past its total is taken as it is: tqdm draws one when updated past its total, and a redraw
+    left out would starve the stall watchdog, which counts only new steps as life in training."""
+    step, total = count(m[1]), count(m[2])
+    return (step, total) if step is not None and total is not None else None
 
 
 
@@ -67,19 +80,47 @@ def segment_end(data: bytes, pos: int, hi: int) -> int:
 
 
 
-def seconds(clock: str) -> float | None:
-    if "?" in clock:
+def count(text: str | None, limit: int = MAX_COUNT) -> int | None:
+    """A counter the trainer printed (a step, a total, a signal number), or None when it is not one: ASCII digits
+    only (`\\d` also matches other scripts' digits), at most `limit`. Whatever a line holds, a number taken from it
+    is one a ledger column holds."""
+    if text is None or len(text) > len(str(limit)) or not text.isdigit() or not text.isascii():
         return None
-    total = 0
-    for part in clock.split(":"):
-        total = total * 60 + int(part)
-    return float(total)
+    value = int(text)
+    return value if value <= limit else None
+
+
+CLOCK = re.compile(r"(?:([0-9]{1,9}):)?([0-9]{1,9}):([0-9]{1,9})")  # tqdm's format_interval: [H:]MM:SS
+
+
+def seconds(clock: str) -> float | None:
+    """tqdm's `MM:SS` or `H:MM:SS`, in seconds; None for `?` or anything else."""
+    m = CLOCK.fullmatch(clock)
+    if m is None:
+        return None
+    return float((int(m[1] or 0) * 60 + int(m[2])) * 60 + int(m[3]))
 
 
 def rate(value: str, unit: str) -> float | None:
-    if "?" in value:
+    """Optimizer steps per second from tqdm's `1.31it/s` or `2.50s/it`; None for `?`, or anything that is not a
+    finite number above 0."""
+    try:
+        number = float(value)
+    except ValueError:  # `?`, `1.2.3`, `.`
         return None
-    number = float(value)
-    if unit == "s/it":
-        return 1.0 / number if number > 0 else None
-    return number
+    if not (math.isfinite(number) and number > 0):
+        return None
+    steps = 1.0 / number if unit == "s/it" else number
+    return steps if steps > 0 else None
+
+
+def loss(text: str | None) -> float | None:
+    """The `avr_loss=` of a redraw's postfix: a float (NaN and infinities included, as the trainer printed them),
+    or None when there is none or it does not parse."""
+    found = LOSS.search(text or "")
+    if found is None:
+        return None
+    try:
+        return float(found[1])
+    except ValueError:  # `e`, `1.2.3`, `+-`
+        return None

@@ -45,11 +45,7 @@ def build_app(config: Settings | dict[str, Any] | None = None, *, nvml: Nvml | N
                     backend=backend)
     if deep_health:  # in the background: a start must not wait for the trainer's torch import
         worker.deep_health.start()
-    for action in reconcile(db, settings, actor="startup", backend=backend):
-        log.warning("start-up reconcile: job %s → failed (%s)", action.job_id, action.failure_class.value,
-                    extra={"job": action.job_id})
-    for resumed in auto_resume.follow_up(worker.dispatcher):  # after a reboot: resumed once, or marked resumable
-        log.warning("start-up reconcile: job %s resumes a job the reboot cut off", resumed, extra={"job": resumed})
+    start_up_reconcile(worker)
     ensure_sender(settings)  # events a crash left in the outbox go out without waiting for a new job
 
     app = Flask(__name__, static_folder=None)  # an API: no /static route
@@ -64,6 +60,20 @@ def build_app(config: Settings | dict[str, Any] | None = None, *, nvml: Nvml | N
     return app
 
 
+def start_up_reconcile(worker: Worker) -> None:
+    """Reconcile, then follow up each job a reboot cut off. Whatever it meets (a ledger still busy, a state file
+    nobody foresaw), the service starts: the failure is logged with its traceback, and the timed reconcile and the
+    requests' try again (each job's own trouble is contained to that job: reconcile.py, auto_resume.py)."""
+    try:
+        for action in reconcile(worker.db, worker.settings, actor="startup", backend=worker.backend):
+            log.warning("start-up reconcile: job %s → failed (%s)", action.job_id, action.failure_class.value,
+                        extra={"job": action.job_id})
+        for resumed in auto_resume.follow_up(worker.dispatcher):  # after a reboot: resumed once, or marked resumable
+            log.warning("start-up reconcile: job %s resumes a job the reboot cut off", resumed, extra={"job": resumed})
+    except Exception:  # noqa: BLE001 - the service starts whatever the ledger or the train root holds
+        log.exception("start-up reconcile failed; the service starts, and the next reconcile tries again")
+
+
 def reconcile_on_requests(app: Flask) -> None:
     """An authenticated request (one past auth.protect's check) reconciles first, at most every few seconds;
     an open one (/healthz) never does."""
@@ -75,6 +85,8 @@ def reconcile_on_requests(app: Flask) -> None:
             app.extensions["lora_worker"].reconcile_if_due()
         except LoraWorkerError as exc:  # a busy or replaced ledger: the route's own work decides its answer
             log.warning("reconcile before %s skipped: %s", request.endpoint, exc.message)
+        except Exception:  # noqa: BLE001 - a reconcile's bug is not this request's: its route answers
+            log.exception("reconcile before %s failed; the request goes on", request.endpoint)
 
 
 def start_reconcile_timer(app: Flask, every_s: float = RECONCILE_EVERY_S) -> threading.Event:

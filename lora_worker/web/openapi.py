@@ -34,6 +34,7 @@ from lora_worker.web.schemas.job import (
     StatusQuerySchema,
     TrainRequestSchema,
 )
+from lora_worker.web.schemas.plan import FindingSchema, PlanSchema, SubmitQuerySchema
 from lora_worker.web.schemas.resume import ResumeAcceptedSchema, ResumeVerdictSchema
 from lora_worker.web.schemas.log import LogQuerySchema, LogSchema, ProgressQuerySchema, ProgressSeriesSchema
 
@@ -61,6 +62,7 @@ class Doc:
     media_type: str = JSON
     also: dict[int, str] | None = None  # other success statuses with the same body, and when they come
     headers: dict[str, Any] | None = None  # headers of the success response (OpenAPI header objects)
+    also_schema: dict[str, Any] | None = None  # the body of the `also` statuses, when not `response`
 
 
 IDEMPOTENCY_KEY = {
@@ -82,9 +84,13 @@ RESUME_ERRORS = ("job_not_found", "job_gone", "validation_failed", "not_resumabl
 JOB_READ_ERRORS = ("job_not_found", "job_gone", "validation_failed", *LEDGER)
 
 DOCS: dict[str, Doc] = {
-    "train.submit": Doc("Start a training job: validated, admitted, recorded, launched.", 202, AcceptedSchema,
+    "train.submit": Doc("Start a training job: validated, admitted, recorded, launched. With `dry_run=1`, every "
+                        "check and no start: the plan.", 202, AcceptedSchema,
                         errors=SUBMIT_ERRORS, body=TrainRequestSchema, parameters=(IDEMPOTENCY_KEY,),
-                        also={200: "An Idempotency-Key seen before, with the same body: the original job."}),
+                        query=SubmitQuerySchema,
+                        also={200: "An Idempotency-Key seen before, with the same body: the original job (the "
+                                   "202's shape); or, with `dry_run=1`, the plan (docs/jobs.md, Dry run)."},
+                        also_schema={"oneOf": [AcceptedSchema, PlanSchema]}),
     "train.list_jobs": Doc("Recent jobs, newest first; `next_before_id` pages back.", 200, JobListSchema,
                            errors=("validation_failed", *LEDGER), query=JobListQuerySchema),
     "train.status": Doc("One job: state, phase, progress, outcome; with `since`, a long poll.", 200, JobSchema,
@@ -170,6 +176,7 @@ def build_document(app: Flask) -> dict[str, Any]:
                    security=[{"bearer": []}])
     spec.components.security_scheme("bearer", {"type": "http", "scheme": "bearer"})
     spec.components.schema("Error", schema=ErrorSchema)
+    spec.components.schema("Finding", schema=FindingSchema)  # a job's `warnings` refer to it by name
     # Every error a client can meet and what to do about it; docs/errors.md's table says the same.
     spec.options["x-errors"] = [_entry(entry) for entry in CATALOGUE]
     # OpenAPI 3.0 has no `webhooks` (3.1 does): what the worker POSTs to `webhook_url` goes under x-webhooks.
@@ -194,7 +201,8 @@ def _operation(rule: Rule, doc: Doc) -> dict[str, Any]:
     if doc.headers:
         responses[doc.status]["headers"] = doc.headers
     for status, when in (doc.also or {}).items():
-        responses[status] = {"description": when, "content": {doc.media_type: {"schema": doc.response}}}
+        responses[status] = {"description": when,
+                             "content": {doc.media_type: {"schema": doc.also_schema or doc.response}}}
     responses.update(_error_responses(rule, doc))
     operation: dict[str, Any] = {"operationId": rule.endpoint, "summary": doc.summary, "responses": responses,
                                  "parameters": _path_parameters(rule)}

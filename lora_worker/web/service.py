@@ -105,6 +105,12 @@ class Worker:
         ensure_sender(self.settings)  # its job.queued is in the outbox; a sender must be there to send it
         return accepted
 
+    def plan(self, request: TrainRequest) -> dict[str, Any]:
+        """A dry run (dispatch/dispatcher.py `plan`): the slot is judged as a real POST judges it, so a dead
+        supervisor's job is reconciled first; no sender is started, for no event is written."""
+        self.reconcile_active()
+        return self.dispatcher.plan(request)
+
     def resume(self, job_id: int, *, idempotency_key: str | None = None) -> tuple[Job, bool]:
         """A new job continuing `job_id` from its newest good state (dispatch/resume.py)."""
         self.reconcile_active()

@@ -19,6 +19,7 @@ from lora_worker.web.schemas.job import (
     StatusQuerySchema,
     TrainRequestSchema,
 )
+from lora_worker.web.schemas.plan import PlanSchema, SubmitQuerySchema
 from lora_worker.web.schemas.resume import ResumeAcceptedSchema, ResumeVerdictSchema
 from lora_worker.web.schemas.log import LogQuerySchema, LogSchema, ProgressQuerySchema, ProgressSeriesSchema
 from lora_worker.errors import InvalidRequest
@@ -29,9 +30,14 @@ bp = Blueprint("train", __name__)
 
 @bp.post("/train")
 def submit() -> tuple[Response, int]:
-    """202 for a new job; 200 with the original job when an Idempotency-Key is replayed with the same body."""
+    """202 for a new job; 200 with the original job when an Idempotency-Key is replayed with the same body; with
+    `?dry_run=1`, 200 with the plan of the job it would start, having started and written nothing (an
+    Idempotency-Key is neither looked up nor kept)."""
+    query = SubmitQuerySchema().load(request.args)
     body = _json_body()
     train_request = TrainRequestSchema().load(body)  # type: ignore[arg-type]
+    if query["dry_run"]:
+        return jsonify(PlanSchema().dump(worker().plan(train_request))), 200
     job, created = worker().submit(train_request, idempotency_key=_idempotency_key(), body_sha256=_digest(body))
     return jsonify(AcceptedSchema().dump(job)), 202 if created else 200
 

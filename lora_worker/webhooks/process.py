@@ -113,6 +113,18 @@ def serve(ready_fd: int) -> int:
     return 0
 
 
+def _say_ready(ready_fd: int) -> None:
+    """The handshake byte. A starter that stopped waiting (its bound ran out on a slow machine: a cold page cache
+    under load made a start take over 20 s) has closed its end: the lock is this sender's all the same, so it
+    delivers, rather than die and leave every event waiting for the next start."""
+    try:
+        os.write(ready_fd, READY)
+    except BrokenPipeError:
+        log.warning("webhooks: the process that started this sender stopped waiting for it; delivering anyway")
+    finally:
+        os.close(ready_fd)
+
+
 def _deliver(settings: Settings, keys: Keyring, lifeline: Lifeline | None, ready_fd: int) -> None:
     """The handshake, then the loop: start what is due, sleep until the next is due, an attempt ends, a signal
     comes, or at most IDLE_POLL_S (an event another process wrote, the lifeline). On the way out, the attempts
@@ -127,8 +139,7 @@ def _deliver(settings: Settings, keys: Keyring, lifeline: Lifeline | None, ready
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)  # a signal wakes the poll below at once
     db = Database.open(settings.database_path, busy_timeout_s=settings.busy_timeout_s, synchronous="NORMAL")
     sender = Sender(settings, db, keys, on_done=lambda: _wake(wake_w))
-    os.write(ready_fd, READY)
-    os.close(ready_fd)
+    _say_ready(ready_fd)
     poller = select.poll()
     poller.register(wake_r, select.POLLIN)
     try:

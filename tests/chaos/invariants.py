@@ -51,3 +51,42 @@ class Timeline:
             if s0 in TERMINAL and (s1, step1, v1) != (s0, step0, v0):
                 found.append(f"changed after the end: {(s0, step0, v0)} -> {(s1, step1, v1)}")
         return found
+
+
+def processes_with_arg(arg: str) -> list[int]:
+    """Live processes with `arg` as a whole argument: a job's launcher, trainer and forked workers carry its
+    `--output_name=`, whether or not the trainer wrote its record before the supervisor died."""
+    import psutil
+
+    return [p.info["pid"] for p in psutil.process_iter(["pid", "cmdline", "status"])
+            if p.info["status"] != psutil.STATUS_ZOMBIE and arg in (p.info["cmdline"] or ())]
+
+
+def autopsy(path: Path, job_id: int, pids: list[int]) -> str:
+    """What a failed check needs to name its cause: the job's row and events, and each of the given processes
+    still alive with its /proc status and argv."""
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+    try:
+        row = conn.execute("SELECT status, phase, failure_class, error, supervisor_pid, trainer_pid, step "
+                           "FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        events = conn.execute("SELECT at, from_status, to_status, actor, reason FROM job_events WHERE job_id = ? "
+                              "ORDER BY id", (job_id,)).fetchall()
+    finally:
+        conn.close()
+    lines = [f"job {job_id}: (status, phase, failure_class, error, supervisor_pid, trainer_pid, step) = {row}"]
+    lines += [f"  event {e}" for e in events]
+    for pid in pids:
+        lines.append(f"  process {pid}: {_proc(pid)}")
+    return "\n".join(lines)
+
+
+def _proc(pid: int) -> str:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    keep = [s for s in status if s.split(":")[0] in ("Name", "State", "Tgid", "PPid", "NSsid", "NSpgid")]
+    fields_ = stat[stat.rfind(")") + 2:].split()
+    return f"{'; '.join(keep)}; pgid {fields_[2]} sid {fields_[3]} start {fields_[19]}; argv {argv.strip()}"

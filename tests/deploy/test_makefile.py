@@ -54,6 +54,11 @@ def test_make_test_fast_leaves_out_the_slow_tests_and_refuses_a_process_in_the_r
     assert line.startswith("LW_TEST_FAST=1 ") and '-m "not slow"' in line
     assert "ruff" not in line and "mypy" not in line
 
+
+def test_make_fuzz_runs_the_marked_property_tests_under_the_fuzz_profile_without_a_timeout(tmp_path):
+    (line,) = [line for line in recipe("fuzz", tmp_path / "venv") if "-m pytest" in line]
+    assert line.startswith("HYPOTHESIS_PROFILE=fuzz ") and " -m fuzz " in line and "--timeout=0" in line
+
 def test_make_run_leaves_bind_to_the_settings_unless_bind_is_given(tmp_path):
     assert "--bind" not in gunicorn_line(recipe("run", tmp_path / "venv"))
     assert "--bind 10.1.2.3:9000" in gunicorn_line(recipe("run", tmp_path / "venv", BIND="10.1.2.3:9000"))

@@ -16,7 +16,7 @@ from hypothesis import given, settings as hsettings, strategies as st
 
 from lora_worker.config import REPO_ROOT
 from lora_worker.dispatch import presentation
-from lora_worker.dispatch.presentation import as_folder, config_for, dataset_config_toml, one_epoch
+from lora_worker.dispatch.presentation import config_for, dataset_config_toml
 from lora_worker.errors import DatasetInvalid, LaunchFailed
 from lora_worker.run.local import LocalBackend
 from lora_worker.slurm.backend import SlurmBackend
@@ -30,7 +30,7 @@ from tests.helpers.resumable_table import table
 @hsettings(max_examples=examples(500), deadline=None)
 @given(images=st.integers(1, 500), batch=st.integers(1, 4), steps=st.integers(1, 6000), every=st.integers(2, 500))
 def test_one_epoch_is_the_smallest_repeats_that_hold_every_step_so_every_state_resumes(images, batch, steps, every):
-    shown = one_epoch(images, batch, steps, every)
+    shown = presentation.presentation(images, batch, steps, every)
     assert images * shown.repeats / batch >= steps and shown.steps_per_epoch >= steps and shown.epochs == 1
     assert shown.repeats == 1 or images * (shown.repeats - 1) / batch < steps  # one fewer would not
     assert [s.step for s in shown.states] == list(range(every, steps + 1, every))
@@ -46,9 +46,11 @@ def test_one_epoch_is_the_smallest_repeats_that_hold_every_step_so_every_state_r
 ])
 def test_the_folders_own_repeats_left_most_states_past_the_first_epoch(images, repeats, batch, per_epoch, fast,
                                                                        balanced):
-    assert as_folder(images, repeats, batch, 400, 150).steps_per_epoch == per_epoch
-    assert [(s.step, s.resumable) for s in as_folder(images, repeats, batch, 400, 150).states] == fast
-    assert [(s.step, s.resumable) for s in as_folder(images, repeats, batch, 1500, 400).states] == balanced
+    def as_folder(steps: int, every: int) -> presentation.Presentation:
+        return presentation.presentation(images, batch, steps, every, folder_repeats=repeats)
+    assert as_folder(400, 150).steps_per_epoch == per_epoch
+    assert [(s.step, s.resumable) for s in as_folder(400, 150).states] == fast
+    assert [(s.step, s.resumable) for s in as_folder(1500, 400).states] == balanced
 
 
 def test_docs_resume_md_holds_the_table_the_functions_compute():

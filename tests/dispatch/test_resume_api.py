@@ -32,6 +32,8 @@ def test_a_resume_is_a_new_row_linked_to_the_original_and_launched(api, host, db
     status = api.get(f"/train/{new}").get_json()
     assert (status["resumed_from"], status["attempt"], status["resume_step"]) == (original, 2, 4)
     assert any("resumed as job" in (e.reason or "") for e in repo.job_events(db, original))
+    # the dataset lint's warnings of the original ride along: the resume trains the same dataset
+    assert status["warnings"] == api.get(f"/train/{original}").get_json()["warnings"] != []
 
 
 def test_the_verdict_is_readable_before(api, host, db):
@@ -64,7 +66,8 @@ def test_a_second_resume_without_a_key_is_refused_naming_the_first(api, host, db
     original = submit(api, host)
     interrupted(db, host.settings, original)
     first = api.post(f"/train/{original}/resume").get_json()["worker_job_id"]
-    repo.fail_job(db, first, actor="test", failure_class=FailureClass.LAUNCH_ERROR, sentence="x")
+    # the first resume ran and failed (one that never ran counts as no resume: tests/dispatch/test_resume_retry.py)
+    repo.fail_job(db, first, actor="test", failure_class=FailureClass.STALLED, sentence="x")
     answer = api.post(f"/train/{original}/resume")
     body = answer.get_json()
     assert answer.status_code == 422 and body["error"] == "not_resumable"

@@ -1,19 +1,26 @@
-"""Datasets as sd-scripts reads them: what it accepts is accepted, what it would silently skip or misread is a
-422 that says so. Each rule is held to sd-scripts' source at the pinned commit (kohya-ss/sd-scripts main
-48d368fa, the same tree as the sd3 branch 3265f2ed that fluxgym clones; docs/reference/sd-scripts.md).
-`TU` is library/train_util.py there."""
+"""Datasets as sd-scripts reads them: what it accepts is accepted, what it would misread is a 422 that says so,
+and what it would silently skip is a warning (`file_skipped`) in the 202 that names it. Each rule is held to
+sd-scripts' source at the pinned commit (kohya-ss/sd-scripts main 48d368fa, the same tree as the sd3 branch 3265f2ed
+that fluxgym clones; docs/reference/sd-scripts.md). `TU` is library/train_util.py there."""
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from lora_worker.dispatch.dataset import inspect_dataset
 from tests.helpers import png_bytes
 
 FOLDER = "10_ohwx woman"
-JPEG = b"\xff\xd8\xff\xe0\x00\x10JFIF\x00" + b"\x00" * 32
+
+
+def jpeg_bytes() -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 80, 40)).save(out, "JPEG")
+    return out.getvalue()
 
 
 def folder(host) -> Path:
@@ -43,32 +50,42 @@ def test_a_png_named_upper_case_jpg_is_trained_on(api, host):
 
 def test_a_jpeg_named_png_is_trained_on(api, host):
     """TU L2948-2951: PIL's Image.open reads the content whatever the name says."""
-    (folder(host) / "img0.png").write_bytes(JPEG)
+    (folder(host) / "img0.png").write_bytes(jpeg_bytes())
     assert api.post("/train", json=host.payload()).status_code == 202
 
 
 @pytest.mark.parametrize("name", ["img9.Jpg", "img9.pNG", "img9.Webp"])
-def test_an_image_in_mixed_case_would_be_skipped_so_it_is_refused(api, host, name):
+def test_an_image_in_mixed_case_would_be_skipped_so_it_is_a_warning(api, host, name):
     """TU L104 lists each extension in lower and in upper case only; TU L2851 `glob.glob(... base + ext)`, base
     "*", is case-sensitive on Linux, so `img9.Jpg` is never globbed: sd-scripts trains without it, silently."""
     (folder(host) / name).write_bytes(png_bytes())
-    refused(api.post("/train", json=host.payload()), name, "would skip", "rename it to")
+    warned(api.post("/train", json=host.payload()), name, "would skip", "rename it to")
+
+
+def warned(response, name: str, *says: str) -> None:
+    """Accepted, with a `file_skipped` warning naming the file and saying why."""
+    body = response.get_json()
+    assert response.status_code == 202, body
+    found = [w for w in body["warnings"] if w["code"] == "file_skipped" and w["file"] == f"{FOLDER}/{name}"]
+    assert len(found) == 1, body["warnings"]
+    for text in says:
+        assert text in found[0]["message"], found[0]
 
 
 @pytest.mark.parametrize("name, says", [("img9.gif", "does not read .gif"), ("img9.tiff", "does not read .tiff"),
                                         ("img9.avif", "Pillow plugin"), ("img9.jxl", "Pillow plugin")])
-def test_image_formats_it_does_not_glob_are_refused_not_left_out(api, host, name, says):
+def test_image_formats_it_does_not_glob_are_warned_of_not_left_out_in_silence(api, host, name, says):
     """TU L104: no .gif or .tif(f) at all; TU L106-127: .avif and .jxl are globbed only when pillow_avif, jxlpy
     or pillow_jxl import in the trainer's venv, which the worker cannot see from here."""
     (folder(host) / name).write_bytes(b"whatever")
-    refused(api.post("/train", json=host.payload()), name, says)
+    warned(api.post("/train", json=host.payload()), name, says)
 
 
 def test_a_dot_file_is_left_alone_as_sd_scripts_leaves_it(api, host):
     """TU L2851: glob's `*` never matches a leading dot, so macOS's `._img0.png` is not trained on; it is litter,
-    not a refusal."""
+    not a refusal, and the warning says it is not trained on."""
     (folder(host) / "._img0.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
-    assert api.post("/train", json=host.payload()).status_code == 202
+    warned(api.post("/train", json=host.payload()), "._img0.png", "dot-file")
 
 
 def test_a_file_no_image_format_opens_is_refused(api, host):

@@ -1,11 +1,11 @@
 """Which of a run's states a resume can use, before issue 32 (sd-scripts saw the kohya folder's own repeats) and
 after (the worker's one-epoch presentation), for each tier × dataset × batch size: docs/resume.md's table, computed
-from dispatch/presentation.py (`as_folder`, the old rule; `one_epoch`, the new). `python -m
+from dispatch/presentation.py's one `presentation` (the folder's repeats, the old rule; one epoch, the new). `python -m
 tests.helpers.resumable_table` prints it; tests/dispatch/test_presentation.py holds the page to it."""
 from __future__ import annotations
 
 from lora_worker.config_tables import SAVE_EVERY_N_STEPS, TIERS
-from lora_worker.dispatch.presentation import Presentation, as_folder, one_epoch
+from lora_worker.dispatch.presentation import Presentation, presentation
 
 IMAGES = (5, 20, 50)
 REPEATS = (1, 5, 10, 20)
@@ -23,7 +23,7 @@ def table() -> str:
     lines = []
     for tier in TIERS.values():
         every = SAVE_EVERY_N_STEPS[tier.name]
-        states = ", ".join(str(s.step) for s in one_epoch(1, 1, tier.max_train_steps, every).states)
+        states = ", ".join(str(s.step) for s in presentation(1, 1, tier.max_train_steps, every).states)
         lines += [f"**{tier.name}** ({tier.max_train_steps} steps, states at {states}):", "",
                   "| images × repeats | batch 1: before | batch 1: after (repeats shown) | batch 2: before "
                   "| batch 2: after (repeats shown) |", "|---|---|---|---|---|"]
@@ -31,8 +31,8 @@ def table() -> str:
             for repeats in REPEATS:
                 cells = []
                 for batch in BATCHES:
-                    before = as_folder(images, repeats, batch, tier.max_train_steps, every)
-                    after = one_epoch(images, batch, tier.max_train_steps, every)
+                    before = presentation(images, batch, tier.max_train_steps, every, folder_repeats=repeats)
+                    after = presentation(images, batch, tier.max_train_steps, every)
                     cells += [usable(before), f"{usable(after)} ({after.repeats})"]
                 lines.append(f"| {images} × {repeats} | " + " | ".join(cells) + " |")
         lines.append("")

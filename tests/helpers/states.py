@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+import struct
 import zipfile
 from pathlib import Path
 
@@ -87,3 +88,23 @@ def record_states(settings, job_id: int, *steps: int) -> None:
                          [(job_id, step, str(output_dir / f"{output_name}-step{step:08d}-state"),
                            "2026-12-02T10:00:00.000Z") for step in steps])
     conn.close()
+
+
+ZIP_CENTRAL, ZIP_LOCAL = b"PK\x01\x02", b"PK\x03\x04"
+
+
+def set_zip_record_field(data: bytes, which: str, field: str, value: int, nth: int = 0) -> bytes:
+    """A zip's bytes with the general-purpose flags or the compression method of its `nth` central-directory or
+    local record set to `value` (offsets from APPNOTE 4.3.7 and 4.3.12): bit 0 of the flags is "encrypted"."""
+    magic, offset = ((ZIP_CENTRAL, {"flags": 8, "method": 10}) if which == "central"
+                     else (ZIP_LOCAL, {"flags": 6, "method": 8}))
+    starts = [i for i in range(len(data)) if data.startswith(magic, i)]
+    out = bytearray(data)
+    struct.pack_into("<H", out, starts[nth % len(starts)] + offset[field], value)
+    return bytes(out)
+
+
+def corrupt_archive(state: Path, name: str = "optimizer.bin", field: str = "flags", value: int = 0x1) -> None:
+    """One archive of a saved state with one record field changed, in place (a flipped bit, a power cut's)."""
+    path = state / name
+    path.write_bytes(set_zip_record_field(path.read_bytes(), "central", field, value))

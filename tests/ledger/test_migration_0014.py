@@ -6,7 +6,7 @@ from alembic import command
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import alembic_config, upgrade
-from tests.helpers.ledger import columns, sql, triggers
+from tests.helpers.ledger import add_later_columns, columns, sql, triggers
 
 NEW = {"resumed_from", "attempt", "resume_step", "base_model_identity"}
 
@@ -20,6 +20,7 @@ def test_up_down_up_keeps_rows_triggers_and_ids(tmp_path):
     upgrade(path, "0013")
     before = triggers(path)
     upgrade(path, "0014")
+    add_later_columns(path)
     assert names(path) >= NEW and triggers(path) == before
     assert "AUTOINCREMENT" in sql(path, "SELECT sql FROM sqlite_master WHERE name = 'jobs'")[0][0]
     db = Database.open(path)
@@ -36,6 +37,7 @@ def test_up_down_up_keeps_rows_triggers_and_ids(tmp_path):
     assert sql(path, "SELECT count(*) FROM jobs") == [(2,)]
     sql(path, "DELETE FROM jobs WHERE id = ?", again.id)
     upgrade(path, "0014")
+    add_later_columns(path)
     db = Database.open(path)
     try:
         assert repo.create_job(db, columns(slot="slurm-2", lora_file="/x.safetensors")).id == again.id + 1

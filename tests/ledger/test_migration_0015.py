@@ -8,7 +8,7 @@ from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.migrate import alembic_config, upgrade
 from lora_worker.ledger.resumes import cut_off_query
-from tests.helpers.ledger import columns, sql, triggers
+from tests.helpers.ledger import add_later_columns, columns, sql, triggers
 
 INDEX = "ix_jobs_status_failure_class"
 
@@ -27,16 +27,20 @@ def test_the_cut_off_jobs_are_read_through_the_index_not_every_failed_row(tmp_pa
     a call at 100,000 jobs, on every start-up and /metrics scrape."""
     path = tmp_path / "ledger.sqlite3"
     upgrade(path, "0014")
+    add_later_columns(path)
     assert f"INDEX {INDEX}" not in plan(path) and "USING INDEX ix_jobs_status_id (status=?)" in plan(path)
     upgrade(path, "0015")
+    add_later_columns(path)
     assert f"SEARCH jobs USING INDEX {INDEX} (status=? AND failure_class=?)" in plan(path)
 
 
 def test_up_down_up_keeps_rows_and_triggers(tmp_path):
     path = tmp_path / "ledger.sqlite3"
     upgrade(path, "0014")
+    add_later_columns(path)
     before = triggers(path)
     upgrade(path, "0015")
+    add_later_columns(path)
     assert INDEX in indexes(path) and triggers(path) == before
     db = Database.open(path)
     try:
@@ -47,4 +51,5 @@ def test_up_down_up_keeps_rows_and_triggers(tmp_path):
     assert INDEX not in indexes(path) and triggers(path) == before
     assert sql(path, "SELECT id, status FROM jobs") == [(job.id, job.status)]
     upgrade(path, "0015")
+    add_later_columns(path)
     assert INDEX in indexes(path) and sql(path, "SELECT id, status FROM jobs") == [(job.id, job.status)]

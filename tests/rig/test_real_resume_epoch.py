@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from lora_worker.config import Settings
-from lora_worker.dispatch.presentation import as_folder
+from lora_worker.dispatch.presentation import presentation
 from lora_worker.dispatch.resumable import presentation_of
 from lora_worker.host import sandbox
 from lora_worker.host.safetensors import read_header
@@ -75,7 +75,7 @@ def test_states_past_the_folders_first_epoch_resume_right_and_the_run_trains_exa
     assert answer.status_code == 202, answer.get_json()
     first = int(answer.get_json()["worker_job_id"])
     job = repo.get_job(db, first)
-    shown, before = presentation_of(job), as_folder(3, 2, 1, STEPS, EVERY)
+    shown, before = presentation_of(job), presentation(3, 1, STEPS, EVERY, folder_repeats=2)
     assert shown is not None and (shown.repeats, shown.steps_per_epoch, shown.epochs) == (4, 12, 1)
     assert [(s.step, s.resumable) for s in shown.states] == [(4, True), (8, True)]
     assert [(s.step, s.resumable) for s in before.states] == [(4, True), (8, False)]  # main's rule: 6 an epoch

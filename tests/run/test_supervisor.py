@@ -124,9 +124,11 @@ def test_no_zombies_the_web_reaps_its_launch_and_the_supervisor_reaps_the_job(cl
     supervisor = repo.get_job(db, job_id).supervisor_pid
     # A locked ledger keeps the supervisor alive after the trainer ends (it retries the final write), so
     # what it left behind can be seen: the launcher and the trainer must be reaped, not zombies.
-    holder = hold_exclusive(db.path, 4.0)
+    # Held longer than the wait below, which is long enough for the trainer's end on a loaded machine (3.5 s was
+    # not, in a make test beside other suites, 2026-12-06).
+    holder = hold_exclusive(db.path, 15.0)
     release.touch()
-    wait_for(lambda: not psutil.pid_exists(rec["pgid"]) and not psutil.pid_exists(rec["pid"]), timeout=3.5,
+    wait_for(lambda: not psutil.pid_exists(rec["pgid"]) and not psutil.pid_exists(rec["pid"]), timeout=12,
              what="the launcher and the trainer reaped (gone from the process table)")
     assert pid_alive(supervisor) and psutil.Process(supervisor).children(recursive=True) == []
     holder.join()

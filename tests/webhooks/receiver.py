@@ -53,6 +53,9 @@ class Answer:
     status: int = 200
     headers: dict[str, str] = field(default_factory=dict)
     hold: threading.Event | None = None  # answer only once this is set (a request caught in flight)
+    # Only a request about this job gets this answer: attempts for different jobs run at once, so which of them
+    # reaches the receiver first is the scheduler's choice (under load, job B's once took job A's hold).
+    job_id: int | None = None
 
 
 class Receiver:
@@ -99,9 +102,16 @@ class Receiver:
     def _next(self, delivery: Delivery) -> Answer:
         with self.arrived:
             self.deliveries.append(delivery)
-            answer = self.script.pop(0) if self.script else Answer()
+            answer = self._scripted(delivery)
             self.arrived.notify_all()
         return answer
+
+    def _scripted(self, delivery: Delivery) -> Answer:
+        job_id = delivery.event.get("data", {}).get("worker_job_id")
+        for i, answer in enumerate(self.script):
+            if answer.job_id in (None, job_id):
+                return self.script.pop(i)
+        return Answer()
 
     def wait_for(self, predicate: Callable[[list[Delivery]], bool], timeout: float = 20.0) -> list[Delivery]:
         deadline = time.monotonic() + timeout

@@ -78,8 +78,8 @@ def test_an_attempt_ends_at_its_deadline_however_slowly_the_receiver_drips(hooke
 
 @pytest.mark.parametrize("value", ["999999999999", "²", "9" * 5000, "Fri, 31 Dec 9999 23:59:59 GMT"])
 def test_a_retry_after_that_overflows_or_does_not_parse_holds_no_other_job(hooked, hooked_db, receiver, value):
-    receiver.script = [Answer(429, {"Retry-After": value})]  # the first request: job A's first event
     job_a, job_b = a_finished_job(hooked_db), a_finished_job(hooked_db)
+    receiver.script = [Answer(429, {"Retry-After": value}, job_id=job_a)]  # job A's first event
     before = utcnow()
     run_until(sender_for(hooked, hooked_db), lambda: states(hooked_db, job_b) == ["delivered"] * 3)
     with hooked_db.reading() as d:
@@ -93,12 +93,14 @@ def test_a_retry_after_that_overflows_or_does_not_parse_holds_no_other_job(hooke
 @pytest.mark.slow
 def test_a_receiver_stalling_one_jobs_event_holds_no_other_jobs_events(hooked, hooked_db, receiver, secret):
     hold = threading.Event()
-    receiver.script = [Answer(200, hold=hold)]  # job A's first event gets no answer until released
-    settings = replace(hooked, webhook_read_timeout_s=30.0)  # its attempt may last 31 s: far past the wait below
+    # Its attempt may last 121 s: far past the wait below, which covers a sender's start on a loaded machine (a
+    # cold page cache once made one take over 20 s).
+    settings = replace(hooked, webhook_read_timeout_s=120.0)
     job_a, job_b = a_finished_job(hooked_db), a_finished_job(hooked_db)
+    receiver.script = [Answer(200, hold=hold, job_id=job_a)]  # job A's first event: no answer until released
     try:
         ensure_sender(settings)
-        wait_for(lambda: states(hooked_db, job_b) == ["delivered"] * 3, timeout=20,
+        wait_for(lambda: states(hooked_db, job_b) == ["delivered"] * 3, timeout=60,
                  what="job B's events delivered while job A's first is held")
         with hooked_db.reading() as d:
             (held,) = outbox.deliveries(d, job_a)[0]["attempts"]

@@ -14,6 +14,7 @@ from lora_worker.config import (BACKENDS, DEFAULT_LORA_TARGETS, LORA_TARGET_PRES
 from lora_worker.dispatch import paths
 from lora_worker.dispatch.request import TrainRequest
 from lora_worker.states import CANCEL_RULE, JobState, Phase, retryable
+from lora_worker.web.schemas.plan import warnings_field
 from lora_worker.web.schemas.common import (EndedInPhase, FiniteFloat, FullMatch, InEffect, JsonNumber, SameObject,
                                             WhileActive, WhileActiveString, path_field)
 
@@ -202,6 +203,7 @@ class JobSchema(Schema):
     resumed_from = fields.Integer(allow_none=True, metadata={"description": "the job this one resumes; null: none"})
     attempt = fields.Integer(metadata={"description": "which try of the request this is: 1, or a resume's count"})
     resume_step = fields.Integer(metadata={"description": "the step a resume started from (0: not a resume)"})
+    warnings = warnings_field()
 
     def _retryable(self, job: Any) -> bool | None:
         return retryable(job.status, job.failure_class)
@@ -217,6 +219,7 @@ class AcceptedSchema(Schema):
     worker_job_id = fields.Integer(attribute="id")
     status = fields.String()
     estimated_duration_s = fields.Float(allow_none=True)
+    warnings = warnings_field()
 
 
 IDEMPOTENCY_KEY = re.compile(r"[\x21-\x7e]{1,128}")  # matched whole (fullmatch)

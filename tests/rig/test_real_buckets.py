@@ -3,9 +3,10 @@ what the lint refuses is what the trainer dies of.
 
 For each image set, `POST /train?dry_run=1` (the worker's own settings, pointed at the rig) answers a plan; the plan's
 argv is run by the rig's accelerate (the dataset config it names written as a launch writes it), and read until
-sd-scripts prints `mean ar error` at "make buckets", before it loads the model: then its process group is killed. Seconds and little memory a set; still, the real
-trainer runs only under `flock /tmp/lw-rig.lock` (other engineers' rig runs take ~21 GB). The truncated image is
-the one test here that loads the model (caching latents comes after it): ~2 min and ~21 GB.
+sd-scripts prints `mean ar error` at "make buckets", before it loads the model: then its process group is killed.
+Seconds and little memory a set; still, the real trainer runs only under `flock /tmp/lw-rig.lock` (other engineers'
+rig runs take ~21 GB). The truncated image is the one test here that loads the model (caching latents comes after
+it): ~2 min and ~21 GB.
 
 Opt-in: LW_RIG_DIR names a rig built by ../shared/rig/build.sh; without it every test here skips.
 """

@@ -18,6 +18,8 @@ The seam:
     tier's Slurm resources); a resume's fingerprint rebuilds the argv with the row's backend's, never another's;
   - `visible_devices`: the CUDA_VISIBLE_DEVICES a job's recorded environment names, or None where the
     scheduler sets it on the node;
+  - `files_dir`: where the worker puts a file of a job that the trainer's host reads (its dataset config):
+    the state dir here, the Slurm log dir (storage the nodes share) under Slurm;
   - `readiness`: the deep health checks of where the backend places jobs, beyond this host's own (local: none;
     Slurm: the controller, the partition's nodes for each tier, the opt-in probe job);
   - `slots`: the one-active-job index's slots a new row may take, tried in order;
@@ -29,6 +31,7 @@ for new jobs.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from lora_worker import slurm
@@ -69,6 +72,9 @@ class Backend(Protocol):
 
     def visible_devices(self, device_index: int) -> str | None:
         """CUDA_VISIBLE_DEVICES for a job's recorded environment, or None: the scheduler sets it on the node."""
+
+    def files_dir(self, settings: Settings) -> Path:
+        """A directory of the worker's that the host running the trainer reads too."""
 
     def readiness(self, settings: Settings, *, trainer: bool) -> list[Check]:
         """The deep checks of where the backend places jobs, beyond this host's own; `trainer`: also those that

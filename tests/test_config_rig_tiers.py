@@ -9,6 +9,7 @@ import pytest
 from lora_worker.config import TIERS, ConfigError, Settings, load_settings, settings_from_json, settings_to_json
 from lora_worker.config_tables import SAVE_EVERY_N_STEPS
 from lora_worker.dispatch.argv import build_argv
+from lora_worker.dispatch.presentation import config_for
 from lora_worker.run.local import LocalBackend
 from lora_worker.dispatch.request import TrainRequest, resolve_request
 
@@ -41,7 +42,7 @@ def test_the_argv_and_the_expected_lora_follow_it() -> None:
     req = resolve_request(raw, train_id="t1", dataset_dir=Path("/t/t1/dataset"),
                           base_model_path=Path("/m/sdxl.safetensors"), output_dir=Path("/t/t1/output"),
                           tiers=settings.tiers)
-    argv = build_argv(req, settings, LocalBackend())
+    argv = build_argv(req, settings, LocalBackend(), config_for(req, settings, LocalBackend(), 3))
     for flag in ("--max_train_steps=7", "--network_dim=4", "--resolution=256", "--save_every_n_steps=2",
                  "--save_last_n_steps=1", "--save_last_n_steps_state=1"):
         assert flag in argv, flag

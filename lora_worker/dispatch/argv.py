@@ -17,6 +17,7 @@ from lora_worker.host.trainer import ENV_KEYS, trainer_env
 
 if TYPE_CHECKING:
     from lora_worker.backends import Backend
+    from lora_worker.dispatch.presentation import DatasetConfig
 
 __all__ = ["ENV_KEYS", "SAMPLE_FLAGS", "SAMPLE_KEYS", "SAMPLE_PROMPTS", "SCRIPT_FLAGS", "SCRIPT_KEYS", "build_argv",
            "build_env", "keep_last", "launcher_argv", "sample_args", "script_args", "trainer_env"]
@@ -41,7 +42,8 @@ SCRIPT_FLAGS: tuple[str, ...] = (
 SCRIPT_KEYS: tuple[str, ...] = (
     "pretrained_model_name_or_path",
     "tokenizer_cache_dir",
-    "train_data_dir",
+    "dataset_config",  # the dataset as the worker presents it (dispatch/presentation.py): one epoch covers the run
+    "train_data_dir",  # rows accepted before that: the kohya folder's own repeats (only their resumes rebuild it)
     "output_dir",
     "output_name",
     "save_model_as",
@@ -92,8 +94,11 @@ def launcher_argv(settings: Settings, mixed_precision: str = "bf16") -> list[str
     ]
 
 
-def script_args(req: ResolvedRequest, settings: Settings, backend: Backend) -> list[tuple[str, str]]:
-    """The `--key=value` pairs, in SCRIPT_KEYS order. Paths become text here, and only here."""
+def script_args(req: ResolvedRequest, settings: Settings, backend: Backend,
+                config: DatasetConfig | None) -> list[tuple[str, str]]:
+    """The `--key=value` pairs, in SCRIPT_KEYS order. Paths become text here, and only here. The dataset is the
+    `config` sd-scripts reads it through (`--dataset_config`); None only rebuilds a row accepted before there was
+    one (`--train_data_dir`: sd-scripts reads the folder's own repeats)."""
     # Rank and steps come from the expected LoRA, so what the trainer is told is what its file is held to.
     lora = req.expected
     batch_size, mixed_precision = backend.profile(settings, req.tier.name, req.device_index)
@@ -102,7 +107,8 @@ def script_args(req: ResolvedRequest, settings: Settings, backend: Backend) -> l
     values: dict[str, str | None] = {
         "pretrained_model_name_or_path": str(req.base_model_path),
         "tokenizer_cache_dir": str(settings.tokenizer_cache_dir),
-        "train_data_dir": str(req.dataset_dir),
+        "dataset_config": str(config.path) if config is not None else None,
+        "train_data_dir": str(req.dataset_dir) if config is None else None,
         "output_dir": str(req.output_dir),
         "output_name": req.output_name,
         "save_model_as": "safetensors",
@@ -145,10 +151,11 @@ def keep_last(kept: int, every: int) -> int:
     return (kept - 1) * every + 1
 
 
-def build_argv(req: ResolvedRequest, settings: Settings, backend: Backend) -> list[str]:
+def build_argv(req: ResolvedRequest, settings: Settings, backend: Backend, config: DatasetConfig | None) -> list[str]:
     """The complete argv, stored in the job row and executed verbatim by the supervisor (or the node). The batch
-    size and precision are the row's backend's `profile`: the card's on this host, the tier's under Slurm."""
-    pairs = [f"--{key}={value}" for key, value in script_args(req, settings, backend)]
+    size and precision are the row's backend's `profile`: the card's on this host, the tier's under Slurm; the
+    dataset is `config` (dispatch/presentation.py `config_for`, its path names its content)."""
+    pairs = [f"--{key}={value}" for key, value in script_args(req, settings, backend, config)]
     _, mixed_precision = backend.profile(settings, req.tier.name, req.device_index)
     return [*launcher_argv(settings, mixed_precision), *pairs, *SCRIPT_FLAGS, *sample_args(req, settings)]
 

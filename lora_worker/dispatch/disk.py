@@ -17,9 +17,13 @@ def checkpoint_mib(network_dim: int) -> int:
     return (STATES_KEPT + 1) * STATE_MIB[known] + (STEP_LORAS_KEPT + 1) * STEP_LORA_MIB[known]
 
 
-def required_mib(disk_mib: int, network_dim: int) -> int:
-    """The tier's `disk_mib` (the final LoRA and headroom) and its checkpoints."""
-    return disk_mib + checkpoint_mib(network_dim)
+def required_mib(disk_mib: int, network_dim: int, *, resuming: bool = False) -> int:
+    """The tier's `disk_mib` (the final LoRA and headroom) and its checkpoints at their peak. A resume's run finds
+    the state it resumes from and its step LoRA on disk already (kept by the run it continues, removed by its own
+    first save): they are counted once, as what is kept, not again as what it will write."""
+    known = network_dim if network_dim in STATE_MIB else max(STATE_MIB)
+    there = STATE_MIB[known] + STEP_LORA_MIB[known] if resuming else 0
+    return disk_mib + checkpoint_mib(network_dim) - there
 
 
 def require_free_space(path: Path, need_mib: int) -> None:

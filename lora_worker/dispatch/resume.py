@@ -18,7 +18,7 @@ from typing import Any
 from lora_worker.backends import backend_of
 from lora_worker.dispatch.dataset import inspect_dataset
 from lora_worker.dispatch.dispatcher import Dispatcher
-from lora_worker.dispatch.refingerprint import without_resume_flags
+from lora_worker.dispatch.refingerprint import config_of, resolved, without_resume_flags
 from lora_worker.dispatch.resumable import Verdict, verdict
 from lora_worker.errors import JobActive, NotResumable
 from lora_worker.host import fs, kohya
@@ -61,7 +61,8 @@ def _create(dispatcher: Dispatcher, job_id: int, idempotency_key: str | None, di
     found = verdict(dispatcher.db, dispatcher.settings, original)
     refuse(dispatcher, original, found)
     assert found.state is not None and found.from_step is not None
-    dispatcher.admit(original.tier, original.device_index, Path(original.output_dir), original.lora_rank)
+    dispatcher.admit(original.tier, original.device_index, Path(original.output_dir), original.lora_rank,
+                     resuming=True)
     manifest = inspect_dataset(Path(original.dataset_dir),
                                kohya.folder_name(original.repeats, original.trigger, original.subject_class))
     columns: dict[str, Any] = {
@@ -72,7 +73,10 @@ def _create(dispatcher: Dispatcher, job_id: int, idempotency_key: str | None, di
         "estimated_duration_s": _estimate(original, found.from_step),
     }
     output_id = str(fs.identity_of_dir(original.output_dir))
-    job = dispatcher.launch(columns, Path(original.output_dir), output_id=output_id)
+    # The same dataset config its argv names (the verdict rebuilt the argv: the same path, so the same bytes),
+    # written again: the run may be long gone and retention with it.
+    config = config_of(original, resolved(original, dispatcher.settings), dispatcher.settings, dispatcher.backend)
+    job = dispatcher.launch(columns, Path(original.output_dir), output_id=output_id, config=config)
     resumes.note(dispatcher.db, original.id, actor=actor,
               reason=f"resumed as job {job.id} from step {found.from_step} ({found.state})")
     return job

@@ -12,6 +12,7 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Protocol
 
@@ -132,6 +133,9 @@ class LocalBackend:
 
     def visible_devices(self, device_index: int) -> str | None:
         return str(device_index)  # the card the request named, admitted by NVML and its lock
+
+    def files_dir(self, settings: Settings) -> Path:
+        return settings.state_dir  # the supervisor on this host reads it, and binds what the trainer needs
 
     def readiness(self, settings: Settings, *, trainer: bool) -> list[Check]:
         return []  # this host's own checks (dispatch/readiness.py) are all there is

@@ -12,13 +12,15 @@
 - `abandon`: a plain scancel of the job before reconcile fails its row (None if scancel did not answer).
 - a queued row's cancel only flags it: it may start on a node any moment; the poller scancels it.
 - `profile`: the tier's `slurm_resources` (batch size and precision fit every GPU its gres allows);
-  `visible_devices`: None (the node's Slurm sets CUDA_VISIBLE_DEVICES to the GPU it allocated);
+  `visible_devices`: None (the node's Slurm sets CUDA_VISIBLE_DEVICES to the GPU it allocated); `files_dir`: the
+  Slurm log dir, which the node reads (a job's dataset config);
   `readiness`: the cluster's deep checks (health.py).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from lora_worker.checks import Check
 from lora_worker.config import Settings, TrainerProfile
@@ -114,6 +116,9 @@ class SlurmBackend:
 
     def visible_devices(self, device_index: int) -> str | None:
         return None
+
+    def files_dir(self, settings: Settings) -> Path:
+        return settings.slurm_logs  # storage the node reads too, as it reads the job's spec there
 
     def readiness(self, settings: Settings, *, trainer: bool) -> list[Check]:
         return cluster_checks(settings, self._scheduler(settings), trainer=trainer)

@@ -118,3 +118,54 @@ def test_the_openapi_document_has_both_routes(api):
     assert set(paths["/train/{job_id}/resume"]) == {"get", "post"}
     post = paths["/train/{job_id}/resume"]["post"]
     assert "202" in post["responses"] and "not_resumable" in str(post["responses"])
+
+
+def test_a_resumes_disk_preflight_counts_the_state_it_finds_once(api, host, db, launches, monkeypatch):
+    """The run it continues kept a state and a step LoRA there, which its own first save replaces: a resume needs
+    one state and one step LoRA less free space than the job (docs/resume.md, "What states cost")."""
+    from lora_worker.config_tables import STATE_MIB, STEP_LORA_MIB
+    from lora_worker.dispatch import dispatcher
+
+    needs: list[int] = []
+    real = dispatcher.require_free_space
+    monkeypatch.setattr(dispatcher, "require_free_space", lambda path, need: (needs.append(need), real(path, need)))
+    original = submit(api, host)
+    interrupted(db, host.settings, original)
+    assert api.post(f"/train/{original}/resume").status_code == 202
+    assert needs[0] - needs[1] == STATE_MIB[16] + STEP_LORA_MIB[16] and needs[1] > 0
+
+
+def test_a_row_accepted_before_the_dataset_config_resumes_with_the_folders_repeats(api, host, db, launches):
+    """Its argv named `--train_data_dir`: its resume rebuilds that argv (the fingerprint holds), keeps it, and
+    writes no config."""
+    import json
+    import sqlite3
+
+    original = submit(api, host)
+    conn = sqlite3.connect(host.settings.database_path)
+    with conn:
+        (argv,) = conn.execute("SELECT argv FROM jobs WHERE id = ?", (original,)).fetchone()
+        legacy = [f"--train_data_dir={host.dataset}" if a.startswith("--dataset_config=") else a
+                  for a in json.loads(argv)]
+        conn.execute("UPDATE jobs SET argv = ? WHERE id = ?", (json.dumps(legacy), original))
+    conn.close()
+    for config in (host.settings.state_dir / "datasets").iterdir():
+        config.unlink()
+    interrupted(db, host.settings, original)
+    answer = api.post(f"/train/{original}/resume")
+    assert answer.status_code == 202, answer.get_json()
+    resumed = repo.get_job(db, answer.get_json()["worker_job_id"])
+    assert resumed.argv[:len(legacy)] == legacy and not any(a.startswith("--dataset_config=") for a in resumed.argv)
+    assert list((host.settings.state_dir / "datasets").iterdir()) == []
+
+
+def test_a_resume_writes_its_config_again_when_retention_removed_it(api, host, db, launches):
+    original = submit(api, host)
+    (config,) = list((host.settings.state_dir / "datasets").iterdir())
+    content = config.read_bytes()
+    config.unlink()
+    interrupted(db, host.settings, original)
+    answer = api.post(f"/train/{original}/resume")
+    assert answer.status_code == 202, answer.get_json()
+    assert config.read_bytes() == content
+    assert f"--dataset_config={config}" in repo.get_job(db, answer.get_json()["worker_job_id"]).argv

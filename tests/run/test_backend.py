@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from lora_worker import create_app
 from lora_worker.checks import Check
@@ -50,6 +51,9 @@ class ClusterStandIn:
 
     def visible_devices(self, device_index: int) -> str | None:
         return str(device_index)
+
+    def files_dir(self, settings: Settings) -> Path:
+        return settings.state_dir
 
     def readiness(self, settings: Settings, *, trainer: bool) -> list[Check]:
         return []

@@ -84,18 +84,23 @@ def fast_request(settings: Settings):  # type: ignore[no-untyped-def]
                            tiers=settings.tiers)
 
 
+def presented(settings: Settings):  # type: ignore[no-untyped-def]
+    return config_for(fast_request(settings), settings, LocalBackend(), 3)
+
+
 def test_a_sample_pass_only_for_a_tier_whose_rig_sizes_name_one() -> None:
     """The GPU check's sample pass (bench/gpu_check): the prompts file in the job's output dir, at the start and
     every N steps; no other tier, and no worker without rig sizes, gets a sample flag."""
     sampled = rig_settings(rig_tier_sizes={"fast": {**RIG["fast"], "sample_every_n_steps": 3}})
-    argv = build_argv(fast_request(sampled), sampled, LocalBackend())
+    argv = build_argv(fast_request(sampled), sampled, LocalBackend(), presented(sampled))
     assert argv[-3:] == ["--sample_prompts=/t/t1/output/sample-prompts.txt", "--sample_every_n_steps=3",
                          "--sample_at_first"]
     for settings in (rig_settings(), rig_settings(rig_tier_sizes=RIG)):
-        assert not [t for t in build_argv(fast_request(settings), settings, LocalBackend()) if t.startswith("--sample")]
+        assert not [t for t in build_argv(fast_request(settings), settings, LocalBackend(), presented(settings))
+                    if t.startswith("--sample")]
     assert sampled.sample_every_n_steps("balanced") is None and rig_settings().sample_every_n_steps("fast") is None
     again = settings_from_json(settings_to_json(sampled))
-    assert build_argv(fast_request(again), again, LocalBackend()) == argv  # the supervisor runs the same command
+    assert build_argv(fast_request(again), again, LocalBackend(), presented(again)) == argv  # the supervisor's command
 
 
 def test_a_config_file_may_not_ask_for_a_sample_pass(tmp_path: Path) -> None:

@@ -275,6 +275,7 @@ def test_the_device_script_parses_and_refuses_an_unknown_step(tmp_path):
     assert done.returncode == 2 and "usage:" in done.stderr
 
 
+@pytest.mark.slow
 def test_a_hang_before_the_runs_ends_within_the_budget_and_the_table_is_still_written(tmp_path):
     """The device call's limit kills a check that overruns its budget, and a killed check writes no table: a step
     before the runs (here the trainer's interpreter, hanging) must be cut at the budget, not at its own timeout."""

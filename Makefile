@@ -9,7 +9,7 @@ BIND ?=
 PORT ?=
 LOCK := deploy/requirements.lock
 
-.PHONY: run test test-fast fuzz lint demo demo-slurm chaos bench install lock clean
+.PHONY: run test test-fast fuzz lint demo demo-slurm chaos bench gpu-bundle gpu-check install lock clean
 
 # The trainer's sandbox is bubblewrap (`sandbox` setting, docs/sandbox.md). Without it, say so first.
 NO_BWRAP_NOTICE = command -v bwrap >/dev/null || [ -n "$$LORA_WORKER_SANDBOX" ] || printf '%s %s\n%s\n' \
@@ -119,6 +119,17 @@ chaos: $(VENV)/.installed
 bench: $(VENV)/.installed
 	mkdir -p var
 	$(BIN)/python -m bench --json var/bench.json
+
+# The GPU check (issue #35, bench/gpu_check, docs/benchmarks.md "The first real GPU"). `make gpu-bundle` fetches here,
+# from PyPI and Debian, what a borrowed GPU machine (no network) lacks for the real trainer, into .gpu-bundle/ in two
+# parts that each fit one device call; SD_SCRIPTS_DIR is a checkout of sd-scripts at the pinned commit (the CPU rig's).
+# `make gpu-check` is what runs on the GPU machine, after part a was installed there (device.sh install-a).
+SD_SCRIPTS_DIR ?= ../rig/sd-scripts
+gpu-bundle: $(VENV)/.runtime
+	$(BIN)/python -m bench.gpu_check.bundle --sd-scripts $(SD_SCRIPTS_DIR)
+
+gpu-check:
+	bash bench/gpu_check/device.sh run
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .hypothesis

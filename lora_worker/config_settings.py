@@ -126,8 +126,9 @@ class Settings:
     webhook_connect_timeout_s: float = 3.0
     webhook_read_timeout_s: float = 10.0
     # Test-only, for the real trainer's CPU rig (tests/rig/): a tier's size replaced, e.g. {"fast":
-    # {"max_train_steps": 7, "network_dim": 4, "resolution": 256, "save_every_n_steps": 2}}. Refused in a config
-    # file and never read from the environment: only code that builds Settings itself (a test) sets it, so a
+    # {"max_train_steps": 7, "network_dim": 4, "resolution": 256, "save_every_n_steps": 2}}; `sample_steps`: fewer
+    # sampler steps for a job's sample passes (the rig, bench/gpu_check). Refused in a config file and never
+    # read from the environment: only code that builds Settings itself (a test, the GPU check) sets it, so a
     # deployed worker trains config_tables' sizes and nothing else.
     rig_tier_sizes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
 

@@ -43,10 +43,10 @@ RESUME_REASONS: dict[str, str] = {
     "state_model_invalid": "The state's model.safetensors fails the LoRA header check (truncated, or another rank).",
     "state_archive_corrupt": "A torch archive of the state (optimizer, scheduler, RNG) is not an intact zip: a "
                              "member's CRC-32 fails or the file is cut short.",
-    "state_unverifiable": "The state's archives are larger than the check reads, or took longer: not verified, "
-                          "so not used.",
-    "state_past_first_epoch": "The state lies past the first epoch: sd-scripts (48d368fa) counts a resume's steps "
-                              "from the start of the epoch there, so the run would train more steps than asked.",
+    "state_unverifiable": "The state's archives are larger than a check reads, took longer (one bound per request), "
+                          "or list more members than a torch archive: not verified, so not used.",
+    "state_past_first_epoch": "The state lies past the first epoch (an older job's): sd-scripts counts a resume's "
+                              "steps from that epoch's start, so the run would train more steps than asked.",
     "state_at_last_step": "The state is at the job's last step: nothing is left to train from it.",
     "fingerprint_argv": ("The trainer command the worker builds now, for the job's own backend, differs from the "
                          "job's (settings changed)."),

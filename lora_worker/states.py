@@ -117,6 +117,34 @@ RETRYABLE: dict[FailureClass, bool] = {
     FailureClass.SLURM_LOST: True,
 }
 
+# How each failure class bears on a resume (dispatch/resumable.py): True, the run was cut off from outside and its
+# state is as good as it was (a reboot, a lost or signalled supervisor, a kill, a stall, a lost node or Slurm job, a
+# time limit, a launch that never ran); False, the trainer or the request would meet the same end again from the
+# state, so its follower removes the states with the end (transcript/ending.py `drop_states`).
+RESUMABLE: dict[FailureClass, bool] = {
+    FailureClass.HOST_REBOOTED: True,
+    FailureClass.SUPERVISOR_LOST: True,
+    FailureClass.SUPERVISOR_SIGNALLED: True,
+    FailureClass.KILLED_BY_SIGNAL: True,
+    FailureClass.STALLED: True,
+    FailureClass.NODE_FAIL: True,
+    FailureClass.SLURM_LOST: True,
+    FailureClass.TIME_LIMIT: True,  # a resume trains only the steps left: it does not end the same way
+    FailureClass.LAUNCH_ERROR: True,  # nothing ran (a resume that never ran is refused: its original is resumed)
+    FailureClass.CUDA_OOM: False,
+    FailureClass.OUT_OF_MEMORY: False,
+    FailureClass.DATASET_INVALID: False,
+    FailureClass.MODEL_LOAD_ERROR: False,
+    FailureClass.TOKENIZER_MISSING: False,
+    FailureClass.TOKENIZER_INVALID: False,
+    FailureClass.INVALID_ARGUMENTS: False,
+    FailureClass.TRAINER_CRASHED: False,  # the trainer's own exception: the same code on the same state
+    FailureClass.NAN_LOSS: False,  # the state's weights led to it
+    FailureClass.NO_OUTPUT: False,
+    FailureClass.ARTIFACT_INVALID: False,
+    FailureClass.ARTIFACT_MISMATCH: False,
+}
+
 
 def retryable(status: str | None, failure_class: str | None) -> bool | None:
     """A job's `retryable`: None unless it failed; for a failure, RETRYABLE's word (False for a class this

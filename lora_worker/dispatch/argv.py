@@ -1,7 +1,8 @@
 """The one command the worker runs, built by pure functions from a ResolvedRequest and the audited constants.
 
 Shape: `<venv>/accelerate launch <pinned launcher flags> <abs sdxl_train_network.py> <script args>`, where
-every script arg is either a constant `--flag` or one `--key=value` token with a key from SCRIPT_KEYS.
+every script arg is either a constant `--flag` or one `--key=value` token with a key from SCRIPT_KEYS, and, for a
+job with samples, the switch SAMPLE_FLAGS (dispatch/samples.py: the one place the sample flags come from).
 A value can never become a flag of its own (`--config_file=…` would replace the whole configuration), and
 no key ever comes from the request. `shlex.join` is for display only; nothing here goes through a shell.
 """
@@ -17,6 +18,7 @@ from lora_worker.host.trainer import ENV_KEYS, trainer_env
 
 if TYPE_CHECKING:
     from lora_worker.backends import Backend
+    from lora_worker.dispatch.presentation import DatasetConfig
 
 __all__ = ["ENV_KEYS", "SAMPLE_FLAGS", "SCRIPT_FLAGS", "SCRIPT_KEYS", "build_argv", "build_env", "keep_last",
            "launcher_argv", "script_args", "trainer_env"]
@@ -41,7 +43,8 @@ SCRIPT_FLAGS: tuple[str, ...] = (
 SCRIPT_KEYS: tuple[str, ...] = (
     "pretrained_model_name_or_path",
     "tokenizer_cache_dir",
-    "train_data_dir",
+    "dataset_config",  # the dataset as the worker presents it (dispatch/presentation.py): one epoch covers the run
+    "train_data_dir",  # rows accepted before that: the kohya folder's own repeats (only their resumes rebuild it)
     "output_dir",
     "output_name",
     "save_model_as",
@@ -71,6 +74,7 @@ SCRIPT_KEYS: tuple[str, ...] = (
     "sample_sampler",
 )
 
+
 def launcher_argv(settings: Settings, mixed_precision: str = "bf16") -> list[str]:
     # Every launcher setting pinned on the command line: a stray accelerate config could otherwise turn on
     # multi-GPU, DeepSpeed or gpu_ids (which overrides CUDA_VISIBLE_DEVICES).
@@ -85,8 +89,11 @@ def launcher_argv(settings: Settings, mixed_precision: str = "bf16") -> list[str
     ]
 
 
-def script_args(req: ResolvedRequest, settings: Settings, backend: Backend) -> list[tuple[str, str]]:
-    """The `--key=value` pairs, in SCRIPT_KEYS order. Paths become text here, and only here."""
+def script_args(req: ResolvedRequest, settings: Settings, backend: Backend,
+                config: DatasetConfig | None) -> list[tuple[str, str]]:
+    """The `--key=value` pairs, in SCRIPT_KEYS order. Paths become text here, and only here. The dataset is the
+    `config` sd-scripts reads it through (`--dataset_config`); None only rebuilds a row accepted before there was
+    one (`--train_data_dir`: sd-scripts reads the folder's own repeats)."""
     # Rank and steps come from the expected LoRA, so what the trainer is told is what its file is held to.
     lora = req.expected
     batch_size, mixed_precision = backend.profile(settings, req.tier.name, req.device_index)
@@ -96,7 +103,8 @@ def script_args(req: ResolvedRequest, settings: Settings, backend: Backend) -> l
     values: dict[str, str | None] = {
         "pretrained_model_name_or_path": str(req.base_model_path),
         "tokenizer_cache_dir": str(settings.tokenizer_cache_dir),
-        "train_data_dir": str(req.dataset_dir),
+        "dataset_config": str(config.path) if config is not None else None,
+        "train_data_dir": str(req.dataset_dir) if config is None else None,
         "output_dir": str(req.output_dir),
         "output_name": req.output_name,
         "save_model_as": "safetensors",
@@ -140,10 +148,11 @@ def keep_last(kept: int, every: int) -> int:
     return (kept - 1) * every + 1
 
 
-def build_argv(req: ResolvedRequest, settings: Settings, backend: Backend) -> list[str]:
+def build_argv(req: ResolvedRequest, settings: Settings, backend: Backend, config: DatasetConfig | None) -> list[str]:
     """The complete argv, stored in the job row and executed verbatim by the supervisor (or the node). The batch
-    size and precision are the row's backend's `profile`: the card's on this host, the tier's under Slurm."""
-    pairs = [f"--{key}={value}" for key, value in script_args(req, settings, backend)]
+    size and precision are the row's backend's `profile`: the card's on this host, the tier's under Slurm; the
+    dataset is `config` (dispatch/presentation.py `config_for`, its path names its content)."""
+    pairs = [f"--{key}={value}" for key, value in script_args(req, settings, backend, config)]
     _, mixed_precision = backend.profile(settings, req.tier.name, req.device_index)
     switches = sample_switches(prompts_file(req.samples, req.tier, settings, backend))
     return [*launcher_argv(settings, mixed_precision), *pairs, *SCRIPT_FLAGS, *switches]

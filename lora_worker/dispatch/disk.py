@@ -23,9 +23,14 @@ def checkpoint_mib(network_dim: int, step_loras: int = STEP_LORAS_KEPT, images: 
             + images * SAMPLE_IMAGE_MIB)
 
 
-def required_mib(disk_mib: int, network_dim: int, step_loras: int = STEP_LORAS_KEPT, images: int = 0) -> int:
-    """The tier's `disk_mib` (the final LoRA and headroom), its checkpoints and its sample images."""
-    return disk_mib + checkpoint_mib(network_dim, step_loras, images)
+def required_mib(disk_mib: int, network_dim: int, step_loras: int = STEP_LORAS_KEPT, images: int = 0, *,
+                 resuming: bool = False) -> int:
+    """The tier's `disk_mib` (the final LoRA and headroom), its checkpoints at their peak and its sample images. A
+    resume's run finds the state it resumes from and its step LoRA on disk already (kept by the run it continues,
+    removed by its own first save): they are counted once, as what is kept, not again as what it will write."""
+    known = network_dim if network_dim in STATE_MIB else max(STATE_MIB)
+    there = STATE_MIB[known] + STEP_LORA_MIB[known] if resuming else 0
+    return disk_mib + checkpoint_mib(network_dim, step_loras, images) - there
 
 
 def require_free_space(path: Path, need_mib: int) -> None:

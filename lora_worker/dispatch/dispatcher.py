@@ -22,7 +22,7 @@ from typing import Any
 import sqlalchemy.exc
 
 from lora_worker.config import Settings
-from lora_worker.dispatch import paths
+from lora_worker.dispatch import paths, presentation
 from lora_worker.dispatch.admission import admit
 from lora_worker.dispatch.argv import build_argv, build_env
 from lora_worker.dispatch.dataset import DatasetManifest, inspect_dataset
@@ -94,28 +94,30 @@ class Dispatcher:
         return job
 
     def _create(self, raw: TrainRequest, idempotency_key: str | None, body_sha256: str | None) -> Job:
-        request, manifest, report = self._checked(raw)
-        columns = {**self._columns(request, manifest), "idempotency_key": idempotency_key,
+        request, manifest, report, config = self._checked(raw)
+        columns = {**self._columns(request, manifest, config), "idempotency_key": idempotency_key,
                    "request_sha256": body_sha256, "backend": self.backend.name,
                    "webhook_events": webhook_subscription(self.settings, raw),
                    "dataset_warnings": json.dumps([w.as_dict() for w in report.warnings], ensure_ascii=False)}
         write_prompts(prompts_file(request.samples, request.tier, self.settings, self.backend))
-        return self.launch(columns, request.output_dir)
+        return self.launch(columns, request.output_dir, config=config)
 
     def plan(self, raw: TrainRequest) -> dict[str, Any]:
         """POST /train?dry_run=1: every check `submit` makes, the same refusals, and nothing started or written (no
         row, no directory, no lock beyond admission's probe, no event): what the job would be."""
         started = time.monotonic()
-        request, manifest, report = self._checked(raw)
+        request, manifest, report, config = self._checked(raw)
         history = repo.durations_of_similar_jobs(
             self.db, backend=self.backend.name, tier=request.tier.name, image_count=manifest.image_count,
             device_index=request.device_index if self.backend.places_here else None)
-        return describe(request, self.settings, self.backend, report, history=history,
+        return describe(request, self.settings, self.backend, report, config, history=history,
                         seconds=time.monotonic() - started)
 
-    def _checked(self, raw: TrainRequest) -> tuple[ResolvedRequest, DatasetManifest, LintReport]:
-        """The request resolved, its dataset read and linted (a 422 on any error), its model and output checked, and
-        the host and slots admitting it now: every refusal of a new job, in order, changing nothing."""
+    def _checked(self, raw: TrainRequest) -> tuple[ResolvedRequest, DatasetManifest, LintReport,
+                                                   presentation.DatasetConfig]:
+        """The request resolved, its dataset read and linted (a 422 on any error), its model and output checked, its
+        dataset config made (not yet written), and the host and slots admitting it now: every refusal of a new job,
+        in order, changing nothing."""
         request = self.resolve(raw)
         manifest = inspect_dataset(request.dataset_dir, request.kohya_folder)
         report = lint_dataset(request.dataset_dir, manifest, resolution=request.tier.resolution,
@@ -123,13 +125,14 @@ class Dispatcher:
         report.raise_errors()
         check_base_model(request.base_model_path)
         paths.require_no_output(str(request.lora_file))
+        config = presentation.config_for(request, self.settings, self.backend, manifest.image_count, report.buckets())
         self.admit(request.tier.name, request.device_index, request.output_dir, request.tier.network_dim,
                    disk_counts(request.samples, request.expected.steps,
                                self.settings.save_every_n_steps(request.tier.name)))
-        return request, manifest, report
+        return request, manifest, report, config
 
     def admit(self, tier: str, device_index: int, output_dir: Path, network_dim: int,
-              kept: dict[str, int] | None = None) -> None:
+              kept: dict[str, int] | None = None, *, resuming: bool = False) -> None:
         """What a new row needs of the host and the slots now (a fresh job's and a resume's)."""
         if len(self.backend.slots(self.settings)) == 1:
             active = repo.active_job(self.db)
@@ -143,11 +146,14 @@ class Dispatcher:
             require_sandbox(self.settings)
             require_namespaces(self.settings)  # probed once (at start-up): bwrap can make them here
             admit(tier, device_index, self.settings, self.nvml)
-        require_free_space(output_dir, required_mib(self.settings.disk_mib[tier], network_dim, **(kept or {})))
+        require_free_space(output_dir, required_mib(self.settings.disk_mib[tier], network_dim, **(kept or {}),
+                                                    resuming=resuming))
 
-    def launch(self, columns: dict[str, Any], output_dir: Path, *, output_id: str | None = None) -> Job:
+    def launch(self, columns: dict[str, Any], output_dir: Path, *, output_id: str | None = None,
+               config: presentation.DatasetConfig | None = None) -> Job:
         """INSERT the row and launch it on the backend: the one way a job starts. `output_id`: the identity of an
-        output directory that exists already (a resume's); else the directory is created here."""
+        output directory that exists already (a resume's); else the directory is created here. `config`: the
+        dataset config its argv names, put in place here (None: a row that names none)."""
         job = self._insert(columns)
         try:
             if output_id is None:
@@ -156,6 +162,8 @@ class Dispatcher:
                 except OSError as exc:
                     raise LaunchFailed(f"Cannot create {output_dir}: {exc.strerror or exc}.") from exc
             repo.record_output_identity(self.db, job.id, output_id)
+            if config is not None:
+                presentation.write(config)
             self.backend.launch(job.id, self.settings)
         except LaunchFailed as exc:
             # No supervisor ran, so there is no run log to quote: the sentence is the whole story. Nothing ran
@@ -196,10 +204,11 @@ class Dispatcher:
         return resolve_request(request, train_id=paths.train_id_of(dataset, root), dataset_dir=dataset,
                                base_model_path=model, output_dir=output, tiers=self.settings.tiers)
 
-    def _columns(self, request: ResolvedRequest, manifest: DatasetManifest) -> dict[str, Any]:
+    def _columns(self, request: ResolvedRequest, manifest: DatasetManifest,
+                 config: presentation.DatasetConfig) -> dict[str, Any]:
         return {
             **request.row_columns(), "image_count": manifest.image_count,
-            "argv": build_argv(request, self.settings, self.backend),
+            "argv": build_argv(request, self.settings, self.backend, config),
             "env": build_env(request, self.settings, self.backend),
             # the reproducibility fingerprint, as far as it is known before the run
             "dataset_sha256": manifest.sha256(),

@@ -2,7 +2,8 @@
 
 A resume continues the optimizer, the LR schedule and the RNG of a run; with anything of it changed the run
 that comes out is neither the one asked for nor a new one. So the trainer command the worker would build for
-the request now (settings: launcher, trainer paths, batch size…) must be the job's, resume flags left out, built
+the request now (settings: launcher, trainer paths, batch size…, and the dataset's presentation: the
+`--dataset_config` named by its content, the repeats sd-scripts sees) must be the job's, resume flags left out, built
 for the job's own backend (the row's `backend`: its device profile, never the one the settings now give new jobs,
 so a worker switched between backends still resumes its older rows); the
 dataset's manifest hash (names, sizes, captions) the one recorded at dispatch; the sd-scripts commit and the
@@ -15,11 +16,12 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from lora_worker.backends import backend_of
+from lora_worker.backends import Backend, backend_of
 from lora_worker.config import Settings
 from lora_worker.dispatch.argv import build_argv
 from lora_worker.dispatch.dataset import inspect_dataset
-from lora_worker.dispatch.request import TrainRequest, resolve_request
+from lora_worker.dispatch.presentation import DatasetConfig, config_for, config_path_of
+from lora_worker.dispatch.request import ResolvedRequest, TrainRequest, resolve_request
 from lora_worker.errors import LoraWorkerError
 from lora_worker.host import fs, kohya
 from lora_worker.host.fingerprint import sd_scripts_commit, trainer_versions
@@ -50,6 +52,20 @@ def request_of(job: Job) -> TrainRequest:
                         samples=tuple(job.sample_prompts) if job.sample_prompts is not None else ())
 
 
+def resolved(job: Job, settings: Settings) -> ResolvedRequest:
+    return resolve_request(request_of(job), train_id=job.train_id, dataset_dir=Path(job.dataset_dir),
+                           base_model_path=Path(job.base_model_path), output_dir=Path(job.output_dir),
+                           tiers=settings.tiers)
+
+
+def config_of(job: Job, request: ResolvedRequest, settings: Settings, backend: Backend) -> DatasetConfig | None:
+    """The dataset config the worker makes of the job's request now (so a resume writes it again), or None for a
+    row presented by `--train_data_dir` (accepted before there was one): its resume keeps the folder's repeats."""
+    if config_path_of(job.argv) is None:
+        return None
+    return config_for(request, settings, backend, job.image_count)
+
+
 def command_problems(job: Job, settings: Settings) -> list[Problem]:
     """The trainer command and batch size the worker builds for this request now, on the job's own backend,
     against the job's."""
@@ -64,10 +80,9 @@ def command_problems(job: Job, settings: Settings) -> list[Problem]:
         problems.append(Problem("fingerprint_batch_size", f"the job trained with batch size "
                                 f"{batch_size_of(job.argv)}, the settings give {batch_now} on {backend.label} now"))
     try:
-        request = resolve_request(request_of(job), train_id=job.train_id, dataset_dir=Path(job.dataset_dir),
-                                  base_model_path=Path(job.base_model_path), output_dir=Path(job.output_dir),
-                                  tiers=settings.tiers)
-        argv_now = without_resume_flags(build_argv(request, settings, backend))
+        request = resolved(job, settings)
+        argv_now = without_resume_flags(build_argv(request, settings, backend,
+                                                   config_of(job, request, settings, backend)))
     except LoraWorkerError as exc:
         return [*problems, Problem("fingerprint_unknown", f"the job's command cannot be built now: {exc.message}")]
     before = without_resume_flags(job.argv)

@@ -8,53 +8,33 @@ A state is used only when all of this holds (issue 26), checked without torch:
 3. its step numbering will be right: sd-scripts 48d368fa, resumed with `--skip_until_initial_step`, counts the
    steps of a state past the first epoch from that epoch's start (train_network.py L1340-1344: `global_step =
    initial_step - epoch_to_start * len(train_dataloader)`; proven on the real trainer, docs/reference/
-   sd-scripts-resume.md §4), so only a state inside the first epoch is used;
-4. the fingerprint matches the job's (dispatch/refingerprint.py): computed last, for the state that passed.
+   sd-scripts-resume.md §4), so only a state inside the first epoch is used. A job accepted since issue 32 was
+   shown one epoch covering the run (dispatch/presentation.py): every state it saves is inside it. A row before
+   it (`--train_data_dir`: the folder's repeats) keeps the rule;
+4. the fingerprint matches the job's (dispatch/refingerprint.py): computed once, for the first state whose cheaper
+   checks passed, before any archive is read.
 The newest state that passes is chosen; the reasons say why each newer one, or the job, was refused.
 """
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lora_worker.config import Settings
 from lora_worker.dispatch import refingerprint as fp
-from lora_worker.dispatch.plan import presentation
 from lora_worker.host import fs
-from lora_worker.host.train_state import Problem, StateCheck, check_state, find_states
+from lora_worker.dispatch.presentation import Presentation, config_path_of, presentation
+from lora_worker.host.state_archives import Budget
+from lora_worker.host.train_state import Problem, StateCheck, check_archives, check_state, find_states
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger import resumes
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.models import Job
-from lora_worker.states import ACTIVE_STATES, FailureClass, JobState
+from lora_worker.states import ACTIVE_STATES, RESUMABLE, FailureClass, JobState
 
-# How each failure class bears on a resume: True, the run was cut off from outside and its state is as good as
-# it was (a reboot, a lost or signalled supervisor, a kill, a stall, a lost node or Slurm job, a time limit, a
-# launch that never ran); False, the trainer or the request would meet the same end again from the state.
-ENDINGS: dict[FailureClass, bool] = {
-    FailureClass.HOST_REBOOTED: True,
-    FailureClass.SUPERVISOR_LOST: True,
-    FailureClass.SUPERVISOR_SIGNALLED: True,
-    FailureClass.KILLED_BY_SIGNAL: True,
-    FailureClass.STALLED: True,
-    FailureClass.NODE_FAIL: True,
-    FailureClass.SLURM_LOST: True,
-    FailureClass.TIME_LIMIT: True,  # a resume trains only the steps left: it does not end the same way
-    FailureClass.LAUNCH_ERROR: True,  # nothing ran (a resume that never ran is refused: its original is resumed)
-    FailureClass.CUDA_OOM: False,
-    FailureClass.OUT_OF_MEMORY: False,
-    FailureClass.DATASET_INVALID: False,
-    FailureClass.MODEL_LOAD_ERROR: False,
-    FailureClass.TOKENIZER_MISSING: False,
-    FailureClass.TOKENIZER_INVALID: False,
-    FailureClass.INVALID_ARGUMENTS: False,
-    FailureClass.TRAINER_CRASHED: False,  # the trainer's own exception: the same code on the same state
-    FailureClass.NAN_LOSS: False,  # the state's weights led to it
-    FailureClass.NO_OUTPUT: False,
-    FailureClass.ARTIFACT_INVALID: False,
-    FailureClass.ARTIFACT_MISMATCH: False,
-}
+ENDINGS = RESUMABLE  # how each failure class bears on a resume (states.py: the follower drops what none can use)
 
 
 @dataclass
@@ -69,12 +49,21 @@ class Verdict:
                 "reasons": [{"code": p.code, "message": p.message} for p in self.reasons]}
 
 
-def steps_per_epoch_at_least(job: Job) -> int | None:
-    """A lower bound of sd-scripts' batches per epoch, as the one presentation of a dataset says it (dispatch/plan.py:
-    ceil(images × repeats / batch size)); None when the batch size is not in the argv."""
-    batch = fp.batch_size_of(job.argv)
-    return presentation(job.image_count, job.repeats, batch, job.total_steps).first_epoch_steps_at_least \
-        if batch else None
+def presentation_of(job: Job) -> Presentation | None:
+    """What sd-scripts made of the job's dataset (None when its argv names no batch size): one epoch covering the
+    run for a job given a `--dataset_config` (the one rule, dispatch/presentation.py; the fingerprint then holds
+    the config's name to its content), the kohya folder's own repeats for a row given `--train_data_dir`."""
+    batch, every = fp.batch_size_of(job.argv), _int_flag(job.argv, "--save_every_n_steps=")
+    if not batch or not job.image_count or not job.total_steps:
+        return None
+    folder_repeats = None if config_path_of(job.argv) is not None else job.repeats
+    return presentation(job.image_count, batch, job.total_steps, every or job.total_steps,
+                        folder_repeats=folder_repeats)
+
+
+def _int_flag(argv: list[str], flag: str) -> int | None:
+    token = next((a[len(flag):] for a in argv if a.startswith(flag)), "")
+    return int(token) if token.isdigit() else None
 
 
 def ending_problems(db: Database, job: Job) -> list[Problem]:
@@ -98,13 +87,14 @@ def ending_problems(db: Database, job: Job) -> list[Problem]:
     return []
 
 
-def verdict(db: Database, settings: Settings, job: Job, *,
-            seen: Callable[[Settings, Job], set[int]] | None = None) -> Verdict:
-    """Whether `job` can be resumed, from which state, and why not (every reason found)."""
-    problems = ending_problems(db, job)
-    if problems:
-        return Verdict(False, reasons=problems)
-    problems = _output_problems(job)
+def verdict(db: Database, settings: Settings, job: Job, *, seen: Callable[[Settings, Job], set[int]] | None = None,
+            clock: Callable[[], float] = time.monotonic) -> Verdict:
+    """Whether `job` can be resumed, from which state, and why not (every reason found). Cheapest first: the
+    ledger's rows (how the job ended, the saves its run said), the step arithmetic (nothing opened), each state's
+    names, kinds and sizes and its small files, the fingerprint, and only then, for the newest state that passed
+    all of it, its archives' CRCs (within one budget of bytes and time for the whole verdict, and remembered by
+    the files' identities: host/state_archives.py)."""
+    problems = ending_problems(db, job) or _output_problems(job)
     if problems:
         return Verdict(False, reasons=problems)
     try:
@@ -114,16 +104,21 @@ def verdict(db: Database, settings: Settings, job: Job, *,
     if not states:
         return Verdict(False, reasons=[Problem("no_state", f"no {job.output_name}-step*-state in {job.output_dir}")])
     saved = _seen_in_chain(db, settings, job, seen or (lambda _settings, j: resumes.states_seen(db, j.id)))
+    shown, budget = presentation_of(job), Budget.start(clock)
     refused: list[Problem] = []
+    fingerprint: list[Problem] | None = None
     for name, step in states:
-        check = check_state(job.output_dir, name, rank=job.lora_rank)
-        _check_numbering(job, check, saved)
+        check = _check_numbering(job, shown, StateCheck(name, step), saved)
+        if not check.problems:
+            check = check_state(job.output_dir, name, rank=job.lora_rank, archives=False)
+        if not check.problems:
+            fingerprint = fingerprint_problems(job, settings) if fingerprint is None else fingerprint
+            if fingerprint:
+                return Verdict(False, reasons=refused + fingerprint)
+            check = check_archives(job.output_dir, name, budget)
         if check.problems:
             refused += check.problems
             continue
-        problems = fingerprint_problems(job, settings)
-        if problems:
-            return Verdict(False, reasons=refused + problems)
         return Verdict(True, from_step=step, state=os.path.join(job.output_dir, name), reasons=refused)
     return Verdict(False, reasons=refused)
 
@@ -159,19 +154,18 @@ def _seen_in_chain(db: Database, settings: Settings, job: Job, seen: Callable[[S
     return steps
 
 
-def _check_numbering(job: Job, check: StateCheck, saved: set[int]) -> None:
-    if check.problems:
-        return
+def _check_numbering(job: Job, shown: Presentation | None, check: StateCheck, saved: set[int]) -> StateCheck:
+    """The ledger's rows and the step arithmetic alone, by the directory's name: nothing is opened."""
     if check.step not in saved:
         check.refuse("state_not_seen", f"the ledger saw no `saving state at step {check.step}` in the run's output")
-    per_epoch = steps_per_epoch_at_least(job)
-    if per_epoch is None or check.step >= per_epoch:
+    if shown is None or check.step >= shown.first_epoch_steps_at_least:
         check.refuse("state_past_first_epoch", f"step {check.step} is not inside the first epoch (at least "
-                     f"{per_epoch} steps: {job.image_count} images × {job.repeats} repeats / batch size "
-                     f"{fp.batch_size_of(job.argv)}); sd-scripts would "
-                     "number the resumed steps from that epoch's start")
+                     f"{shown.first_epoch_steps_at_least if shown else None} steps: {job.image_count} images × "
+                     f"{shown.repeats if shown else job.repeats} repeats / batch size {fp.batch_size_of(job.argv)}); "
+                     "sd-scripts would number the resumed steps from that epoch's start")
     if check.step >= job.total_steps:
         check.refuse("state_at_last_step", f"step {check.step} is the last step: nothing is left to train")
+    return check
 
 
 def fingerprint_problems(job: Job, settings: Settings) -> list[Problem]:

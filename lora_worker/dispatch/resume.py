@@ -18,9 +18,8 @@ from typing import Any
 from lora_worker.backends import backend_of
 from lora_worker.dispatch.dataset import inspect_dataset
 from lora_worker.dispatch.dispatcher import Dispatcher
-from lora_worker.dispatch.refingerprint import request_of, without_resume_flags
+from lora_worker.dispatch.refingerprint import config_of, resolved, without_resume_flags
 from lora_worker.dispatch.resumable import Verdict, verdict
-from lora_worker.dispatch.request import ResolvedRequest, resolve_request
 from lora_worker.dispatch.samples import disk_counts, prompts_file, write_prompts
 from lora_worker.errors import JobActive, NotResumable
 from lora_worker.host import fs, kohya
@@ -63,10 +62,11 @@ def _create(dispatcher: Dispatcher, job_id: int, idempotency_key: str | None, di
     found = verdict(dispatcher.db, dispatcher.settings, original)
     refuse(dispatcher, original, found)
     assert found.state is not None and found.from_step is not None
-    request = resolved(dispatcher, original)  # as the fingerprint rebuilt its command: the same prompts file
+    # As the fingerprint rebuilt its command: the same prompts file and dataset config.
+    request = resolved(original, dispatcher.settings)
     dispatcher.admit(original.tier, original.device_index, Path(original.output_dir), original.lora_rank,
                      disk_counts(request.samples, original.lora_steps - found.from_step,
-                                 dispatcher.settings.save_every_n_steps(original.tier)))
+                                 dispatcher.settings.save_every_n_steps(original.tier)), resuming=True)
     manifest = inspect_dataset(Path(original.dataset_dir),
                                kohya.folder_name(original.repeats, original.trigger, original.subject_class))
     columns: dict[str, Any] = {
@@ -77,18 +77,14 @@ def _create(dispatcher: Dispatcher, job_id: int, idempotency_key: str | None, di
         "estimated_duration_s": _estimate(original, found.from_step),
     }
     output_id = str(fs.identity_of_dir(original.output_dir))
+    # The same prompts file and dataset config its argv names (the verdict rebuilt the argv: the same paths, so the
+    # same bytes), written again: the run may be long gone and retention with it.
     write_prompts(prompts_file(request.samples, request.tier, dispatcher.settings, dispatcher.backend))
-    job = dispatcher.launch(columns, Path(original.output_dir), output_id=output_id)
+    config = config_of(original, request, dispatcher.settings, dispatcher.backend)
+    job = dispatcher.launch(columns, Path(original.output_dir), output_id=output_id, config=config)
     resumes.note(dispatcher.db, original.id, actor=actor,
               reason=f"resumed as job {job.id} from step {found.from_step} ({found.state})")
     return job
-
-
-def resolved(dispatcher: Dispatcher, original: Job) -> ResolvedRequest:
-    """The original's request resolved again, on its recorded paths (the fingerprint held its command to it)."""
-    return resolve_request(request_of(original), train_id=original.train_id, dataset_dir=Path(original.dataset_dir),
-                           base_model_path=Path(original.base_model_path), output_dir=Path(original.output_dir),
-                           tiers=dispatcher.settings.tiers)
 
 
 def _estimate(original: Job, from_step: int) -> float | None:

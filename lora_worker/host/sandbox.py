@@ -11,7 +11,8 @@ namespace, whose init is bwrap; `--die-with-parent` makes bwrap die with the sup
 namespace's init dies the kernel kills every process in it. A grandchild that called setsid and re-exec'd
 itself under another name is still in the namespace, so it dies with it, supervisor or not.
 
-The job's own directories (dataset, its kohya folder, output) are bound through the very descriptors the
+The job's own directories (dataset, its kohya folder, output) and its dataset config (a file of the worker's, in the
+state dir a tmpfs hides otherwise) are bound through the very descriptors the
 pre-exec check opened and compared (run/prelaunch.py, `--ro-bind-fd`/`--bind-fd`), never by name again: a
 rename or a link planted between the check and the mount changes nothing that is mounted (bwrap itself
 compares the mounted directory with the descriptor). The operator's directories are bound by path, but never
@@ -199,8 +200,8 @@ def _host_mounts(settings: Settings, facts: HostFacts) -> list[str]:
 def _job_mounts(job: JobPaths, settings: Settings, facts: HostFacts, held: Mapping[Path, int]) -> list[str]:
     """The installation by path, the job's checked directories by descriptor (the output dir read-write)."""
     mounts = [(p, "--ro-bind") for p in (*_operator_binds(settings, facts), job.base_model_path)]
-    mounts += [(p, "--ro-bind") for p in held if p != job.output_dir]  # the dataset and its kohya folder
-    mounts += [(p, "--ro-bind") for p in job.read_only]  # over the state dir's tmpfs (_host_mounts)
+    mounts += [(p, "--ro-bind") for p in held if p != job.output_dir]  # the dataset, its kohya folder, its config
+    mounts += [(p, "--ro-bind") for p in job.read_only]  # the sample prompts, over the state dir's tmpfs
     mounts.append((job.output_dir, "--bind"))
     cmd: list[str] = []
     # Shallow paths first, so a deeper bind (the output dir inside a read-only tree) is mounted over them.

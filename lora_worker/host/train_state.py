@@ -12,24 +12,28 @@ train_network.py L943-948). A resume loads every one of them (`accelerator.load_
 - `model.safetensors` has a complete safetensors header (host/safetensors.py) of LoRA weights of the rank the
   job trains;
 - each zip's members are read whole and their CRC-32 checked, as `torch.load` would read them: a state cut short
-  by a power cut fails here. Bounded: at most MAX_ARCHIVE_BYTES of members per state and MAX_CHECK_S of time;
-  a state past either is not verified, so not used.
+  by a power cut fails here. Bounded: at most MAX_ARCHIVE_BYTES of members and MAX_CHECK_S of time for all the
+  states one verdict looks at (`Budget`); a state past either is not verified, so not used.
+
+The cheap checks come first (names, kinds and sizes by `stat`, `train_state.json`, the model's header, each
+archive's central directory), the CRCs last and only for a state that passed everything else (dispatch/
+resumable.py asks for them after the ledger's rows, the step arithmetic and the fingerprint); an archive that
+passed is remembered by its identity (device, inode, size, mtime, ctime), so asking again reads nothing.
 """
 from __future__ import annotations
 
 import json
-import lzma
 import os
 import re
-import struct
 import time
-import zipfile
-import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from lora_worker.host import fs
+from lora_worker.host import fs, state_archives
 from lora_worker.host.safetensors import HeaderError, lora_info, parse_header
+from lora_worker.host.state_archives import Budget
+
 
 STATE_DIR = re.compile(r"^(?P<name>.+)-step(?P<step>[0-9]{8})-state$")  # `%08d`: ASCII digits, not any \d
 MODEL = "model.safetensors"
@@ -38,18 +42,6 @@ ARCHIVES = ("optimizer.bin", "scheduler.bin", "random_states_0.pkl")
 OPTIONAL_ARCHIVES = ("scaler.pt",)  # fp16 mixed precision only (a GradScaler)
 REQUIRED = (MODEL, TRAIN_STATE, *ARCHIVES)
 MAX_TRAIN_STATE_BYTES = 4096
-# A state is ~257 MB at dim 16 and ~513 MB at dim 32 (AdamW8bit): 4 GiB of members and 120 s (at a slow
-# disk's 50 MB/s, 6 GB) leave room for both, and bound what a planted archive can make a request read.
-MAX_ARCHIVE_BYTES = 4 << 30
-MAX_CHECK_S = 120.0
-CHUNK = 1 << 20
-# What zipfile raises on bytes that are not an intact archive, beyond its BadZipFile: a member flagged encrypted
-# (RuntimeError) or compressed by a method it lacks (NotImplementedError), a deflate, bzip2 or LZMA stream that
-# does not decode (zlib.error, OSError, LZMAError), a record cut short (EOFError, struct.error), an offset past
-# what a seek takes (OverflowError, ValueError). A power cut or a flipped bit gives any of them; each is the
-# archive's refusal, `state_archive_corrupt` (tests/host/test_train_state_fuzz.py flips bits in real archives).
-ZIP_ERRORS = (zipfile.BadZipFile, OSError, EOFError, ValueError, RuntimeError, NotImplementedError, zlib.error,
-              lzma.LZMAError, struct.error, OverflowError)
 
 
 @dataclass(frozen=True)
@@ -91,31 +83,60 @@ def find_states(output_dir: str, output_name: str) -> list[tuple[str, int]]:
         os.close(dir_fd)
 
 
-def check_state(output_dir: str, name: str, *, rank: int, clock: Callable[[], float] = time.monotonic) -> StateCheck:
-    """Every check of one state directory (its name from `find_states`) that needs only its files."""
+def check_state(output_dir: str, name: str, *, rank: int, clock: Callable[[], float] = time.monotonic,
+                archives: bool = True, budget: Budget | None = None) -> StateCheck:
+    """Every check of one state directory (its name from `find_states`) that needs only its files, the cheap ones
+    first: which files, their kinds and sizes, `train_state.json`, the model's header, each archive's directory;
+    then (`archives`) every archive member read through its CRC, within `budget` (one per verdict: a request
+    that looks at several states reads at most MAX_ARCHIVE_BYTES in MAX_CHECK_S in all)."""
+    check = StateCheck(name, _step_of(name))
+    with _opened(output_dir, name, check) as dir_fd:
+        if dir_fd is not None:
+            _check_files(dir_fd, check, rank)
+            if archives and not check.problems:
+                _check_archives(dir_fd, check, budget or Budget.start(clock))
+    return check
+
+
+def check_archives(output_dir: str, name: str, budget: Budget) -> StateCheck:
+    """The costly part alone, for a state whose cheap checks passed: every archive member's CRC."""
+    check = StateCheck(name, _step_of(name))
+    with _opened(output_dir, name, check) as dir_fd:
+        if dir_fd is not None:
+            _check_archives(dir_fd, check, budget)
+    return check
+
+
+def _step_of(name: str) -> int:
     m = STATE_DIR.match(name)
-    check = StateCheck(name, int(m["step"]) if m else -1)
+    return int(m["step"]) if m else -1
+
+
+@contextmanager
+def _opened(output_dir: str, name: str, check: StateCheck) -> Iterator[int | None]:
+    """The state directory, opened without following a link (None, and the check refused, when it cannot be)."""
     try:
         parent = fs.open_dir(output_dir)
     except OSError as exc:
         check.refuse("state_file_invalid", f"the output directory cannot be opened: {exc}")
-        return check
+        yield None
+        return
     try:
         try:
             dir_fd = fs.open_subdir(parent, name)
         except OSError as exc:
             check.refuse("state_file_invalid", str(exc))
-            return check
+            yield None
+            return
         try:
-            _check_files(dir_fd, check, rank, clock)
+            yield dir_fd
         finally:
             os.close(dir_fd)
     finally:
         os.close(parent)
-    return check
 
 
-def _check_files(dir_fd: int, check: StateCheck, rank: int, clock: Callable[[], float]) -> None:
+def _check_files(dir_fd: int, check: StateCheck, rank: int) -> None:
     entries = dict(fs.list_entries(dir_fd))
     for name in sorted(set(REQUIRED) - entries.keys()):
         check.refuse("state_incomplete", f"{name} is missing")
@@ -124,13 +145,31 @@ def _check_files(dir_fd: int, check: StateCheck, rank: int, clock: Callable[[], 
             check.refuse("state_file_invalid", f"{name} is a {fs.kind_of(st.st_mode)}, not a regular file")
     if check.problems:
         return
+    _check_sizes(entries, check)
+    if check.problems:
+        return
     _check_train_state(dir_fd, check)
     _check_model(dir_fd, check, rank)
-    budget = _Budget(clock() + MAX_CHECK_S, MAX_ARCHIVE_BYTES, clock)
-    for name in (*ARCHIVES, *(a for a in OPTIONAL_ARCHIVES if a in entries)):
+    for name in _archives_of(entries):
         if check.problems:
-            break  # refused already: the rest of its bytes need not be read
-        _check_archive(dir_fd, name, check, budget)
+            break
+        _check_directory(dir_fd, name, check)
+
+
+def _archives_of(entries: dict[str, os.stat_result]) -> list[str]:
+    return [*ARCHIVES, *(a for a in OPTIONAL_ARCHIVES if a in entries)]
+
+
+def _check_sizes(entries: dict[str, os.stat_result], check: StateCheck) -> None:
+    """By their sizes alone (a stat, nothing read): the archives together past what a verdict may read are not
+    verified; an empty file is no state."""
+    archives, most = sum(entries[name].st_size for name in _archives_of(entries)), state_archives.MAX_ARCHIVE_BYTES
+    if archives > most:
+        check.refuse("state_unverifiable", f"its archives hold {archives} bytes: more than {most} bytes, what a "
+                     "check reads at most")
+    for name in sorted(REQUIRED):
+        if entries[name].st_size == 0:
+            check.refuse("state_incomplete", f"{name} is empty")
 
 
 def _is_regular(st: os.stat_result) -> bool:
@@ -169,47 +208,43 @@ def _check_model(dir_fd: int, check: StateCheck, rank: int) -> None:
         check.refuse("state_model_invalid", f"{MODEL} holds rank {sorted(info.ranks)}, the job trains rank {rank}")
 
 
-@dataclass
-class _Budget:
-    deadline: float
-    bytes_left: int
-    clock: Callable[[], float]
-
-
-def _check_archive(dir_fd: int, name: str, check: StateCheck, budget: _Budget) -> None:
-    """Read every member of the zip to its end: zipfile checks each one's CRC-32 there (BadZipFile if wrong)."""
+def _check_directory(dir_fd: int, name: str, check: StateCheck) -> None:
+    """The archive's central directory alone (at its end), as a request may parse it."""
     try:
         fd, _ = fs.open_regular(dir_fd, name)
-        with os.fdopen(fd, "rb") as fh, zipfile.ZipFile(fh) as archive:
-            members = archive.infolist()
-            declared = sum(m.file_size for m in members)
-            if not members or declared > budget.bytes_left:
-                why = "no members" if not members else f"more than {MAX_ARCHIVE_BYTES} bytes of members in all"
-                check.refuse("state_unverifiable" if members else "state_archive_corrupt", f"{name} has {why}")
-                return
-            budget.bytes_left -= declared
-            for member in members:
-                with archive.open(member) as stream:
-                    while stream.read(CHUNK):
-                        if budget.clock() > budget.deadline:
-                            check.refuse("state_unverifiable", f"{name} was not read whole within {MAX_CHECK_S:.0f} s")
-                            return
-    except ZIP_ERRORS as exc:
+        with os.fdopen(fd, "rb") as fh:
+            state_archives.members(fh, name)
+    except state_archives.Refusal as exc:
+        check.refuse(exc.code, exc.message)
+    except state_archives.UNREADABLE as exc:
         check.refuse("state_archive_corrupt", f"{name} is not an intact zip archive: {type(exc).__name__}: {exc}")
 
 
-def remove_states(output_dir: str, output_name: str) -> list[str]:
-    """After a verified success: the job's state directories (`<name>-step<N>-state`, and `<name>-state` that
-    sd-scripts saves at the end) are removed; nothing is left to resume, and each is hundreds of MB. Walked
-    without following a link: a link is unlinked, never followed; a directory nested in a state (the trainer
-    writes none) is left, and so is the state holding it. The names removed."""
+def _check_archives(dir_fd: int, check: StateCheck, budget: Budget) -> None:
+    for name in _archives_of(dict(fs.list_entries(dir_fd))):
+        if check.problems:
+            break  # refused already: the rest of its bytes need not be read
+        if (refused := state_archives.read_through(dir_fd, name, budget)) is not None:
+            check.refuse(refused.code, refused.message)
+
+
+def remove_states(output_dir: str, output_name: str, expected: str | None = None, *,
+                  dry_run: bool = False) -> list[str]:
+    """The job's state directories (`<name>-step<N>-state`, and `<name>-state` that sd-scripts saves at the end), once
+    they can serve no resume: after a verified success, a client's cancel, a failure no resume can follow, or by
+    retention. Each is hundreds of MB. Walked without following a link: a link is unlinked, never followed; a
+    directory nested in a state (the trainer writes none) is left, and so is the state holding it. `expected`: the
+    output directory's recorded identity (`dev:ino`), else nothing is removed (it was swapped for another). The
+    names removed (with `dry_run`, the names that would be)."""
     removed = []
     dir_fd = fs.open_dir(output_dir)
     try:
+        if expected is not None and str(fs.FileId.of(os.fstat(dir_fd))) != expected:
+            return []
         for name, st in fs.list_entries(dir_fd):
             m = STATE_DIR.match(name)
             ours = (m is not None and m["name"] == output_name) or name == f"{output_name}-state"
-            if ours and fs.kind_of(st.st_mode) == "directory" and _remove_flat_dir(dir_fd, name):
+            if ours and fs.kind_of(st.st_mode) == "directory" and (dry_run or _remove_flat_dir(dir_fd, name)):
                 removed.append(name)
     finally:
         os.close(dir_fd)

@@ -2,13 +2,15 @@
 a reboot cut off that no resume has looked at yet."""
 from __future__ import annotations
 
-from sqlalchemy import ColumnElement, Select, exists, select
+from datetime import datetime
+
+from sqlalchemy import ColumnElement, Select, and_, exists, select
 
 from lora_worker.ledger.db import Database
 from lora_worker.ledger.checkpoints import STATE
 from lora_worker.ledger.models import Checkpoint, Job, JobEvent
 from lora_worker.ledger.repository import _event
-from lora_worker.states import FailureClass, JobState
+from lora_worker.states import TERMINAL_STATES, FailureClass, JobState
 
 NOTE_PREFIX = "resume: "  # the events `follow_up` writes: a job with one was looked at
 
@@ -38,6 +40,14 @@ def states_seen(db: Database, job_id: int) -> set[int]:
     recorded them (migration 0013), removed since or not."""
     with db.read() as s:
         return set(s.scalars(select(Checkpoint.step).where(Checkpoint.job_id == job_id, Checkpoint.kind == STATE)))
+
+
+def lora_files_kept(db: Database, cutoff: datetime) -> set[str]:
+    """The LoRA files of every job retention keeps at `cutoff` (active, or ended since): a pruned job shares its
+    output directory, and its states' names, with a resume of it that is kept, whose states are not its to remove."""
+    ended_before = and_(Job.status.in_([s.value for s in TERMINAL_STATES]), Job.finished_at < cutoff)
+    with db.read() as s:
+        return set(s.scalars(select(Job.lora_file).where(~ended_before, Job.lora_file.is_not(None)).distinct()))
 
 
 def note(db: Database, job_id: int, *, actor: str, reason: str) -> None:

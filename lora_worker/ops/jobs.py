@@ -208,7 +208,8 @@ def cmd_prune(db: Database, settings: Settings, args: argparse.Namespace, out: T
     days = settings.retention_days if args.older_than is None else args.older_than
     done = prune(db, settings, older_than_days=days, dry_run=args.dry_run)
     verb = "would prune" if args.dry_run else "pruned"
-    others = f", and {len(done.other_files)} lock file(s) and partial LoRA(s)" if done.other_files else ""
+    others = (f", and {len(done.other_files)} lock file(s), partial LoRA(s), state(s) and dataset config(s)"
+              if done.other_files else "")
     out.write(f"{verb} {len(done.job_ids)} job(s) finished before {_time(done.cutoff)} and "
               f"{len(done.log_files)} log file(s){others}\n")
     return 0

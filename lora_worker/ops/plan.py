@@ -72,7 +72,10 @@ def describe(plan: dict[str, Any]) -> str:
         f"command:        {shlex.join(plan['argv'])}",
         f"dataset:        {data['images']} images x {data['repeats']} repeats = {data['images_x_repeats']}, "
         f"batch {data['batch_size']}: {data['steps_per_epoch']} steps per epoch, {data['epochs']} epoch(s) "
-        f"for {data['max_train_steps']} steps",
+        f"for {data['max_train_steps']} steps (the folder's {data['folder_repeats']} repeats shown as "
+        f"{data['repeats']}: one epoch holds every step)",
+        f"dataset config: {data['dataset_config']['path']}",
+        *(f"  {line}" for line in data["dataset_config"]["toml"].splitlines() if line),
         f"states:         {states or 'none'}",
         f"duration:       {estimate['seconds'] / 60:.0f} min ({basis})",
         f"disk at peak:   {plan['disk_mib_at_peak']} MiB",

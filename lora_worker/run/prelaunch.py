@@ -6,7 +6,9 @@ supervisor starts the trainer, it walks every directory again without following 
 directory, stops the job (`failed`, `launch_error`) before the trainer has opened anything. It also looks
 again at what the trainer will open inside them (no new subset folder, no image or caption turned into a
 link or a FIFO) and at the LoRA's path, where nothing may be yet: the file found there after the run is
-then the trainer's, which is how the artifact check knows it is fresh without comparing clocks.
+then the trainer's, which is how the artifact check knows it is fresh without comparing clocks. The dataset config
+the argv names (dispatch/presentation.py) must hold exactly what the row makes of it: this job's kohya folder, class
+tokens and one epoch's repeats.
 
 The directories stay open from this look to the trainer's start: the sandbox mounts those descriptors, not
 the paths again (`check`; `what_moved` is the look alone).
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lora_worker.host import fs, kohya
+from lora_worker.host.dataset_config import class_tokens, config_path_of, expected, open_checked
 from lora_worker.host.images import SAMPLE_DIR
 from lora_worker.ledger.supervisor import JobRecord
 
@@ -68,10 +71,11 @@ def check(job: JobRecord) -> Checked:
         try:
             checked.moved = (_new_subset(fds["dataset_dir"], folder)
                              or _unsafe_entry(fds["the kohya folder"], folder)
-                             or _lora_present(fds["output_dir"], os.path.basename(job.lora_file))
-                             or _sample_folder(fds["output_dir"]))
+                             or _output_moved(fds["output_dir"], os.path.basename(job.lora_file)))
         except OSError as exc:  # made unreadable meanwhile: as good as moved
             checked.moved = f"the dataset or output_dir can no longer be listed ({exc.strerror or exc})"
+        if checked.moved is None:
+            checked.moved = _hold_config(job, folder, checked.held)
         return checked
     except BaseException:
         checked.close()
@@ -79,6 +83,19 @@ def check(job: JobRecord) -> Checked:
     finally:
         if checked.moved is not None:
             checked.close()
+
+
+def _hold_config(job: JobRecord, folder: str, held: dict[Path, int]) -> str | None:
+    """The dataset config the argv names, held with the directories (the sandbox binds it), or why not."""
+    config = config_path_of(job.argv)
+    if config is None:
+        return None  # a row given --train_data_dir
+    want = expected(job.argv, os.path.join(job.dataset_dir, folder), class_tokens(job.trigger, job.subject_class),
+                    job.image_count, job.total_steps)
+    fd, problem = open_checked(config, want)
+    if fd is not None:
+        held[Path(config)] = fd
+    return problem
 
 
 def _new_subset(dataset_fd: int, folder: str) -> str | None:
@@ -97,6 +114,11 @@ def _unsafe_entry(folder_fd: int, folder: str) -> str | None:
         if not stat.S_ISREG(entries[name].st_mode):
             return f"{folder}/{name} is now a {fs.kind_of(entries[name].st_mode)}, not a regular file"
     return None
+
+
+def _output_moved(output_fd: int, lora_name: str) -> str | None:
+    """What the trainer will write into output_dir is not there in its way: no LoRA yet, no link at `sample`."""
+    return _lora_present(output_fd, lora_name) or _sample_folder(output_fd)
 
 
 def _sample_folder(output_fd: int) -> str | None:

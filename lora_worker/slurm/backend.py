@@ -12,7 +12,8 @@
 - `abandon`: a plain scancel of the job before reconcile fails its row (None if scancel did not answer).
 - a queued row's cancel only flags it: it may start on a node any moment; the poller scancels it.
 - `profile`: the tier's `slurm_resources` (batch size and precision fit every GPU its gres allows);
-  `visible_devices`: None (the node's Slurm sets CUDA_VISIBLE_DEVICES to the GPU it allocated);
+  `visible_devices`: None (the node's Slurm sets CUDA_VISIBLE_DEVICES to the GPU it allocated); `files_dir`: the
+  Slurm log dir, which the node reads (a job's dataset config);
   `readiness`: the cluster's deep checks (health.py).
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Protocol
 from lora_worker.transcript.outcome import Outcome
 from lora_worker.transcript.parser import Progress
 from lora_worker.transcript.progress import finite
-from lora_worker.states import FailureClass, JobState
+from lora_worker.states import RESUMABLE, FailureClass, JobState
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +64,23 @@ def ended(outcome: Outcome) -> str:
     return outcome.state.value + (f" ({outcome.failure_class.value})" if outcome.failure_class else "")
 
 
-def drop_states(output_dir: str, output_name: str, job_id: int) -> None:
-    """A verified success leaves nothing to resume: its saved states go (host/train_state.py), on both backends.
-    Best effort: a state that cannot be removed costs disk, never the outcome."""
-    from lora_worker.host.train_state import remove_states  # only after a success: not on the way to exec
+def serves_no_resume(outcome: Outcome, failure: FailureClass) -> bool:
+    """Whether the job's states can serve nothing once it ended so: a success (its LoRA is the result), a client's
+    cancel (never undone), a failure whose class a resume would meet again (states.RESUMABLE). `failure`: the class
+    the row records for a failed outcome without its own."""
+    if outcome.state is not JobState.FAILED:
+        return True
+    return not RESUMABLE.get(outcome.failure_class or failure, False)
+
+
+def drop_states(output_dir: str, output_name: str, job_id: int, output_dev_ino: str | None = None) -> None:
+    """The saved states of a job that `serves_no_resume` go (host/train_state.py), on both backends, after its final
+    row is written: a crash between the two leaves states on disk, never the outcome unrecorded. Best effort: a
+    state that cannot be removed costs disk, never the outcome."""
+    from lora_worker.host.train_state import remove_states  # only at the end: not on the way to exec
 
     try:
-        removed = remove_states(output_dir, output_name)
+        removed = remove_states(output_dir, output_name, output_dev_ino)
     except OSError as exc:
         log.warning("job %s: its states were not removed (%s)", job_id, exc)
         return

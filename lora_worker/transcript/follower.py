@@ -15,7 +15,7 @@ A backend gives the follower what only it knows, and does what only it can:
 The follower owns the rest: the output (parser, run log, error tail), the ETA, the progress writes and step
 checkpoints, the stall watchdog, the stop decision, and the verified end in one order: `decide` (the outcome,
 the LoRA verified against the row), then `finish` (a LoRA that is no result set aside, the last progress, the
-final row and its webhook events, a success's states dropped).
+final row and its webhook events, then the states of an end no resume can follow dropped).
 
 The stop: the first reason decides and a later one changes nothing. On a pass they are looked at in this order:
 an orphaned trainer, the row ended elsewhere, a client's cancel, a signal to the follower's process, a requeue,
@@ -35,7 +35,7 @@ from typing import Any
 
 from lora_worker.states import JobState, Phase
 from lora_worker.transcript.checkpoints import Checkpoints
-from lora_worker.transcript.ending import Reasons, drop_states, ended, write_final
+from lora_worker.transcript.ending import Reasons, drop_states, ended, serves_no_resume, write_final
 from lora_worker.transcript.eta import EtaClock, estimate_tail
 from lora_worker.transcript.facts import Exit, Facts, FollowedJob, FollowerLedger, Order, Stop, Timing
 from lora_worker.transcript.logfile import JobLog
@@ -208,7 +208,8 @@ class Follower:
 
     def finish(self) -> bool | None:
         """After `decide`: a LoRA that is no result set aside, the last progress, then the final row and its
-        webhook events (then a success's states dropped). True once written, False if the row had ended
+        webhook events (then the states dropped, of an end no resume can follow: a success, a cancel, a failure
+        a resume would meet again). True once written, False if the row had ended
         elsewhere, None if the ledger refused a step: call again (the supervisor after a pause, the poller on
         its next cycle); each step is done once."""
         outcome = self.outcome
@@ -226,8 +227,8 @@ class Follower:
             return None
         if not written:
             log.warning("job %s: already ended elsewhere; %s not recorded", self.job.id, outcome.state.value)
-        elif outcome.state is JobState.SUCCEEDED:
-            drop_states(self.job.output_dir, self.job.output_name, self.job.id)
+        elif serves_no_resume(outcome, self.reasons.failure):
+            drop_states(self.job.output_dir, self.job.output_name, self.job.id, self.job.output_dev_ino)
         log.info("job %s: %s", self.job.id, ended(outcome))
         return written
 

@@ -76,10 +76,18 @@ def test_a_cancel_in_saving_ends_cancelled_and_sets_the_half_written_lora_aside(
     scenarios.cancel_saving(start())
 
 
+def test_a_cancel_after_a_saved_state_removes_the_state(start: Start):
+    scenarios.cancel_after_a_state(start())
+
+
 # -- the trainer's own endings ---------------------------------------------------------------------------------
 
 def test_a_trainer_that_crashes_fails_with_the_class_its_output_explains(start: Start):
     scenarios.crash(start())
+
+
+def test_a_crash_after_a_saved_state_removes_the_state_no_resume_could_use(start: Start):
+    scenarios.crash_after_a_state(start())
 
 
 def test_exit_0_without_a_lora_is_no_success(start: Start):

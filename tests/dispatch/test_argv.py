@@ -6,6 +6,8 @@ import json
 import os
 import shlex
 import subprocess
+import tomllib
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,8 @@ from lora_worker.config import DEFAULT_DEVICES, LORA_TARGET_PRESETS, TIERS, Sett
 from lora_worker.config_tables import SAVE_EVERY_N_STEPS
 from lora_worker.dispatch.argv import (ENV_KEYS, SAMPLE_FLAGS, SCRIPT_FLAGS, SCRIPT_KEYS, build_argv, build_env,
                                       keep_last)
+from lora_worker.dispatch.presentation import DatasetConfig, config_for
+from lora_worker.errors import DatasetInvalid
 from lora_worker.run.local import LocalBackend
 from lora_worker.dispatch.request import ResolvedRequest, TrainRequest, resolve_request
 from tests.helpers.examples import examples
@@ -48,7 +52,16 @@ def prompts_path(res: int, prompts: list[tuple[str, int]] = (("photo of ohwx wom
     return f"/var/lib/lora-worker/prompts/{hashlib.sha256(data).hexdigest()[:32]}.json"
 
 
-def golden(steps: int, dim: int, res: int, batch: int, extra: str = "", every: int = 100, samples: bool = True) -> str:
+def config(req: ResolvedRequest, images: int = 20) -> DatasetConfig:
+    return config_for(req, SETTINGS, LOCAL, images)
+
+
+def argv_of(req: ResolvedRequest, settings: Settings = SETTINGS, images: int = 20) -> list[str]:
+    return build_argv(req, settings, LOCAL, config_for(req, settings, LOCAL, images))
+
+
+def golden(steps: int, dim: int, res: int, batch: int, extra: str = "", every: int = 100, samples: bool = True,
+           dataset: str = "--train_data_dir=/worktank/arbo/train/t1/dataset") -> str:
     # With samples, every sampled step LoRA is kept (at most 8: keep_last(kept, every) = (kept - 1) * every + 1),
     # and the sample flags follow the keys; without, the one newest step LoRA.
     kept = (min(8, steps // every) - 1) * every + 1 if samples else 1
@@ -58,7 +71,7 @@ def golden(steps: int, dim: int, res: int, batch: int, extra: str = "", every: i
         "/opt/fluxgym/.venv/bin/accelerate launch --num_processes=1 --num_machines=1 --mixed_precision=bf16 "
         "--dynamo_backend=no --num_cpu_threads_per_process=4 /opt/fluxgym/sd-scripts/sdxl_train_network.py "
         "--pretrained_model_name_or_path=/worktank/models/sdxl.safetensors "
-        "--tokenizer_cache_dir=/opt/fluxgym/tokenizers --train_data_dir=/worktank/arbo/train/t1/dataset "
+        f"--tokenizer_cache_dir=/opt/fluxgym/tokenizers {dataset} "
         "--output_dir=/worktank/arbo/train/t1/output --output_name=ohwx_v1 --save_model_as=safetensors "
         "--save_precision=fp16 "
         f"--caption_extension=.txt --resolution={res} --network_module=networks.lora --network_dim={dim} "
@@ -80,23 +93,40 @@ def golden(steps: int, dim: int, res: int, batch: int, extra: str = "", every: i
     ("quality", 1, golden(3000, 32, 1024, 2, every=500)),
 ])
 def test_golden_argv_for_every_allowed_tier_and_device(tier, device, expected):
+    """The dataset is the worker's config (its path names its content: test_the_dataset_config_is_exactly); a
+    row accepted before it was `--train_data_dir`, which only its resume's fingerprint rebuilds (config None)."""
     assert tier in DEFAULT_DEVICES[device].tiers
-    assert shlex.join(build_argv(request(tier=tier, device_index=device), SETTINGS, LOCAL)) == expected
+    req = request(tier=tier, device_index=device)
+    made = config(req)
+    assert made.path.parent == Path("/var/lib/lora-worker/datasets")
+    assert shlex.join(build_argv(req, SETTINGS, LOCAL, made)) == expected.replace(
+        "--train_data_dir=/worktank/arbo/train/t1/dataset", f"--dataset_config={made.path}")
+    assert shlex.join(build_argv(req, SETTINGS, LOCAL, None)) == expected
+
+
+def test_the_dataset_config_is_exactly_the_kohya_folder_its_class_tokens_and_one_epochs_repeats():
+    """20 images at batch 2 for 400 steps: 40 repeats make 400 batches, one epoch (39 would make 390)."""
+    made = config(request(tier="fast", device_index=1), images=20)
+    assert made.content == (b"[[datasets]]\n\n[[datasets.subsets]]\n"
+                            b"image_dir = '/worktank/arbo/train/t1/dataset/10_ohwx woman'\n"
+                            b"class_tokens = 'ohwx woman'\nnum_repeats = 40\n")
+    assert made.path.name == hashlib.sha256(made.content).hexdigest() + ".toml"
+    assert (made.presentation.repeats, made.presentation.steps_per_epoch, made.presentation.epochs) == (40, 400, 1)
 
 
 def test_a_request_without_samples_draws_none_and_keeps_one_step_lora():
-    argv = build_argv(request(samples=()), SETTINGS, LOCAL)
+    argv = build_argv(request(samples=()), SETTINGS, LOCAL, None)
     assert shlex.join(argv) == golden(400, 16, 768, 2, samples=False)
 
 
 def test_a_requests_prompts_are_the_files_each_with_its_seed_or_the_fixed_one():
-    argv = build_argv(request(samples=({"prompt": "ohwx woman, red coat", "seed": 7}, {"prompt": "ohwx woman"})),
-                      SETTINGS, LOCAL)
+    argv = argv_of(request(samples=({"prompt": "ohwx woman, red coat", "seed": 7}, {"prompt": "ohwx woman"})))
     assert f"--sample_prompts={prompts_path(768, [('ohwx woman, red coat', 7), ('ohwx woman', 43)])}" in argv
 
 
 def test_optional_parameters_land_in_their_own_tokens():
-    argv = build_argv(request(max_grad_norm=0.5, lora_target_modules="attn_mlp_conv"), SETTINGS, LOCAL)
+    req = request(max_grad_norm=0.5, lora_target_modules="attn_mlp_conv")
+    argv = build_argv(req, SETTINGS, LOCAL, None)
     assert "--max_grad_norm=0.5" in argv and "--network_args=conv_dim=16" in argv
     assert shlex.join(argv) == golden(400, 16, 768, 2, extra="--network_args=conv_dim=16 ").replace(
         "--max_grad_norm=1.0", "--max_grad_norm=0.5")
@@ -113,7 +143,7 @@ def test_env_is_exactly_the_allow_list():
 
 def argv_is_fixed_shape(argv: list[str], settings: Settings) -> None:
     script = argv.index(str(settings.train_script))
-    assert argv[:script + 1] == build_argv(request(), settings, LOCAL)[:script + 1]
+    assert argv[:script + 1] == argv_of(request(), settings)[:script + 1]
     for token in argv[script + 1:]:
         if token in SCRIPT_FLAGS + SAMPLE_FLAGS:
             continue
@@ -144,19 +174,27 @@ def test_no_request_can_produce_a_token_outside_the_allowed_key_value_form(
     req = request(dataset_dir=dataset, output_dir=output, base_model_path=model, output_name=name, trigger=trigger,
                   subject_class=subject, repeats=repeats, seed=seed, tier=tier, device_index=device,
                   max_grad_norm=grad, lora_target_modules=preset, samples=samples)
-    argv = build_argv(req, SETTINGS, LOCAL)
+    try:
+        made = config(req)
+    except DatasetInvalid:  # a quote or control character no TOML literal string holds: refused, said why
+        assert any(ch == "'" or (ch != "\t" and unicodedata.category(ch) == "Cc") for ch in dataset + subject)
+        return
+    argv = build_argv(req, SETTINGS, LOCAL, made)
     argv_is_fixed_shape(argv, SETTINGS)
-    # every user-derived value sits inside the token of its own key, whole
-    assert f"--train_data_dir={dataset}" in argv and f"--output_dir={output}" in argv
+    # every user-derived value sits inside the token of its own key, whole; the dataset inside the config
+    assert f"--dataset_config={made.path}" in argv and f"--output_dir={output}" in argv
     assert f"--pretrained_model_name_or_path={model}" in argv and f"--output_name={name}" in argv
     # a prompt is in the prompts file, never in a token: ` --n …` or a newline in it is text, not an option
-    assert len(argv) == len(build_argv(request(max_grad_norm=grad, lora_target_modules=preset,
-                                               samples=None if prompts != [] else ()), SETTINGS, LOCAL))
+    assert len(argv) == len(argv_of(request(max_grad_norm=grad, lora_target_modules=preset,
+                                            samples=None if prompts != [] else ())))
+    assert tomllib.loads(made.content.decode()) == {"datasets": [{"subsets": [{
+        "image_dir": os.path.join(dataset, f"{repeats}_{trigger} {subject}"), "class_tokens": f"{trigger} {subject}",
+        "num_repeats": made.presentation.repeats}]}]}
 
 
 def test_keys_and_flags_of_the_recipe_are_tiers_own():
     # every tier's argv uses the same keys: nothing about a tier adds or removes a flag
-    keys = {tuple(t.split("=")[0] for t in build_argv(request(tier=t, device_index=1), SETTINGS, LOCAL)) for t in TIERS}
+    keys = {tuple(t.split("=")[0] for t in argv_of(request(tier=t, device_index=1))) for t in TIERS}
     assert len(keys) == 1
 
 
@@ -168,7 +206,7 @@ SAVED_DTYPE = {None: "F32", "float": "F32", "fp16": "F16", "bf16": "BF16"}
 @pytest.mark.parametrize("tier", list(TIERS))
 def test_the_trainer_is_told_exactly_what_its_lora_is_held_to(tier):
     req = request(tier=tier, device_index=1)
-    tokens = dict(t[2:].split("=", 1) for t in build_argv(req, SETTINGS, LOCAL) if t.startswith("--") and "=" in t)
+    tokens = dict(t[2:].split("=", 1) for t in argv_of(req) if t.startswith("--") and "=" in t)
     assert int(tokens["network_dim"]) == req.expected.rank and int(tokens["max_train_steps"]) == req.expected.steps
     assert (tokens["output_name"], int(tokens["seed"])) == (req.expected.output_name, req.expected.seed)
     assert Path(tokens["output_dir"]) / f"{tokens['output_name']}.safetensors" == req.lora_file
@@ -210,7 +248,7 @@ def test_keeping_one_of_every_step_is_refused():
 @pytest.mark.parametrize("tier", list(TIERS))
 def test_every_tier_saves_and_samples_where_the_last_step_falls_and_keeps_each_sampled_step_lora(tier):
     req = request(tier=tier, device_index=1)
-    argv = build_argv(req, SETTINGS, LOCAL)
+    argv = argv_of(req)
     tokens = dict(t[2:].split("=", 1) for t in argv if t.startswith("--") and "=" in t)
     every = int(tokens["save_every_n_steps"])
     assert "--save_state" in argv and every == SAVE_EVERY_N_STEPS[tier] == int(tokens["sample_every_n_steps"])
@@ -230,7 +268,7 @@ def test_the_fixed_argv_is_accepted_by_the_trainers_parser():
     value is argparse's exit 2. With LW_RIG pointing at the real trainer's rig, its own parser is asked too."""
     fake = load_fake_trainer()
     for tier, device in [("fast", 0), ("balanced", 1), ("quality", 1)]:
-        argv = build_argv(request(tier=tier, device_index=device), SETTINGS, LOCAL)
+        argv = argv_of(request(tier=tier, device_index=device))
         script_args = argv[argv.index(str(SETTINGS.train_script)) + 1:]
         args = fake.setup_parser().parse_args(script_args)
         assert args.save_state and args.save_every_n_steps == SAVE_EVERY_N_STEPS[tier]
@@ -245,19 +283,23 @@ RIG = os.environ.get("LW_RIG")  # the real trainer's rig (../shared/rig); CI has
 def test_the_fixed_argv_is_accepted_by_the_real_trainers_parser():
     """sd-scripts' own setup_parser (the pinned commit, in the rig's venv) parses every tier's script args."""
     rig = Path(str(RIG))
-    cases = {}
+    cases, configs = {}, {}
     for tier, device in [("fast", 0), ("balanced", 1), ("quality", 1)]:
-        argv = build_argv(request(tier=tier, device_index=device), SETTINGS, LOCAL)
+        argv = argv_of(request(tier=tier, device_index=device))
+        configs[tier] = str(config(request(tier=tier, device_index=device)).path)
         cases[tier] = argv[argv.index(str(SETTINGS.train_script)) + 1:]
     probe = ("import json, sys; import sdxl_train_network as t; cases = json.loads(sys.argv[1]); "
              "out = {k: vars(t.setup_parser().parse_args(v)) for k, v in cases.items()}; "
-             "print(json.dumps({k: {n: a[n] for n in ('save_state', 'save_every_n_steps', 'save_last_n_steps_state', "
-             "'sample_every_n_steps', 'sample_at_first', 'sample_sampler')} for k, a in out.items()}))")
+             "print(json.dumps({k: {n: a[n] for n in ('save_state', 'save_every_n_steps', 'save_last_n_steps', "
+             "'save_last_n_steps_state', 'dataset_config', 'train_data_dir', 'sample_every_n_steps', "
+             "'sample_at_first', 'sample_sampler')} for k, a in out.items()}, default=str))")
     done = subprocess.run([str(rig / "venv" / "bin" / "python"), "-c", probe, json.dumps(cases)],
                           cwd=rig / "sd-scripts", capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     parsed = json.loads(done.stdout.strip().splitlines()[-1])
     for tier in cases:
-        every = SAVE_EVERY_N_STEPS[tier]
-        assert parsed[tier] == {"save_state": True, "save_every_n_steps": every, "save_last_n_steps_state": 1,
+        every, steps = SAVE_EVERY_N_STEPS[tier], TIERS[tier].max_train_steps
+        assert parsed[tier] == {"save_state": True, "save_every_n_steps": every,
+                                "save_last_n_steps": keep_last(min(8, steps // every), every),
+                                "save_last_n_steps_state": 1, "dataset_config": configs[tier], "train_data_dir": None,
                                 "sample_every_n_steps": every, "sample_at_first": True, "sample_sampler": "euler_a"}

@@ -1,4 +1,4 @@
-"""sd-scripts' bucket arithmetic (dispatch/buckets.py) and the one presentation of a dataset (dispatch/plan.py).
+"""sd-scripts' bucket arithmetic (dispatch/buckets.py) and the one presentation of a dataset (dispatch/presentation.py).
 The arithmetic is held to the real trainer's printed tables on the rig (tests/rig/test_real_buckets.py); here, its
 cases as sd-scripts' own BucketManager answers them (read off the rig), and the mean's summation to numpy's own (the
 same numpy as the rig's venv, 2.4.6)."""
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from lora_worker.dispatch.buckets import NoBucket, bucket_table, pairwise_sum, select_bucket
-from lora_worker.dispatch.plan import presentation, states
+from lora_worker.dispatch.presentation import SavedState, presentation
 
 
 @pytest.mark.parametrize("size, resolution, bucket, resized", [
@@ -51,11 +51,17 @@ def test_the_table_counts_repeats_sorts_buckets_and_prints_the_trainers_lines():
 
 def test_the_presentation_says_batches_epochs_and_the_states_a_resume_could_use():
     buckets = [select_bucket(w, h, 768) for w, h in [(768, 768)] * 3 + [(500, 300)] * 2]
-    shown = presentation(5, 10, 2, 400, buckets)
+    # a row accepted before issue 32 was shown the kohya folder's own repeats
+    shown = presentation(5, 2, 400, 150, buckets, folder_repeats=10)
     assert (shown.images_x_repeats, shown.first_epoch_steps_at_least) == (50, 25)
     assert shown.steps_per_epoch == 15 + 10 and shown.epochs == 16
-    odd = presentation(5, 3, 2, 400, buckets)  # 9 and 6 per bucket: 5 + 3 batches, more than ceil(15 / 2)
+    odd = presentation(5, 2, 400, 150, buckets, folder_repeats=3)  # 9 and 6 per bucket: 5 + 3 batches
     assert (odd.steps_per_epoch, odd.first_epoch_steps_at_least) == (8, 8)
-    assert states(presentation(20, 10, 1, 400), 150) == [{"step": 150, "resumable": True},
-                                                         {"step": 300, "resumable": False}]
-    assert states(presentation(20, 10, 1, 400), 200)[-1] == {"step": 400, "resumable": False}  # the last step
+    before = presentation(20, 1, 400, 150, folder_repeats=10)
+    assert [(s.step, s.resumable) for s in before.states] == [(150, True), (300, False)]
+    # every job now: the smallest repeats that make one epoch of the steps asked, whatever the buckets round up
+    now = presentation(5, 2, 401, 150, buckets)
+    assert (now.repeats, now.images_x_repeats, now.first_epoch_steps_at_least) == (161, 805, 403)
+    assert now.steps_per_epoch == 242 + 161 and now.epochs == 1
+    assert [(s.step, s.resumable) for s in presentation(20, 1, 400, 150).states] == [(150, True), (300, True)]
+    assert presentation(20, 1, 400, 200).states[-1] == SavedState(400, False)  # the last step: nothing left

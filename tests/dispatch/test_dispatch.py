@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import tomllib
 import unicodedata
 
 import pytest
@@ -31,7 +32,12 @@ def test_the_resolved_real_paths_are_what_the_trainer_receives(api, host):
     conn = sqlite3.connect(host.settings.database_path)
     (argv,) = conn.execute("SELECT argv FROM jobs WHERE id=?", (job_id,)).fetchone()
     conn.close()
-    assert f'"--train_data_dir={host.dataset}"' in argv
+    (config,) = [a.split("=", 1)[1] for a in json.loads(argv) if a.startswith("--dataset_config=")]
+    assert "--train_data_dir" not in argv
+    with open(config, "rb") as fh:
+        written = tomllib.load(fh)
+    assert written["datasets"][0]["subsets"][0]["image_dir"] == str(
+        host.dataset / "10_ohwx woman")
 
 
 def test_the_row_records_the_resolved_request_and_the_lora_it_must_produce(api, host):

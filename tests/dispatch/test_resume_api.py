@@ -2,6 +2,9 @@
 is active, 422 with the reasons when no state passes; admitted and launched as POST /train's jobs are."""
 from __future__ import annotations
 
+import pytest
+
+from lora_worker.dispatch.refingerprint import without_resume_flags
 from lora_worker.ledger import repository as repo
 from lora_worker.states import FailureClass, JobState
 from tests.helpers import job_rows
@@ -121,3 +124,71 @@ def test_the_openapi_document_has_both_routes(api):
     assert set(paths["/train/{job_id}/resume"]) == {"get", "post"}
     post = paths["/train/{job_id}/resume"]["post"]
     assert "202" in post["responses"] and "not_resumable" in str(post["responses"])
+
+
+@pytest.mark.parametrize("samples", [[], None])
+def test_a_resumes_disk_preflight_counts_the_state_it_finds_once(api, host, db, launches, monkeypatch, samples):
+    """The run it continues kept a state and a step LoRA there, which its own first save replaces: a resume needs
+    one state and one step LoRA less free space than the job (docs/resume.md, "What states cost"); with samples (the
+    default prompt), it counts the step LoRAs and images of the steps it has left, not the whole run's."""
+    from lora_worker.config_tables import STATE_MIB, STEP_LORA_MIB
+    from lora_worker.dispatch import dispatcher
+    from lora_worker.dispatch.disk import required_mib
+    from lora_worker.dispatch.samples import disk_counts, resolve_samples
+
+    needs: list[int] = []
+    real = dispatcher.require_free_space
+    monkeypatch.setattr(dispatcher, "require_free_space", lambda path, need: (needs.append(need), real(path, need)))
+    body = {**host.payload(), **({"samples": samples} if samples is not None else {})}
+    response = api.post("/train", json=body)
+    assert response.status_code == 202, response.get_json()
+    original = response.get_json()["worker_job_id"]
+    interrupted(db, host.settings, original)
+    answer = api.post(f"/train/{original}/resume")
+    assert answer.status_code == 202, answer.get_json()
+    if samples == []:
+        assert needs[0] - needs[1] == STATE_MIB[16] + STEP_LORA_MIB[16] and needs[1] > 0
+        return
+    job, resumed = repo.get_job(db, original), repo.get_job(db, answer.get_json()["worker_job_id"])
+    prompts = resolve_samples(None, job.trigger, job.subject_class)
+    every = host.settings.save_every_n_steps(job.tier)
+    left = disk_counts(prompts, job.lora_steps - resumed.resume_step, every)
+    assert left != disk_counts(prompts, job.lora_steps, every)  # the steps left draw fewer passes
+    assert needs[1] == required_mib(host.settings.disk_mib[job.tier], 16, **left, resuming=True)
+
+
+def test_a_row_accepted_before_the_dataset_config_resumes_with_the_folders_repeats(api, host, db, launches):
+    """Its argv named `--train_data_dir`: its resume rebuilds that argv (the fingerprint holds), keeps it, and
+    writes no config."""
+    import json
+    import sqlite3
+
+    original = submit(api, host)
+    conn = sqlite3.connect(host.settings.database_path)
+    with conn:
+        (argv,) = conn.execute("SELECT argv FROM jobs WHERE id = ?", (original,)).fetchone()
+        legacy = [f"--train_data_dir={host.dataset}" if a.startswith("--dataset_config=") else a
+                  for a in json.loads(argv)]
+        conn.execute("UPDATE jobs SET argv = ? WHERE id = ?", (json.dumps(legacy), original))
+    conn.close()
+    for config in (host.settings.state_dir / "datasets").iterdir():
+        config.unlink()
+    interrupted(db, host.settings, original)
+    answer = api.post(f"/train/{original}/resume")
+    assert answer.status_code == 202, answer.get_json()
+    resumed = repo.get_job(db, answer.get_json()["worker_job_id"])
+    assert without_resume_flags(resumed.argv) == without_resume_flags(legacy)
+    assert not any(a.startswith("--dataset_config=") for a in resumed.argv)
+    assert list((host.settings.state_dir / "datasets").iterdir()) == []
+
+
+def test_a_resume_writes_its_config_again_when_retention_removed_it(api, host, db, launches):
+    original = submit(api, host)
+    (config,) = list((host.settings.state_dir / "datasets").iterdir())
+    content = config.read_bytes()
+    config.unlink()
+    interrupted(db, host.settings, original)
+    answer = api.post(f"/train/{original}/resume")
+    assert answer.status_code == 202, answer.get_json()
+    assert config.read_bytes() == content
+    assert f"--dataset_config={config}" in repo.get_job(db, answer.get_json()["worker_job_id"]).argv

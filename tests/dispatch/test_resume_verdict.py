@@ -3,6 +3,7 @@ passes chosen (dispatch/resumable.py, host/train_state.py)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import sqlite3
@@ -12,7 +13,7 @@ import pytest
 from lora_worker.dispatch import resumable
 from lora_worker.dispatch.resumable import ENDINGS, verdict
 from lora_worker.errors import RESUME_REASONS
-from lora_worker.host import train_state
+from lora_worker.host import state_archives, train_state
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger import resumes
 from lora_worker.states import FailureClass, JobState
@@ -130,14 +131,14 @@ def test_a_state_of_another_rank_is_refused(db, settings, job_id):
 
 def test_archives_past_the_bound_are_not_verified(db, settings, job_id, monkeypatch):
     interrupted(db, settings, job_id, steps=(2,))
-    monkeypatch.setattr(train_state, "MAX_ARCHIVE_BYTES", 100)
+    monkeypatch.setattr(state_archives, "MAX_ARCHIVE_BYTES", 100)
     found = check(db, settings, job_id)
     assert codes(found) == ["state_unverifiable"] and "more than 100 bytes" in found.reasons[0].message
 
 
 def test_a_check_past_its_time_is_not_verified(db, settings, job_id, monkeypatch):
     interrupted(db, settings, job_id, steps=(2,))
-    monkeypatch.setattr(train_state, "MAX_CHECK_S", -1.0)
+    monkeypatch.setattr(state_archives, "MAX_CHECK_S", -1.0)
     assert codes(check(db, settings, job_id)) == ["state_unverifiable"]
 
 
@@ -148,15 +149,48 @@ def test_a_state_the_run_never_said_it_saved_is_refused(db, settings, job_id):
     assert found.from_step == 4 and codes(found) == ["state_not_seen"]
 
 
-def test_a_state_past_the_first_epoch_is_refused(db, settings, job_id):
+def as_accepted_before_issue_32(settings, job_id: int) -> None:
+    """The row as dispatch wrote it before the dataset config: `--train_data_dir`, the folder's own repeats."""
+    conn = sqlite3.connect(settings.database_path)
+    with conn:
+        (argv,) = conn.execute("SELECT argv FROM jobs WHERE id = ?", (job_id,)).fetchone()
+        argv = [f"--train_data_dir={row_dataset(conn, job_id)}" if a.startswith("--dataset_config=") else a
+                for a in json.loads(argv)]
+        conn.execute("UPDATE jobs SET argv = ? WHERE id = ?", (json.dumps(argv), job_id))
+    conn.close()
+
+
+def row_dataset(conn, job_id: int) -> str:
+    return conn.execute("SELECT dataset_dir FROM jobs WHERE id = ?", (job_id,)).fetchone()[0]
+
+
+def test_a_state_past_the_first_epoch_of_a_row_accepted_before_is_refused(db, settings, job_id):
+    """A row given `--train_data_dir` trained on the folder's 10 repeats: 3 images × 10 / batch 2 is 15 steps an
+    epoch, and its resume (which rebuilds the same argv) keeps that rule."""
+    as_accepted_before_issue_32(settings, job_id)
     output = interrupted(db, settings, job_id)
     job = repo.get_job(db, job_id)
     assert job.image_count * job.repeats == 30 and "--train_batch_size=2" in job.argv  # an epoch: 15 steps
     write_state(output, "ohwx_lora", 15, epoch=1)  # the first step of epoch 2 is 16: 15 is epoch 1's last
-    log_saves(settings, job_id, 15)
+    write_state(output, "ohwx_lora", 14)  # the last step of epoch 1
+    log_saves(settings, job_id, 14, 15)
     found = check(db, settings, job_id)
-    assert found.from_step == 4 and codes(found) == ["state_past_first_epoch"]
+    assert found.from_step == 14 and codes(found) == ["state_past_first_epoch"]
     assert "3 images × 10 repeats / batch size 2" in found.reasons[0].message
+
+
+def test_a_job_presented_one_epoch_resumes_from_a_state_past_where_its_folders_repeats_ended_an_epoch(
+        db, settings, job_id):
+    """The same request accepted now: its config shows sd-scripts 267 repeats (3 × 267 / 2 ≥ 400 steps), so the
+    state of step 300 (past the folder's 15-step epoch, 20 epochs in) is inside its one epoch."""
+    output = interrupted(db, settings, job_id)
+    write_state(output, "ohwx_lora", 300)
+    log_saves(settings, job_id, 300)
+    found = check(db, settings, job_id)
+    assert found.resumable and found.from_step == 300 and found.reasons == []
+    shown = resumable.presentation_of(repo.get_job(db, job_id))
+    assert shown is not None and (shown.repeats, shown.steps_per_epoch, shown.epochs) == (267, 401, 1)
+    assert all(state.resumable for state in shown.states[:-1])
 
 
 def test_a_state_at_the_last_step_is_refused(db, settings, job_id):
@@ -246,7 +280,7 @@ def test_every_reason_is_in_the_catalogue():
     import inspect
 
     source = inspect.getsource(resumable) + inspect.getsource(train_state) + inspect.getsource(
-        __import__("lora_worker.dispatch.refingerprint", fromlist=["x"]))
+        __import__("lora_worker.dispatch.refingerprint", fromlist=["x"])) + inspect.getsource(state_archives)
     import re
 
     said = set(re.findall(r'"((?:state|fingerprint|job|no|failure|already|output|lora)_[a-z_]+)"', source))

@@ -230,8 +230,14 @@ def setup_parser() -> argparse.ArgumentParser:
     return p
 
 
+CLASS_TOKENS: dict[str, str] = {}  # each subset's class tokens, by its image_dir
+
+
 def scan_dataset(args: argparse.Namespace) -> tuple[list[tuple[str, int, list[str]]], int]:
     """[(folder path, repeats, image paths)], images with repeats — as config_util / train_util do."""
+    if args.dataset_config is not None:
+        return scan_dataset_config(args)
+    log("Using DreamBooth method.")
     subsets = []
     base = args.train_data_dir
     if base is None or not os.path.isdir(base):
@@ -248,9 +254,35 @@ def scan_dataset(args: argparse.Namespace) -> tuple[list[tuple[str, int, list[st
             continue
         if repeats < 1:
             continue
-        images = sorted(os.path.join(path, f) for f in os.listdir(path)
-                        if os.path.splitext(f)[1] in IMAGE_EXTENSIONS)
-        subsets.append((path, repeats, images))
+        CLASS_TOKENS[path] = name.split("_", 1)[1]
+        subsets.append((path, repeats, glob_images(path)))
+    return subsets, sum(r * len(i) for _, r, i in subsets)
+
+
+def glob_images(path: str) -> list[str]:
+    return sorted(os.path.join(path, f) for f in os.listdir(path) if os.path.splitext(f)[1] in IMAGE_EXTENSIONS)
+
+
+def scan_dataset_config(args: argparse.Namespace) -> tuple[list[tuple[str, int, list[str]]], int]:
+    """train_network.py L518-528 and config_util.load_user_config: the TOML's DreamBooth subsets (read by the toml
+    package there, by tomllib here: the worker writes only literal strings, which both read alike)."""
+    import tomllib
+
+    log(f"Loading dataset config from {args.dataset_config}")
+    if not os.path.isfile(args.dataset_config):
+        raise ValueError(f"file not found / ファイルが見つかりません: {args.dataset_config}")
+    with open(args.dataset_config, "rb") as fh:
+        config = tomllib.load(fh)
+    ignored = ["train_data_dir", "reg_data_dir"]
+    if any(getattr(args, attr) is not None for attr in ignored):
+        log("ignoring the following options because config file is found: {0} / 設定ファイルが利用されるため以下の"
+            "オプションは無視されます: {0}".format(", ".join([*ignored, "in_json"])))
+    subsets = []
+    for dataset in config.get("datasets", []):
+        for subset in dataset.get("subsets", []):
+            path = subset["image_dir"]
+            CLASS_TOKENS[path] = subset.get("class_tokens")
+            subsets.append((path, int(subset.get("num_repeats", 1)), glob_images(path) if os.path.isdir(path) else []))
     return subsets, sum(r * len(i) for _, r, i in subsets)
 
 
@@ -269,8 +301,10 @@ def read_caption(img_path: str, caption_extension: str) -> str | None:
     return lines[0].strip()
 
 
-def load_dreambooth_dir(args: argparse.Namespace, images: list[str]) -> list[str]:
-    return [read_caption(image, args.caption_extension) or "" for image in tqdm(images, desc="read caption")]
+def load_dreambooth_dir(args: argparse.Namespace, images: list[str], class_tokens: str | None) -> list[str]:
+    """Each image's caption, or the subset's class tokens where it has no caption file (train_util.py L2068-2078)."""
+    return [read_caption(image, args.caption_extension) or class_tokens or ""
+            for image in tqdm(images, desc="read caption")]
 
 
 def dataset_block(args: argparse.Namespace, subsets: list) -> str:
@@ -281,7 +315,7 @@ def dataset_block(args: argparse.Namespace, subsets: list) -> str:
         lines += [f"  min_bucket_reso: {args.min_bucket_reso}", f"  max_bucket_reso: {args.max_bucket_reso}",
                   f"  bucket_reso_steps: {args.bucket_reso_steps}", f"  bucket_no_upscale: {args.bucket_no_upscale}"]
     for i, (path, repeats, images) in enumerate(subsets):
-        class_tokens = os.path.basename(path).split("_", 1)[1]
+        class_tokens = CLASS_TOKENS.get(path)
         lines += ["", f"  [Subset {i} of Dataset 0]", f'    image_dir: "{path}"', f"    image_count: {len(images)}",
                   f"    num_repeats: {repeats}", "    shuffle_caption: False", "    keep_tokens: 0",
                   "    caption_dropout_rate: 0.0", "    caption_dropout_every_n_epochs: 0",
@@ -543,8 +577,39 @@ def lora_metadata(args: argparse.Namespace, rank: int, steps: int, epoch: int, t
     })
     if args.network_args:
         metadata["ss_network_args"] = json.dumps(dict(a.split("=", 1) for a in args.network_args))
+    if args.dataset_config is not None:
+        user_config_metadata(metadata, args, subsets, total_images, buckets)
     metadata.update(MODES.get("metadata_overrides", {}))
     return metadata
+
+
+# What train_network.py L1069-1158 writes only without a --dataset_config (L1159-1200); with one, these go and the
+# same facts are in `ss_datasets` (one entry per dataset, its subsets inside).
+WITHOUT_CONFIG_ONLY = (
+    "ss_batch_size_per_device", "ss_total_batch_size", "ss_resolution", "ss_color_aug", "ss_flip_aug",
+    "ss_random_crop", "ss_shuffle_caption", "ss_enable_bucket", "ss_bucket_no_upscale", "ss_min_bucket_reso",
+    "ss_max_bucket_reso", "ss_keep_tokens", "ss_reg_dataset_dirs", "ss_bucket_info")
+
+
+def user_config_metadata(metadata: dict[str, str], args: argparse.Namespace, subsets: list, total: int,
+                         buckets: dict) -> None:
+    res = int((args.resolution or "1024").split(",")[0])
+    for key in WITHOUT_CONFIG_ONLY:
+        metadata.pop(key, None)
+    tags = json.loads(metadata["ss_tag_frequency"])
+    tag_frequency = {os.path.basename(p): next(iter(tags.values()), {}) for p, _, _ in subsets}
+    metadata["ss_datasets"] = json.dumps([{
+        "is_dreambooth": True, "batch_size_per_device": args.train_batch_size, "num_train_images": total,
+        "num_reg_images": 0, "resolution": [res, res], "enable_bucket": bool(args.enable_bucket),
+        "min_bucket_reso": args.min_bucket_reso, "max_bucket_reso": args.max_bucket_reso,
+        "tag_frequency": tag_frequency, "bucket_info": buckets if args.enable_bucket else None,
+        "resize_interpolation": None,
+        "subsets": [{"img_count": len(i), "num_repeats": r, "color_aug": False, "flip_aug": False,
+                     "random_crop": False, "shuffle_caption": False, "keep_tokens": 0, "keep_tokens_separator": "",
+                     "secondary_separator": None, "enable_wildcard": False, "caption_prefix": None,
+                     "caption_suffix": None, "resize_interpolation": None, "image_dir": os.path.basename(p),
+                     "class_tokens": CLASS_TOKENS.get(p), "is_reg": False} for p, r, i in subsets]}])
+    metadata["ss_tag_frequency"] = json.dumps(tag_frequency)
 
 
 # --save_precision: network.save_weights casts every tensor to it; without it (or "float") they stay float32.
@@ -651,17 +716,21 @@ def train(args: argparse.Namespace) -> int:
 def launching(args: argparse.Namespace) -> tuple[list[CLIPTokenizer], Dataset | None]:
     phase("launching")
     tokenizers = [_load_tokenizer(model_id, args.tokenizer_cache_dir) for model_id in TOKENIZERS]
-    log("Using DreamBooth method.")
-    log("prepare images.")
     found, _ = scan_dataset(args)
+    log("prepare images.")
     captions: list[str] = []
     for path, _, imgs in found:  # train_util load_dreambooth_dir, then the subset loop, per subset
+        if not os.path.isdir(path):
+            log(f"not directory: {path}")
+            log(f"ignore subset with image_dir='{path}': no images found / "
+                "画像が見つからないためサブセットを無視します")
+            continue
         log("get image size from name of cache files")
         for _ in tqdm(imgs):
             pass
         log(f"set image size from cache files: 0/{len(imgs)}")
         log(f"found directory {path} contains {len(imgs)} image files")
-        captions += load_dreambooth_dir(args, imgs)
+        captions += load_dreambooth_dir(args, imgs, CLASS_TOKENS.get(path))
         if not imgs:
             log(f"ignore subset with image_dir='{path}': no images found / "
                 "画像が見つからないためサブセットを無視します")

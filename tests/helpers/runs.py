@@ -26,10 +26,11 @@ def wait_state(client, job_id: int, *states: str, timeout: float = 30) -> dict:
 
 
 def wait_states_removed(output_dir: Path, timeout: float = 10) -> None:
-    """A verified success's states go just after the success is written (the outcome first, then the
-    best-effort cleanup: transcript/ending.py), so a poll can see `succeeded` a moment before they are gone."""
+    """The states of an end no resume can follow (a success, a cancel, a failure that would recur) go just after the
+    end is written (the outcome first, then the best-effort cleanup: transcript/ending.py), so a poll can see the
+    end a moment before they are gone."""
     wait_for(lambda: not [p.name for p in output_dir.iterdir() if p.name.endswith("-state")], timeout=timeout,
-             what=f"the states in {output_dir} removed after the success")
+             what=f"the states in {output_dir} removed after the end")
 
 
 def wait_phase(client, job_id: int, phase: str) -> dict:

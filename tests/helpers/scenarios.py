@@ -45,7 +45,9 @@ def end(status: str, failure: str | None, phase: str | None, *, upto: tuple[str,
 SAVES = ("sampling", "saving", "training") * 4 + ("saving",)  # each step save after its pass, then the final save
 STEP_LORAS = tuple(("job.checkpoint", s, True, False) for s in SAVED)
 PASSES = FIRST + tuple(("job.sample", s, 1, 1, (s, True)) for s in SAVED)
-STATES = ("ohwx_lora-state", "ohwx_lora-step00000400-state")  # kept for a resume unless the job succeeded
+# Kept for a resume only where one can follow (a failure cut off from outside: states.RESUMABLE); a success, a
+# client's cancel and a failure a resume would meet again drop them once the end is written.
+STATES = ("ohwx_lora-state", "ohwx_lora-step00000400-state")
 MOVED = (("note", "LoRA moved aside"),)
 ASKED = (("note", "cancel requested"),)  # the client's cancel, on the row before the job ends
 SUCCESS = end("succeeded", None, "saving", upto=TO_TRAINING + SAVES, lora=True, checkpoints=STEP_LORAS,
@@ -140,7 +142,8 @@ def cancel_running(worker: Worker, phase: str, modes: dict[str, Any]) -> None:
 
 
 def cancel_saving(worker: Worker) -> None:
-    """A cancel while the final LoRA is half written: cancelled, the half file set aside."""
+    """A cancel while the final LoRA is half written: cancelled, the half file set aside, the states (the last
+    step's and the end's, both written by then) removed: a cancel is never resumed."""
     worker.modes(partial_save_then_hang=True)
     job_id = worker.submit()
     lora = Path(worker.job(job_id)["output_dir"]) / LORA
@@ -151,11 +154,27 @@ def cancel_saving(worker: Worker) -> None:
     worker.wait(job_id, "half a LoRA, in the final save", lambda j: j["phase"] == "saving" and j["step"] == 400
                 and lora.exists() and sum(e.reason == "phase saving" for e in repo.job_events(worker.db, job_id))
                 == final_save)
+    assert {p.name for p in lora.parent.iterdir()} >= set(STATES)
     worker.cancel(job_id)
     worker.wait_end(job_id)
+    wait_states_removed(lora.parent)
     assert end_of(worker, job_id) == end("cancelled", None, "saving", upto=TO_TRAINING + SAVES, notes=ASKED + MOVED,
-                                         checkpoints=STEP_LORAS, samples=PASSES,
-                                         files=(*STATES, *STEPS, PARTIAL, SAMPLE_DIR))
+                                         checkpoints=STEP_LORAS, samples=PASSES, files=(*STEPS, PARTIAL, SAMPLE_DIR))
+
+
+def cancel_after_a_state(worker: Worker) -> None:
+    """A cancel in training after the run saved its state of step 100: cancelled, the state removed with it (it
+    can serve no resume), the step LoRA and the samples kept."""
+    worker.modes(hold_at_step=200, release_file=NEVER)
+    job_id = worker.submit()
+    output = Path(worker.job(job_id)["output_dir"])
+    held(worker, job_id, 199)
+    assert "ohwx_lora-step00000100-state" in {p.name for p in output.iterdir()}
+    worker.cancel(job_id)
+    worker.wait_end(job_id)
+    wait_states_removed(output)
+    assert end_of(worker, job_id) == end("cancelled", None, "training", upto=TO_TRAINING + SAVES[:3], notes=ASKED,
+                                         checkpoints=STEP_LORAS[:1], samples=PASSES[:2], files=(STEPS[0],))
 
 
 # -- the trainer's own endings ---------------------------------------------------------------------------------
@@ -168,18 +187,31 @@ def crash(worker: Worker) -> None:
     assert row["exit_code"] == 1 and "CUDA error: an illegal memory access" in row["error"]
 
 
+def crash_after_a_state(worker: Worker) -> None:
+    """The trainer's own exception after its state of step 100: trainer_crashed, which a resume would meet again
+    (the same code on the same state), so the state goes with the end; the step LoRA and the samples stay."""
+    worker.modes(crash_at_step=200)
+    job_id = worker.submit()
+    worker.wait_end(job_id)
+    wait_states_removed(Path(worker.job(job_id)["output_dir"]))
+    assert end_of(worker, job_id) == end("failed", "trainer_crashed", "training", upto=TO_TRAINING + SAVES[:3],
+                                         checkpoints=STEP_LORAS[:1], samples=PASSES[:2], files=(STEPS[0],))
+
+
 def no_lora(worker: Worker) -> None:
+    """Exit 0 without a LoRA: no_output, which a resume would meet again: its state goes."""
     worker.modes(skip_save=True)
     job_id = worker.submit()
     worker.wait_end(job_id)
+    wait_states_removed(Path(worker.job(job_id)["output_dir"]))
     assert end_of(worker, job_id) == end("failed", "no_output", "training", upto=TO_TRAINING + SAVES[:-1],
-                                         checkpoints=STEP_LORAS, samples=PASSES,
-                                         files=("ohwx_lora-step00000400-state", *STEPS, SAMPLE_DIR))
+                                         checkpoints=STEP_LORAS, samples=PASSES, files=(*STEPS, SAMPLE_DIR))
 
 
 def save_never_ends(worker: Worker) -> None:
     """The final save hangs half written (a full disk, a hung mount; its worker's saving limit is short): stopped,
-    stalled; the half file is moved aside, so the same request again is accepted, not 422 output_exists."""
+    stalled; the half file is moved aside, so the same request again is accepted, not 422 output_exists. A stall
+    may be resumed: its states stay."""
     worker.modes(partial_save_then_hang=True)
     job_id = worker.submit()
     worker.wait_end(job_id)

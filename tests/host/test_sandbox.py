@@ -91,8 +91,16 @@ def test_a_hostile_trainer_reads_and_writes_nothing_outside_the_jobs_paths(clien
                 report["network"] = repr(exc)
             report["processes"] = sorted(open(f"/proc/{{p}}/cmdline").read().replace("\\0", " ")
                                          for p in os.listdir("/proc") if p.isdigit())
-            # What the job needs must still work: its dataset reads, its output dir writes.
-            report["dataset"] = sorted(os.listdir(args["train_data_dir"]))
+            # What the job needs must still work: its dataset config and dataset read, its output dir writes.
+            config = open(args["dataset_config"]).read()
+            report["config"] = config
+            report["dataset"] = sorted(os.listdir(config.split("image_dir = '")[1].split("'")[0]))
+            report["beside_config"] = sorted(os.listdir(os.path.dirname(args["dataset_config"])))
+            try:
+                open(args["dataset_config"], "a").close()
+                report["config_written"] = True
+            except OSError:
+                report["config_written"] = False
             with open(os.path.join(args["output_dir"], "report.json"), "w") as fh:
                 json.dump(report, fh)
             sys.exit(1)
@@ -105,7 +113,9 @@ def test_a_hostile_trainer_reads_and_writes_nothing_outside_the_jobs_paths(clien
     assert report_file.exists(), done["error"]
     report = json.loads(report_file.read_text())
     assert done["status"] == "failed"
-    assert report["dataset"] == ["10_ohwx woman"]  # the job's own paths are there
+    assert report["dataset"] == sorted(os.listdir(host.dataset / "10_ohwx woman"))  # the job's own paths are there
+    assert "num_repeats = " in report["config"] and not report["config_written"]  # its config, read-only
+    assert len(report["beside_config"]) == 1  # nothing else of the state dir: only the one file bound
     # The home dir exists in the sandbox only as the path to the interpreter (pyenv) when it lives there.
     home_view = report["read"].pop("host_root_dir")
     assert home_view is None or Path(home_secret).name not in home_view

@@ -232,7 +232,8 @@ def test_prune_removes_the_lock_files_moved_aside_logs_and_partial_loras_of_the_
     lora = out_dir / lora_name
     lora.write_bytes(b"a LoRA of another job, finished")  # the LoRA's own name: never pruned
     code, out = jobs(migrated, "prune", "--older-than", "90")
-    assert code == 0 and out.endswith(" and 2 log file(s), and 3 lock file(s) and partial LoRA(s)\n"), out
+    assert code == 0 and out.endswith(" and 2 log file(s), and 3 lock file(s), partial LoRA(s), state(s) and "
+                                      "dataset config(s)\n"), out
     assert not any(p.exists() for p in made[old])
     assert all(p.exists() for p in made[kept]) and lora.exists()
 
@@ -250,6 +251,57 @@ def test_prune_leaves_a_held_lock_file_and_a_partial_lora_in_a_swapped_output_di
         assert job_lock_path(migrated, old).exists() and partial.exists()
     finally:
         os.close(fd)
+
+
+def test_prune_removes_the_states_of_the_jobs_it_forgets_unless_a_kept_job_shares_them(db, migrated):
+    """Never through a link, only in the output dir dispatch recorded, and not those of a LoRA file a kept job (a
+    resume of it) writes: the states' names are the output name's, not the job's."""
+    from lora_worker.host.fs import identity_of_dir
+    from tests.helpers.states import write_state
+
+    made = {}
+    for train_id in ("t1", "t2", "t3"):
+        out_dir = migrated.train_root / train_id / "output"
+        out_dir.mkdir(parents=True)
+        made[train_id] = (out_dir, str(identity_of_dir(str(out_dir))))
+        write_state(out_dir, "ohwx", 150)
+        (out_dir / "ohwx-state").mkdir()
+        (out_dir / "ohwx-step00000150.safetensors").write_bytes(b"a step LoRA")
+    secret = migrated.train_root / "secret"
+    secret.mkdir()
+    (secret / "keep.txt").write_text("not the job's")
+    os.symlink(secret, made["t1"][0] / "ohwx-step00000300-state")  # a link in a state's name: left, not followed
+
+    def old_job(train_id: str, days: float, dev_ino: str | None = None) -> int:
+        out_dir, identity = made[train_id]
+        return finished(db, JobState.FAILED, days, output_dir=str(out_dir), output_dev_ino=dev_ino or identity,
+                        output_name="ohwx", lora_file=str(out_dir / "ohwx.safetensors"))
+    old_job("t1", 100)
+    old_job("t2", 100)
+    old_job("t2", 1)  # its resume, kept: the states are its too
+    old_job("t3", 100, dev_ino="1:2")  # the output dir is not the one recorded
+    assert jobs(migrated, "prune", "--older-than", "90", "--dry-run")[0] == 0
+    assert (made["t1"][0] / "ohwx-step00000150-state").is_dir()
+    assert jobs(migrated, "prune", "--older-than", "90")[0] == 0
+    t1 = sorted(p.name for p in made["t1"][0].iterdir())
+    assert t1 == ["ohwx-step00000150.safetensors", "ohwx-step00000300-state"]  # the link is not a state dir
+    assert (secret / "keep.txt").exists()
+    for kept in ("t2", "t3"):
+        assert {"ohwx-state", "ohwx-step00000150-state"} <= {p.name for p in made[kept][0].iterdir()}
+
+
+def test_prune_removes_the_dataset_configs_no_launch_named_since_the_cutoff(db, migrated):
+    datasets = migrated.state_dir / "datasets"
+    datasets.mkdir(parents=True)
+    old, recent, named = (datasets / (c * 64 + ".toml") for c in "abc")
+    for path in (old, recent, named):
+        path.write_text("[[datasets]]\n")
+    for path in (old, named):
+        os.utime(path, (time.time() - 100 * 86400,) * 2)
+    running = repo.create_job(db, columns(argv=["accelerate", "launch", f"--dataset_config={named}"]))
+    assert running.status == JobState.QUEUED.value
+    code, out = jobs(migrated, "prune", "--older-than", "90")
+    assert code == 0 and not old.exists() and recent.exists() and named.exists(), out
 
 
 def test_prune_dry_run_removes_nothing_and_retention_is_the_default(db, migrated):

@@ -27,9 +27,11 @@ def test_plan_prints_the_plan_and_starts_nothing(api, host, monkeypatch, tmp_pat
     code = plan_cli.run(host.settings, build_parser().parse_args(["plan", str(request)]), out)
     text = out.getvalue()
     assert code == 0 and calls == ["http://127.0.0.1:8203/train?dry_run=1"] and job_rows(host.settings) == 0
-    assert ("dataset:        3 images x 10 repeats = 30, batch 2: 15 steps per epoch, 27 epoch(s) for 400 "
-            "steps\n") in text
-    assert "  bucket 0: resolution (64, 64), count: 30\n  mean ar error (without repeats): 0.0\n" in text
+    assert ("dataset:        3 images x 267 repeats = 801, batch 2: 401 steps per epoch, 1 epoch(s) for 400 "
+            "steps (the folder's 10 repeats shown as 267: one epoch holds every step)\n") in text
+    assert "\n  class_tokens = 'ohwx woman'\n  num_repeats = 267\n" in text
+    assert "states:         150 (resumable), 300 (resumable)\n" in text
+    assert "  bucket 0: resolution (64, 64), count: 801\n  mean ar error (without repeats): 0.0\n" in text
     assert "duration:       70 min (at most: the tier's bound, no finished job like it yet)\n" in text
     assert "warning image_small: 10_ohwx woman/img0.png:" in text and text.startswith("command:        ")
     out = io.StringIO()

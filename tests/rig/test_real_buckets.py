@@ -2,10 +2,11 @@
 what the lint refuses is what the trainer dies of.
 
 For each image set, `POST /train?dry_run=1` (the worker's own settings, pointed at the rig) answers a plan; the plan's
-argv is run as it is by the rig's accelerate, and read until sd-scripts prints `mean ar error` at "make buckets",
-before it loads the model: then its process group is killed. Seconds and little memory a set; still, the real
-trainer runs only under `flock /tmp/lw-rig.lock` (other engineers' rig runs take ~21 GB). The truncated image is
-the one test here that loads the model (caching latents comes after it): ~2 min and ~21 GB.
+argv is run by the rig's accelerate (the dataset config it names written as a launch writes it), and read until
+sd-scripts prints `mean ar error` at "make buckets", before it loads the model: then its process group is killed.
+Seconds and little memory a set; still, the real trainer runs only under `flock /tmp/lw-rig.lock` (other engineers'
+rig runs take ~21 GB). The truncated image is the one test here that loads the model (caching latents comes after
+it): ~2 min and ~21 GB.
 
 Opt-in: LW_RIG_DIR names a rig built by ../shared/rig/build.sh; without it every test here skips.
 """
@@ -114,6 +115,18 @@ def body(rig: Path, data: Path, tier: str) -> dict:
             "subject_class": "dog", "repeats": 3, "tier": tier, "device_index": 1, "seed": 42}
 
 
+def written(plan: dict, replace: tuple[str, str] | None = None) -> list[str]:
+    """The plan's argv, with the dataset config it names put in place as a launch would (a dry run writes none);
+    `replace`: the config pointed at another dataset (a file of its own, named in the argv instead)."""
+    config = plan["dataset"]["dataset_config"]
+    path, toml = Path(config["path"]), config["toml"]
+    if replace is not None:
+        toml, path = toml.replace(*replace), path.with_name(f"replaced-{path.name}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(toml)
+    return [f"--dataset_config={path}" if a.startswith("--dataset_config=") else a for a in plan["argv"]]
+
+
 def printed_table(rig: Path, argv: list[str], home: Path) -> tuple[list[str], real_trainer.Capture]:
     """Run the argv until sd-scripts has printed its bucket table (before the model load), then kill it."""
     cap = real_trainer.run(argv, rig / "sd-scripts", real_trainer.env(home), home,
@@ -130,7 +143,7 @@ def test_the_bucket_table_of_the_plan_is_the_one_the_real_trainer_prints(rig_api
     assert answer.status_code == 200, answer.get_json()
     plan = answer.get_json()
     predicted = plan["dataset"]["bucket_table"]["lines"]
-    printed, cap = printed_table(rig, plan["argv"], data.parent)
+    printed, cap = printed_table(rig, written(plan), data.parent)
     assert printed == predicted, cap.text("stdout")[-3000:]
     assert len(predicted) >= 2 and not (data.parent / "output").exists()
     if name.startswith("over_the_pixel_bound"):
@@ -154,8 +167,8 @@ def test_what_the_lint_refuses_at_make_buckets_is_what_the_real_trainer_dies_of_
     assert codes == {"image_edge_under_64" if name == "edge_under_64" else "image_size_unreadable"}
     # the argv of a good set, pointed at this dataset
     good = dataset(root, f"{name}_ok", [("a_ok.png", image_bytes(512, 512))])
-    argv = [a.replace(str(good), str(folder)) for a in api.post("/train?dry_run=1", json=body(rig, good, "fast"))
-            .get_json()["argv"]]
+    argv = [a.replace(str(good), str(folder)) for a in
+            written(api.post("/train?dry_run=1", json=body(rig, good, "fast")).get_json(), (str(good), str(folder)))]
     cap = real_trainer.run(argv, rig / "sd-scripts", real_trainer.env(folder.parent), folder.parent, timeout=300)
     assert cap.rc != 0 and says in cap.text("stderr") + cap.text("stdout")
     assert "loading model" not in cap.text("stdout").lower() and "make buckets" in cap.text("stdout")

@@ -10,10 +10,7 @@ hand is refused with a reason. Opt-in: run alone, `flock /tmp/lw-rig.lock`, with
 from __future__ import annotations
 
 import os
-import re
 import shutil
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -23,32 +20,16 @@ from lora_worker.host import sandbox
 from lora_worker.host.safetensors import read_header
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
-from tests.helpers import fake_gpus, wait_for
+from tests.helpers import fake_gpus
 from tests.helpers.ledger import migrated_ledger
+from tests.helpers.rig_worker import bar_steps, bar_totals, kill_after_state, log_of, report, resume, say
 from tests.helpers.runs import wait_state, wait_states_removed
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 RIG = os.environ.get("LW_RIG_DIR")
 STEPS, EVERY = 7, 2
-BAR = re.compile(r"steps:[^|\n\r]*\|[^|\n\r]*\| (\d+)/(\d+)")
-KEY_LINES = re.compile(r"(resume training from.*|load train state from.*|skipping \d+ steps.*|saving state at step \d+"
-                       r"|removing old state.*|saving last state\.|model saved\.|total optimization steps.*"
-                       r"|Could not load random states|All \w+ (?:states|weights) loaded successfully)")
 
-
-def log_of(settings: Settings, job_id: int) -> str:
-    path = settings.log_dir / f"job-{job_id}.log"
-    return path.read_text(errors="replace") if path.exists() else ""
-
-
-def bar_steps(settings: Settings, job_id: int) -> int:
-    """The optimizer steps the trainer's bar counted in this attempt's run log (its highest redraw)."""
-    return max((int(n) for n, _ in BAR.findall(log_of(settings, job_id))), default=0)
-
-
-def bar_totals(settings: Settings, job_id: int) -> set[int]:
-    return {int(total) for _, total in BAR.findall(log_of(settings, job_id))}
 
 
 @pytest.fixture(scope="module")
@@ -79,37 +60,6 @@ def rig_host(tmp_path_factory: pytest.TempPathFactory):
     app.extensions["lora_worker"].db.dispose()
 
 
-def say(text: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S', time.gmtime())}Z] {text}", flush=True)
-
-
-def kill_after_state(client, db: Database, job_id: int, step: int) -> None:
-    """Wait until the worker has judged the step LoRA of `step` (it does so once a redraw follows the save, and
-    the state is saved between the step LoRA and that redraw: sd-scripts-resume.md section 1, so the state is then
-    whole and the older one gone), then SIGKILL the trainer's whole process group, as a kill or reboot would. The
-    run log is no trigger: it copies an open bar only every few seconds (transcript/logfile.py)."""
-    def judged() -> bool:
-        rows = client.get(f"/train/{job_id}").get_json()["checkpoints"]
-        return any(c["step"] == step and c["verified"] is not None for c in rows)
-    wait_for(judged, timeout=1800, interval=0.2, what=f"job {job_id}: the state of step {step}, complete")
-    pgid = repo.get_job(db, job_id).trainer_pid
-    assert pgid
-    say(f"job {job_id}: state {step} complete; SIGKILL to process group {pgid}")
-    os.killpg(pgid, signal.SIGKILL)
-    done = wait_state(client, job_id, "failed", "succeeded", timeout=120)
-    assert (done["status"], done["failure_class"]) == ("failed", "killed_by_signal"), done
-
-
-def resume(client, job_id: int, expect_step: int) -> int:
-    verdict = client.get(f"/train/{job_id}/resume").get_json()
-    say(f"GET /train/{job_id}/resume -> {verdict}")
-    assert verdict["resumable"] and verdict["from_step"] == expect_step, verdict
-    answer = client.post(f"/train/{job_id}/resume", headers={"Idempotency-Key": f"rig-resume-{job_id}"})
-    say(f"POST /train/{job_id}/resume -> {answer.status_code} {answer.get_json()}")
-    assert answer.status_code == 202, answer.get_json()
-    return int(answer.get_json()["worker_job_id"])
-
-
 def truncated_state_is_refused(client, db: Database, job_id: int, step: int) -> None:
     """Cut the state's optimizer.bin to half, ask, then put the bytes back (the resume goes on from it)."""
     state = Path(repo.get_job(db, job_id).output_dir) / f"ohwx-step{step:08d}-state"
@@ -122,23 +72,6 @@ def truncated_state_is_refused(client, db: Database, job_id: int, step: int) -> 
     os.replace(kept, optimizer)
     assert not verdict["resumable"] and [r["code"] for r in verdict["reasons"]] == ["state_archive_corrupt"]
     assert answer.status_code == 422 and answer.get_json()["error"] == "not_resumable"
-
-
-def report(settings: Settings, client, db: Database, jobs: list[int]) -> None:
-    for job_id in jobs:
-        body = client.get(f"/train/{job_id}").get_json()
-        row = repo.get_job(db, job_id)
-        pre = (row.training_started_at - row.started_at).total_seconds() \
-            if row.training_started_at and row.started_at else None
-        say(f"job {job_id}: " + ", ".join(f"{k}={body.get(k)}" for k in (
-            "status", "failure_class", "step", "total_steps", "attempt", "resumed_from", "resume_step",
-            "lora_sha256", "checkpoints")))
-        say(f"job {job_id}: started_at={row.started_at} training_started_at={row.training_started_at} "
-            f"finished_at={row.finished_at}: pre-training phase {pre} s; bar steps {bar_steps(settings, job_id)}")
-        for event in repo.job_events(db, job_id):
-            say(f"  event {event.at} {event.from_status}->{event.to_status} {event.actor}: {event.reason}")
-        for line in KEY_LINES.findall(log_of(settings, job_id)):
-            say(f"  log: {line.strip()}")
 
 
 def test_killed_twice_and_resumed_twice_the_real_trainer_trains_exactly_max_train_steps(rig_host) -> None:

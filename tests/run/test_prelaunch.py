@@ -226,3 +226,43 @@ def test_an_output_dir_swapped_after_the_check_is_not_mounted_read_write(accepte
     assert rc == 0 and "done" in out, out
     assert (output.with_name("output.checked") / "evil.txt").exists()  # the checked directory got it
     assert not (foreign / "evil.txt").exists() and not (output / "evil.txt").exists(), "a foreign dir was written"
+
+
+# -- the dataset config the argv names (dispatch/presentation.py) ------------------------------------------------
+
+def config_of(accepted) -> Path:
+    (config,) = [a.split("=", 1)[1] for a in accepted.argv if a.startswith("--dataset_config=")]
+    return Path(config)
+
+
+def test_the_dataset_config_is_checked_and_held_for_the_sandbox(accepted, host):
+    """The file dispatch wrote is this job's kohya folder and class tokens; its descriptor is held (and bound)."""
+    from lora_worker.run.prelaunch import check
+
+    checked = check(accepted)
+    try:
+        assert checked.moved is None and config_of(accepted) in checked.held
+        assert os.fstat(checked.held[config_of(accepted)]).st_ino == config_of(accepted).stat().st_ino
+    finally:
+        checked.close()
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda p: p.unlink(), "cannot be opened"),
+    (lambda p: (p.unlink(), p.symlink_to("/etc/passwd")), "symlink"),
+    (lambda p: p.write_bytes(p.read_bytes().replace(b"num_repeats = ", b"num_repeats = 1")), "not the config of"),
+    (lambda p: p.write_bytes(p.read_bytes().replace(b"10_ohwx", b"11_ohwx")), "not the config of"),
+    (lambda p: p.write_bytes(p.read_bytes().replace(b"ohwx woman'\n", b"ohwx man'\n")), "not the config of"),
+    (lambda p: p.write_bytes(p.read_bytes() + b"shuffle_caption = true\n"), "not the config of"),
+])
+def test_a_dataset_config_gone_replaced_or_changed_stops_the_start(accepted, damage, said):
+    damage(config_of(accepted))
+    reason = what_moved(accepted)
+    assert reason is not None and reason.startswith(f"the dataset config {config_of(accepted)}") and said in reason
+
+
+def test_a_row_given_train_data_dir_has_no_config_to_check(accepted):
+    accepted.argv = [f"--train_data_dir={accepted.dataset_dir}" if a.startswith("--dataset_config=") else a
+                     for a in accepted.argv]
+    config_of_row = [a for a in accepted.argv if a.startswith("--dataset_config=")]
+    assert config_of_row == [] and what_moved(accepted) is None

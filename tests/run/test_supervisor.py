@@ -12,6 +12,8 @@ import pytest
 
 from lora_worker.host.safetensors import inspect_lora
 from lora_worker.dispatch.argv import build_argv, build_env
+from lora_worker.dispatch import presentation
+from lora_worker.dispatch.presentation import config_for
 from lora_worker.run.local import LocalBackend
 from lora_worker.dispatch.request import TrainRequest, resolve_request
 from lora_worker.ledger import repository as repo
@@ -212,7 +214,9 @@ def start_stored_job(host, db, *, extra: tuple[str, ...] = (), **request: object
     values.update(request)
     req = resolve_request(TrainRequest(**values), train_id="t1",  # type: ignore[arg-type]
                           **{k: Path(str(values[k])) for k in ("dataset_dir", "base_model_path", "output_dir")})
-    argv = build_argv(req, host.settings, LocalBackend()) + list(extra)
+    config = config_for(req, host.settings, LocalBackend(), 3)
+    presentation.write(config)
+    argv = build_argv(req, host.settings, LocalBackend(), config) + list(extra)
     job = repo.create_job(db, {**req.row_columns(), "image_count": 3, "argv": argv,
                                "env": build_env(req, host.settings, LocalBackend())})
     Path(req.output_dir).mkdir(parents=True, exist_ok=True)  # as dispatch does; the pre-exec check wants it

@@ -47,7 +47,9 @@ class TrainRequestSchema(Schema):
         TRIGGER, error="1-32 of A-Z a-z 0-9 _ -, starting with a letter or digit."))
     subject_class = fields.String(required=True, validate=[validate.Length(max=48), FullMatch(
         SUBJECT_CLASS, error="Words of A-Z a-z 0-9 separated by single spaces, '_' or '-' (at most 48 chars).")])
-    repeats = fields.Integer(required=True, strict=True, validate=validate.Range(*REPEATS))
+    repeats = fields.Integer(required=True, strict=True, validate=validate.Range(*REPEATS), metadata={
+        "description": "names the kohya folder `<repeats>_<trigger> <subject_class>` in dataset_dir; sd-scripts is "
+                       "shown the repeats that make one epoch hold every step (docs/resume.md)"})
     tier = fields.String(required=True, validate=validate.OneOf(list(TIERS)))
     device_index = fields.Integer(required=True, strict=True, validate=validate.Range(0, 63))
     seed = fields.Integer(required=True, strict=True, validate=validate.Range(*SEED))

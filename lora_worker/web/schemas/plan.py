@@ -58,9 +58,17 @@ class StateSchema(Schema):
     resumable = fields.Boolean(metadata={"description": "whether a resume could start from the state saved there"})
 
 
+class DatasetConfigSchema(Schema):
+    path = fields.String(metadata={"description": "where the launch writes it: the argv's --dataset_config"})
+    toml = fields.String(metadata={"description": "its content, byte for byte (docs/resume.md, One epoch covers the "
+                                                  "run)"})
+
+
 class DatasetPlanSchema(Schema):
     images = fields.Integer()
-    repeats = fields.Integer(metadata={"description": "the repeats sd-scripts is shown"})
+    folder_repeats = fields.Integer(metadata={"description": "the request's repeats: the kohya folder's name"})
+    repeats = fields.Integer(metadata={"description": "the repeats sd-scripts is shown: the smallest with which one "
+                                                      "epoch holds every step"})
     images_x_repeats = fields.Integer()
     batch_size = fields.Integer()
     steps_per_epoch = fields.Integer(metadata={"description": "sd-scripts' `num batches per epoch`"})
@@ -68,6 +76,7 @@ class DatasetPlanSchema(Schema):
     max_train_steps = fields.Integer()
     states = fields.List(fields.Nested(StateSchema))
     bucket_table = fields.Nested(BucketTableSchema)
+    dataset_config = fields.Nested(DatasetConfigSchema)
 
 
 class EstimateSchema(Schema):

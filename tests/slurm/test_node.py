@@ -90,13 +90,15 @@ def test_on_the_node_the_trainer_runs_in_the_jobs_sandbox(boxed: SlurmWorker):
     token = boxed.settings.state_dir / "api_token"
     token.write_text("x" * 40)
     (boxed.host.sd_scripts / "sdxl_train_network.py").write_text(textwrap.dedent(f"""
-        import json, os, sys
+        import json, os, sys, tomllib
         args = dict(a[2:].split('=', 1) for a in sys.argv[1:] if '=' in a)
+        with open(args["dataset_config"], "rb") as fh:  # bound read-only at its path (docs/resume.md)
+            image_dir = tomllib.load(fh)["datasets"][0]["subsets"][0]["image_dir"]
         seen = {{"token": os.path.exists({str(token)!r}),
                 "ledger": os.path.exists({str(boxed.settings.database_path)!r}),
                 "spec": os.path.exists({str(spec_path(boxed.settings, 1))!r}),
                 "processes": len([p for p in os.listdir("/proc") if p.isdigit()]),
-                "dataset": sorted(os.listdir(args["train_data_dir"]))}}
+                "dataset": sorted(os.listdir(os.path.dirname(image_dir)))}}
         with open(os.path.join(args["output_dir"], "seen.json"), "w") as fh:
             json.dump(seen, fh)
     """))

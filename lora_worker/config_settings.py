@@ -19,6 +19,7 @@ from lora_worker.config_tables import (
     DEFAULT_SLURM_MEM_MB,
     DEFAULT_SLURM_TIME_LIMIT_MIN,
     DEFAULT_STALL_LIMITS_S,
+    SAMPLE_STEPS,
     SAVE_EVERY_N_STEPS,
     SIMULATED,
     TIERS,
@@ -31,8 +32,7 @@ from lora_worker.errors import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SANDBOXES = ("bwrap", "none")
-RIG_TIER_KEYS = frozenset({"max_train_steps", "network_dim", "resolution", "save_every_n_steps",
-                           "sample_every_n_steps"})
+RIG_TIER_KEYS = frozenset({"max_train_steps", "network_dim", "resolution", "save_every_n_steps", "sample_steps"})
 
 
 @dataclass(frozen=True)
@@ -126,8 +126,8 @@ class Settings:
     webhook_connect_timeout_s: float = 3.0
     webhook_read_timeout_s: float = 10.0
     # Test-only, for the real trainer's CPU rig (tests/rig/): a tier's size replaced, e.g. {"fast":
-    # {"max_train_steps": 7, "network_dim": 4, "resolution": 256, "save_every_n_steps": 2}}; `sample_every_n_steps`
-    # also adds a sample pass (dispatch/argv.py `sample_args`; bench/gpu_check). Refused in a config file and never
+    # {"max_train_steps": 7, "network_dim": 4, "resolution": 256, "save_every_n_steps": 2}}; `sample_steps`: fewer
+    # sampler steps for a job's sample passes (the rig, bench/gpu_check). Refused in a config file and never
     # read from the environment: only code that builds Settings itself (a test, the GPU check) sets it, so a
     # deployed worker trains config_tables' sizes and nothing else.
     rig_tier_sizes: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
@@ -181,10 +181,9 @@ class Settings:
     def save_every_n_steps(self, tier: str) -> int:
         return int(self.rig_tier_sizes.get(tier, {}).get("save_every_n_steps", SAVE_EVERY_N_STEPS[tier]))
 
-    def sample_every_n_steps(self, tier: str) -> int | None:
-        """A rig or GPU-check tier's sample pass interval; None (no sample pass) for every deployed tier."""
-        every = self.rig_tier_sizes.get(tier, {}).get("sample_every_n_steps")
-        return None if every is None else int(every)
+    def sample_steps(self, tier: str) -> int:
+        """The sampler steps of each sample image (config_tables.SAMPLE_STEPS; a rig test's fewer)."""
+        return int(self.rig_tier_sizes.get(tier, {}).get("sample_steps", SAMPLE_STEPS))
 
     @property
     def webhook_types(self) -> tuple[str, ...]:

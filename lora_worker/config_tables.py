@@ -103,16 +103,21 @@ DEFAULT_DISK_MIB: Mapping[str, int] = MappingProxyType({"fast": 1024, "balanced"
 
 # Step checkpoints, always on: every SAVE_EVERY_N_STEPS[tier] optimizer steps sd-scripts writes a step LoRA
 # `<name>-step%08d.safetensors` and a state `<name>-step%08d-state/` (--save_state), the state a crashed run
-# resumes from. About one every 5 (fast) to 25 (quality) minutes of training on the cards, a few seconds each.
-# None is a divisor of its tier's steps: a save at the last step would write the weights a third time, beside the
-# end state (`<name>-state/`, which --save_state also writes) and the final LoRA.
-SAVE_EVERY_N_STEPS: Mapping[str, int] = MappingProxyType({"fast": 150, "balanced": 400, "quality": 400})
+# resumes from. About one every 2 (fast) to 20 (quality) minutes of training on the cards, a few seconds each.
+# Each divides its tier's steps (issue 33): sample images are drawn where a step LoRA is saved (the same
+# interval, so each pass is tied to a verified step LoRA), and only an interval that divides the steps samples
+# the final weights (with step sampling sd-scripts skips its pass at the end, train_util.py L6390). The save at
+# the last step writes those weights once more (a step LoRA beside the final LoRA, a state beside the end state):
+# the price of samples of the final LoRA, measured on the rig (docs/samples.md).
+SAVE_EVERY_N_STEPS: Mapping[str, int] = MappingProxyType({"fast": 100, "balanced": 300, "quality": 500})
 # How many of each the trainer keeps (the rest it removes, `removing old …`). One state: the newest is the one a
 # resume wants, and sd-scripts removes the older only once the newer is written, so a crash mid-save still leaves
-# a whole one. One step LoRA, for the same reason: it is the crash's usable result; the tier fixes the steps, so
-# there is no choosing among checkpoints to serve, and each kept costs 85-170 MB.
+# a whole one. One step LoRA for a job without samples: it is the crash's usable result. With samples, every
+# sampled step LoRA up to SAMPLED_STEP_LORAS_KEPT: they are what a client compares and may promote (POST
+# /train/<id>/promote); each kept costs 85-170 MB, counted by the disk preflight.
 STATES_KEPT = 1
 STEP_LORAS_KEPT = 1
+SAMPLED_STEP_LORAS_KEPT = 8
 # On disk, per network_dim (MiB, rounded up): a state in AdamW8bit (model.safetensors in float32, optimizer.bin,
 # the scheduler and RNG states) and a step LoRA in --save_precision fp16.
 STATE_MIB: Mapping[int, int] = MappingProxyType({16: 257, 32: 513})
@@ -128,6 +133,8 @@ DEFAULT_STALL_LIMITS_S: Mapping[str, float] = MappingProxyType(
         "caching_text_encoder_outputs": 900.0,
         "preparing_training": 1200.0,
         "training": 600.0,
+        # A pass draws each prompt's sampler steps (its bar moves: output is life), then decodes with the VAE.
+        "sampling": 900.0,
         "saving": 600.0,
     }
 )
@@ -138,9 +145,23 @@ DEFAULT_STALL_LIMITS_S: Mapping[str, float] = MappingProxyType(
 BACKENDS = ("local", "slurm")
 
 
-# The events a job may send (ledger/outbox.py writes them; `job.checkpoint` with its checkpoints row).
-WEBHOOK_EVENT_TYPES = ("job.queued", "job.started", "job.phase", "job.progress", "job.checkpoint",
-                       "job.succeeded", "job.failed", "job.cancelled")
+# The events a job may send (ledger/outbox.py writes them; `job.checkpoint` with its checkpoints row, `job.sample`
+# with a sample pass's images, `job.promoted` when a step LoRA becomes the result).
+WEBHOOK_EVENT_TYPES = ("job.queued", "job.started", "job.phase", "job.progress", "job.checkpoint", "job.sample",
+                       "job.succeeded", "job.failed", "job.cancelled", "job.promoted")
+
+# Sample images (issue 33, docs/samples.md): drawn by sd-scripts before the first step (the base model's look)
+# and at each step save, from the job's prompts at its tier's resolution. The sampler goes on the command line
+# (--sample_sampler: argparse refuses a name outside its choices, where a name in the prompts file falls back to
+# DDIM silently, so the file names none); steps, CFG scale and the negative prompt go in the file. A request's
+# prompt without a seed gets SAMPLE_SEED + its index: fixed, so the steps of a job compare.
+SAMPLE_SAMPLER = "euler_a"
+SAMPLE_STEPS = 20
+SAMPLE_SCALE = 7.0
+SAMPLE_NEGATIVE_PROMPT = "lowres, blurry, jpeg artifacts, watermark, text"
+SAMPLE_SEED = 42
+MAX_SAMPLE_PROMPTS = 4
+MAX_SAMPLE_PROMPT_CHARS = 300
 
 
 def tier_minutes_at_most(tier: Tier) -> int:

@@ -9,8 +9,10 @@
      │    ├── IdempotencyKeyReused    422: the same Idempotency-Key came with another body
      │    └── OutputExists            422: the LoRA file to be written already exists (field output_name)
      ├── JobNotFound                  404
-     │    └── EventNotFound           404: the job has no webhook event with this id
+     │    ├── EventNotFound           404: the job has no webhook event with this id
+     │    └── SampleNotFound          404: the job has no sample image of this name (or none at all)
      ├── JobGone                      410: the ledger lost the job; its run log is all that is left
+     ├── SampleGone                   410: the listed sample image is no longer the file that was decoded
      ├── Conflict                     409: busy now; the same request may succeed later
      │    ├── JobActive               409: another job is queued or running
      │    ├── InsufficientVram        409: the device has too little free memory for the tier
@@ -18,6 +20,7 @@
      │    └── GpuLocked               409: another trainer holds the host-wide device lock
      ├── JobFinished                  409: the job already ended (cancel of a finished job); never retry
      ├── NotResumable                 422: POST /train/<id>/resume: no state passes (`reasons`, RESUME_REASONS)
+     ├── NotPromotable                422: POST /train/<id>/promote: the step's LoRA cannot be the result (`reason`)
      ├── InsufficientStorage          507
      │    └── InsufficientDisk        507: the output volume is too full for the tier
      └── Unavailable                  503
@@ -40,6 +43,8 @@ how long to wait.
 from __future__ import annotations
 
 from typing import Any
+
+from lora_worker.refusals import PROMOTE_REASONS as PROMOTE_REASONS, RESUME_REASONS as RESUME_REASONS
 
 
 class LoraWorkerError(Exception):
@@ -124,6 +129,18 @@ class EventNotFound(JobNotFound):
     """The job has no webhook event with this id."""
 
     code = "event_not_found"
+
+
+class SampleNotFound(JobNotFound):
+    """The job has no sample image of this name."""
+
+    code = "sample_not_found"
+
+
+class SampleGone(LoraWorkerError):
+    """The sample image is no longer the file that was listed (removed, replaced or changed on disk)."""
+
+    code = "sample_gone"
 
 
 class Conflict(LoraWorkerError):
@@ -252,47 +269,10 @@ class NotResumable(LoraWorkerError):
     code = "not_resumable"
 
 
-# Why a job's saved state is not used for a resume (GET/POST /train/<id>/resume `reasons[].code`): the one
-# list, which docs/errors.md's "Resume refusals" table holds word for word (a test). dispatch/resume.py and
-# host/train_state.py say them.
-RESUME_REASONS: dict[str, str] = {
-    "job_not_ended": "The job is still queued or running: only an ended job is resumed.",
-    "job_succeeded": "The job succeeded: its LoRA is there, nothing is left to train.",
-    "job_cancelled": "The job was cancelled: a cancel is a client's decision, never undone by a resume.",
-    "failure_recurs": "The job failed in a way a resume would meet again (the request, its files or the run's "
-                      "own limits: failure_class says which); only a reboot, a lost supervisor, a kill by a "
-                      "signal or a stall is resumed.",
-    "already_resumed": "A resume of this job exists already (`details.resumed_by`): resume that one if it failed.",
-    "resume_never_ran": "The job is a resume whose launch failed before any trainer ran: it resumed nothing and "
-                        "counts as no resume, so the job it was to resume (`resumed_from`) is resumed instead.",
-    "output_dir_replaced": "The job's output directory is gone or is not the one it wrote into.",
-    "lora_file_exists": "A file is at the LoRA's path already (a final save cut short?): never overwritten; "
-                        "move it aside to resume.",
-    "no_state": "The job left no saved state in its output directory.",
-    "state_incomplete": "A file the trainer's resume loads is missing from the state.",
-    "state_file_invalid": "A file of the state is a link, a FIFO or a directory, not a regular file.",
-    "state_json_invalid": "train_state.json is not the small JSON sd-scripts writes.",
-    "state_step_mismatch": "train_state.json's step is not the step the state's directory is named for.",
-    "state_not_seen": "The run's output never said it saved a state at this step: the files were not the "
-                      "trainer's, or its save was cut short.",
-    "state_model_invalid": "The state's model.safetensors fails the LoRA header check (truncated, or another rank).",
-    "state_archive_corrupt": "A torch archive of the state (optimizer, scheduler, RNG) is not an intact zip: a "
-                             "member's CRC-32 fails or the file is cut short.",
-    "state_unverifiable": "The state's archives are larger than a check reads, took longer (one bound per request), "
-                          "or list more members than a torch archive: not verified, so not used.",
-    "state_past_first_epoch": "The state lies past the first epoch (an older job's): sd-scripts counts a resume's "
-                              "steps from that epoch's start, so the run would train more steps than asked.",
-    "state_at_last_step": "The state is at the job's last step: nothing is left to train from it.",
-    "fingerprint_argv": ("The trainer command the worker builds now, for the job's own backend, differs from the "
-                         "job's (settings changed)."),
-    "fingerprint_batch_size": ("The batch size the worker's settings give the job's own backend now (its card's, or "
-                               "its tier's Slurm resources) differs from the job's."),
-    "fingerprint_dataset": "The dataset's content hash differs from the one recorded at dispatch.",
-    "fingerprint_base_model": "The base model's sha256 differs from the one the run trained on.",
-    "fingerprint_trainer": "The sd-scripts commit or the trainer's package versions differ from the job's.",
-    "fingerprint_unknown": "A part of the fingerprint cannot be known now (the dataset or base model unreadable, "
-                           "no step LoRA naming the base model's hash).",
-}
+class NotPromotable(LoraWorkerError):
+    """The step's LoRA cannot be made the job's result (details.reason says why: PROMOTE_REASONS)."""
+
+    code = "not_promotable"
 
 
 def _summary(fields: dict[str, list[str]]) -> str:

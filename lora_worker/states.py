@@ -26,6 +26,9 @@ class Phase(str, Enum):
     CACHING_TEXT_ENCODER_OUTPUTS = "caching_text_encoder_outputs"
     PREPARING_TRAINING = "preparing_training"  # LoRA + optimizer, then a silent sha256 of the base model
     TRAINING = "training"  # the `steps` bar is moving
+    # A sample pass (`generating sample images at step N`): the U-Net draws the job's prompts; its own bar is no
+    # training step. It runs before the step's save, so a failure here leaves that step's LoRA unwritten.
+    SAMPLING = "sampling"
     SAVING = "saving"  # a `saving checkpoint:` line was seen
 
 

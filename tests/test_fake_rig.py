@@ -8,6 +8,7 @@ bytes of data records instead of the real megabytes (`data_records` is not compa
 from __future__ import annotations
 
 import json
+import re
 import struct
 import zipfile
 from pathlib import Path
@@ -17,7 +18,9 @@ import pytest
 from lora_worker.host.safetensors import read_header
 from lora_worker.host.train_state import check_state
 from tests.helpers import SDXL_TINY, install_fake_trainer, make_dataset, write_safetensors
+from lora_worker.host.images import png_size
 from tests.helpers.rig_captures import RIG, around, events, flag, meta, run_fake, stream
+from tests.rig import capture_samples
 
 pytestmark = pytest.mark.slow
 
@@ -223,3 +226,72 @@ def test_a_state_without_train_state_json_trains_from_step_0(killed_at_4):
     assert "bar 0/8" in found and not any(e.startswith("skipping ") for e in found)
     assert metadata_of(rig["out"] / "ohwx.safetensors")["ss_steps"] == "8"
 
+
+
+# -- sample passes (issue 33): S1, the rig's run with two prompts at 256 px, 4 sampler steps, every 2 steps ----------
+
+S1 = "samples_run"
+NAME = re.compile(r"^ohwx_(e000000|\d{6})_(\d{2})_\d{14}_(\d+)\.png$")
+
+
+@pytest.fixture
+def sampled(rig) -> dict:
+    """S1 on the fake: its argv, its prompts file (tests/rig/capture_samples.py wrote the real one)."""
+    prompts = rig["out"].parent / "prompts.json"
+    prompts.parent.mkdir(parents=True, exist_ok=True)
+    prompts.write_text(json.dumps(capture_samples.PROMPTS))
+    rig = {**rig, "prompts": prompts}
+    result = run_fake(S1, rig, merged=True, sample_step_s=0.2)
+    assert result.returncode == meta(S1)["rc"] == 0
+    return {**rig, "s1": result}
+
+
+def lines(found: list[str]) -> list[str]:
+    """The log lines: no blank one, none of the sampler's unnamed bar, no torch warning (the rig's CPU run warns
+    that the checkpointed U-Net gets no gradient in a pass, where a GPU run's output varies)."""
+    return [e for e in found if e.strip() and not e.startswith("\x1b") and "UserWarning" not in e
+            and "check_backward_validity" not in e]
+
+
+def test_a_pass_prints_what_the_real_trainers_did_between_the_steps_update_and_its_save(sampled):
+    """At steps 2, 4 and 6: the update redraw, the pass's lines for each prompt, then the step LoRA's save line;
+    before the first step, the pass at step 0 between the preamble and the `unet dtype` line."""
+    real, fake = lines(real_events(S1)), lines(fake_events(sampled["s1"], sampled))
+    for step in (2, 4, 6):
+        first, last = f"bar {step}/6+loss", f"saving checkpoint: <out>/ohwx-step{step:08d}.safetensors"
+        assert around(fake, first, last) == around(real, first, last)
+        assert around(real, first, last)[1] == f"generating sample images at step / サンプル画像生成 ステップ: {step}"
+    first = "generating sample images at step / サンプル画像生成 ステップ: 0"
+    assert around(fake, first, "bar 0/6") == around(real, first, "bar 0/6")
+    assert [e for e in real if e.startswith("generating sample")] == [e for e in fake if e.startswith("generating")]
+
+
+def test_the_samplers_bar_is_unnamed_and_never_the_steps_bar(sampled):
+    """A pass draws tqdm's bar without a `steps:` label (leave=False); inside the loop at position 1, a newline
+    first and a cursor-up after each redraw, as the real one: the worker's `steps:` anchor never reads it."""
+    for data in (stream(S1), sampled["s1"].stdout):  # both streams, as the one pipe gives them
+        at = data.index("サンプル画像生成 ステップ: 2".encode())
+        between = data[at:data.index(b"saving checkpoint", at)]
+        assert b"\rsteps:" not in between and b"| 4/4 [" in between
+        assert b"\n\r  0%|          | 0/4 [" in between and b"\x1b[A" in between
+
+
+def test_the_images_are_named_sized_and_laid_out_as_the_real_ones(sampled):
+    real = json.loads((RIG / "samples_listing.json").read_text())
+    fake = sorted((sampled["out"] / "sample").iterdir())
+    assert sorted(NAME.sub(r"\1 \2 \3", p.name) for p in fake) == sorted(
+        NAME.sub(r"\1 \2 \3", r["name"]) for r in real["sample"])  # step, prompt and seed: the time is the run's
+    assert all(NAME.match(p.name) for p in fake)
+    for path in fake + [RIG / "sample-step4-prompt0.png"]:
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+        assert struct.unpack(">IIBB", data[16:26]) == (256, 256, 8, 2)  # 8-bit RGB, as Pillow saves sd-scripts'
+        assert png_size(data) == (256, 256)  # decoded whole by the worker's own check
+
+
+def test_the_last_steps_step_lora_holds_the_final_weights_on_the_real_trainer():
+    """Why the intervals divide the steps (config_tables.SAVE_EVERY_N_STEPS): the pass at the last step draws the
+    final weights, and its step LoRA's tensors are the final LoRA's byte for byte (only the headers differ)."""
+    real = json.loads((RIG / "samples_listing.json").read_text())["lora_tensor_sha256"]
+    assert real["ohwx-step00000006.safetensors"] == real["ohwx.safetensors"]
+    assert len({real[f"ohwx-step{s:08d}.safetensors"] for s in (2, 4, 6)}) == 3  # each step's weights its own

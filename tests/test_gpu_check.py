@@ -24,7 +24,10 @@ from bench.gpu_check.table import Row, as_json, failed, number, render, unmeasur
 from bench.gpu_check.clip_vocab import FOLDERS, vocabulary, write_folders
 from bench.gpu_check.watch import SAMPLE_START, Seen, Watcher
 from lora_worker.config import REPO_ROOT, Settings
+from lora_worker.dispatch.request import TrainRequest, resolve_request
+from lora_worker.dispatch.samples import prompts_file
 from lora_worker.host.nvml import GpuProcess, GpuReading
+from lora_worker.run.local import LocalBackend
 
 # -- the table ------------------------------------------------------------------------------------------------
 
@@ -131,7 +134,7 @@ def test_a_device_count_that_differs_fails():
 
 # -- a run's rows ---------------------------------------------------------------------------------------------
 
-SAMPLED = RunSpec("1024 px + sample", "quality", 1024, 32, 40, 20, sample_every=20, sample_size=1024, sample_steps=20)
+SAMPLED = RunSpec("1024 px + sample", "quality", 1024, 32, 40, 20, sampled=True, sample_steps=20)
 
 
 def outcome(tmp_path: Path, **job) -> Outcome:
@@ -186,12 +189,24 @@ def test_a_job_the_service_refused_is_one_failed_row(tmp_path):
     assert row.ok is False and "refused" in row.text
 
 
-def test_the_sample_pass_sizes_reach_the_worker_only_for_a_sampled_run():
+def test_a_sampled_run_asks_for_its_prompt_as_any_job_and_a_plain_one_for_none():
+    """The sample pass is the worker's own (dispatch/samples.py): the request's `samples` and the rig sizes'
+    `sample_steps`, passes at the start and at each save; a plain run asks for none (no default prompt either)."""
     plain = RunSpec("768 px", "fast", 768, 16, 40, 20)
-    assert "sample_every_n_steps" not in plain.sizes()
+    assert "sample_steps" not in plain.sizes() and plain.samples() == []
     settings = Settings(sandbox="none", rig_tier_sizes={"quality": SAMPLED.sizes()})
-    assert settings.sample_every_n_steps("quality") == 20 and settings.tiers["quality"].resolution == 1024
-    assert SAMPLED.prompts() == "ohwx dog, sitting on grass --w 1024 --h 1024 --s 20 --d 42 --l 7\n"
+    assert settings.sample_steps("quality") == 20 and settings.tiers["quality"].resolution == 1024
+    assert settings.save_every_n_steps("quality") == 20  # the interval of its passes
+    assert SAMPLED.samples() == [{"prompt": "ohwx dog, sitting on grass", "seed": 42}]
+    request = TrainRequest(dataset_dir="/t/gc/dataset", base_model_path="/m/sdxl.safetensors",
+                           output_dir="/t/gc/output", output_name="gc", trigger="ohwx", subject_class="dog", repeats=1,
+                           tier="quality", device_index=0, seed=42, samples=tuple(SAMPLED.samples()))
+    resolved = resolve_request(request, train_id="gc", dataset_dir=Path("/t/gc/dataset"),
+                               base_model_path=Path("/m/sdxl.safetensors"), output_dir=Path("/t/gc/output"),
+                               tiers=settings.tiers)
+    found = prompts_file(resolved.samples, resolved.tier, settings, LocalBackend())
+    assert found is not None and json.loads(found.data)[0]["width"] == 1024
+    assert json.loads(found.data)[0]["sample_steps"] == 20
 
 
 def test_the_generated_images_are_pngs_of_the_size_asked():

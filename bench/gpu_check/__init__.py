@@ -16,8 +16,10 @@ CPU rig.
    sample pass's seconds and VRAM, the worker's CPU beside the trainer's; written as gpu-check.md and
    gpu-check.json, with the runs' logs in gpu-check-logs.tar.gz, into $OUT.
 
-The run sizes and the sample pass come from the check's own Settings (`rig_tier_sizes`, which a config file may not
-set and the environment never does), handed to gunicorn as a settings file (wsgi.py) and from there to each
-supervisor, as every setting is. `--cpu` runs the same code on the CPU rig (../shared/rig) with tiny sizes and a
-simulated card; tests/rig/test_gpu_check_rehearsal.py runs it so. Everything not measured is a row saying why.
+The run sizes (and a sampled run's sampler steps) come from the check's own Settings (`rig_tier_sizes`, which a
+config file may not set and the environment never does), handed to gunicorn as a settings file (wsgi.py) and from
+there to each supervisor, as every setting is; a sampled run asks for its prompt in the request's `samples`, as any
+job does (dispatch/samples.py adds the sample flags). `--cpu` runs the same code on the CPU rig (../shared/rig) with
+tiny sizes and a simulated card; tests/rig/test_gpu_check_rehearsal.py runs it so. Everything not measured is a row
+saying why.
 """

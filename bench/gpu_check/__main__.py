@@ -31,13 +31,13 @@ VRAM_MIB = MappingProxyType({"fast": 16_000, "balanced": 16_500, "quality": 24_0
 GPU_RUNS = (
     RunSpec("768 px", "fast", 768, 16, 40, 20),
     RunSpec("1024 px", "quality", 1024, 32, 40, 20),
-    RunSpec("1024 px + sample", "quality", 1024, 32, 40, 20, sample_every=20, sample_size=1024, sample_steps=20),
-    RunSpec("768 px + sample", "fast", 768, 16, 40, 20, sample_every=20, sample_size=768, sample_steps=20),
+    RunSpec("1024 px + sample", "quality", 1024, 32, 40, 20, sampled=True, sample_steps=20),
+    RunSpec("768 px + sample", "fast", 768, 16, 40, 20, sampled=True, sample_steps=20),
 )
 # The rehearsal on the CPU rig: the same code at sizes a CPU finishes (minutes per run, mostly the model's load).
 CPU_RUNS = (
     RunSpec("256 px", "fast", 256, 4, 3, 2),
-    RunSpec("256 px + sample", "fast", 256, 4, 3, 2, sample_every=2, sample_size=128, sample_steps=2),
+    RunSpec("256 px + sample", "fast", 256, 4, 3, 2, sampled=True, sample_steps=2),
 )
 TRAINER_PROBE = r"""
 import json, sys

@@ -26,7 +26,6 @@ from typing import Any
 from bench.gpu_check.service import Service
 from bench.gpu_check.table import Row, unmeasured
 from bench.gpu_check.watch import Seen, Watcher
-from lora_worker.dispatch.argv import SAMPLE_PROMPTS
 from lora_worker.host.nvml import Nvml
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
@@ -45,18 +44,19 @@ class RunSpec:
     network_dim: int
     steps: int
     save_every: int  # a state and a step LoRA every N steps, as every job has (N >= 2)
-    sample_every: int | None = None  # a sample pass at the start and every N steps
-    sample_size: int = 1024
+    # A sample pass before the first step and at each save, as any job with samples has (docs/samples.md): the
+    # request's one prompt at the run's resolution, `sample_steps` sampler steps (the rig sizes' `sample_steps`).
+    sampled: bool = False
     sample_steps: int = 20
 
     def sizes(self) -> dict[str, int]:
         sizes = {"max_train_steps": self.steps, "network_dim": self.network_dim, "resolution": self.resolution,
                  "save_every_n_steps": self.save_every}
-        return sizes | ({"sample_every_n_steps": self.sample_every} if self.sample_every else {})
+        return sizes | ({"sample_steps": self.sample_steps} if self.sampled else {})
 
-    def prompts(self) -> str:
-        return (f"{TRIGGER} {SUBJECT}, sitting on grass --w {self.sample_size} --h {self.sample_size} "
-                f"--s {self.sample_steps} --d 42 --l 7\n")
+    def samples(self) -> list[dict[str, Any]]:
+        """The request's `samples`: its one prompt, or none (a job that leaves the field out draws a default one)."""
+        return [{"prompt": f"{TRIGGER} {SUBJECT}, sitting on grass", "seed": 42}] if self.sampled else []
 
 
 def write_dataset(train_dir: Path, images: int, size: int, repeats: int) -> Path:
@@ -98,11 +98,9 @@ def run_one(spec: RunSpec, svc: Service, model: Path, work: Path, *, nvml: Nvml 
     dataset = write_dataset(train_dir, images, image_size, repeats)
     output = train_dir / "output"
     output.mkdir(parents=True)
-    if spec.sample_every:
-        (output / SAMPLE_PROMPTS).write_text(spec.prompts())
     body = {"dataset_dir": str(dataset), "base_model_path": str(model), "output_dir": str(output),
             "output_name": "gc", "trigger": TRIGGER, "subject_class": SUBJECT, "repeats": repeats,
-            "tier": spec.tier, "device_index": 0, "seed": 42}
+            "tier": spec.tier, "device_index": 0, "seed": 42, "samples": spec.samples()}
     started = time.monotonic()
     baseline = _used(nvml)
     code, answer = svc.request("POST", "/train", body)
@@ -163,9 +161,9 @@ def rows_of(spec: RunSpec, out: Outcome, *, gpu_why: str | None) -> list[Row]:
     if job.get("status") == "refused":
         return rows
     rows += _step_rows(section, job, out.seen)
-    rows += _phase_rows(section, job, out.phases, sampled=bool(spec.sample_every))
+    rows += _phase_rows(section, job, out.phases, sampled=spec.sampled)
     rows += _vram_rows(section, out, gpu_why)
-    if spec.sample_every:
+    if spec.sampled:
         rows += _sample_rows(section, spec, out, gpu_why)
     rows += _cpu_rows(section, out.seen)
     return rows
@@ -191,7 +189,7 @@ def _step_rows(section: str, job: dict[str, Any], seen: Seen) -> list[Row]:
 
 def _phase_rows(section: str, job: dict[str, Any], phases: list[tuple[str, float]], sampled: bool) -> list[Row]:
     pre = _seconds(job.get("started_at"), job.get("training_started_at"))
-    note = "; the sample pass at step 0 is in it (in preparing_training)" if sampled else ""
+    note = "; the sample pass at step 0 is in it (phase sampling, before the first step)" if sampled else ""
     rows = [Row(section, "pre-training phase", pre, "s", how="ledger: started_at to training_started_at" + note)
             if pre is not None else unmeasured(section, "pre-training phase", "the ledger has no training start")]
     for (phase, at), (_, until) in zip(phases, phases[1:]):
@@ -220,7 +218,7 @@ def _sample_rows(section: str, spec: RunSpec, out: Outcome, gpu_why: str | None)
     for step, started in sorted(starts.items()):
         tag = f"_e{0:06d}_" if step == 0 else f"_{step:06d}_"
         done = [p.stat().st_mtime for p in images if tag in p.name]
-        name = f"sample pass at step {step} ({spec.sample_size} px, {spec.sample_steps} sampler steps)"
+        name = f"sample pass at step {step} ({spec.resolution} px, {spec.sample_steps} sampler steps)"
         if not done:
             rows.append(unmeasured(section, name, "its start was logged but no image of it is on disk"))
             continue

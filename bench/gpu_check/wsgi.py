@@ -2,9 +2,10 @@
 from the check's own Settings instead of the environment.
 
 The check's settings hold what no config file or variable may set (`rig_tier_sizes`: a few dozen steps, a sample
-pass), so the check writes them as the JSON a supervisor is handed (config.settings_to_json) to the file named by
-LW_GPU_CHECK_SETTINGS, and this module reads it. Everything else is the service as `make run` starts it: the same
-gunicorn config (systemd/gunicorn.conf.py), the same app factory, the real detached supervisor per job.
+pass's few sampler steps), so the check writes them as the JSON a supervisor is handed (config.settings_to_json) to
+the file named by LW_GPU_CHECK_SETTINGS, and this module reads it. Everything else is the service as `make run`
+starts it: the same gunicorn config (systemd/gunicorn.conf.py), the same app factory, the real detached supervisor
+per job.
 """
 from __future__ import annotations
 

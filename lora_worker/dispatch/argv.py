@@ -1,8 +1,8 @@
 """The one command the worker runs, built by pure functions from a ResolvedRequest and the audited constants.
 
 Shape: `<venv>/accelerate launch <pinned launcher flags> <abs sdxl_train_network.py> <script args>`, where
-every script arg is either a constant `--flag` or one `--key=value` token with a key from SCRIPT_KEYS (and, for
-the CPU rig and the GPU check only, the sample pass's SAMPLE_KEYS and SAMPLE_FLAGS).
+every script arg is either a constant `--flag` or one `--key=value` token with a key from SCRIPT_KEYS, and, for a
+job with samples, the switch SAMPLE_FLAGS (dispatch/samples.py: the one place the sample flags come from).
 A value can never become a flag of its own (`--config_file=…` would replace the whole configuration), and
 no key ever comes from the request. `shlex.join` is for display only; nothing here goes through a shell.
 """
@@ -11,16 +11,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lora_worker.config import LORA_TARGET_PRESETS, SDXL_HPARAMS, Settings
-from lora_worker.config_tables import STATES_KEPT, STEP_LORAS_KEPT
+from lora_worker.config_tables import STATES_KEPT
 from lora_worker.dispatch.request import ResolvedRequest
+from lora_worker.dispatch.samples import SAMPLE_FLAGS, prompts_file, sample_args, sample_switches, step_loras_kept
 from lora_worker.host.trainer import ENV_KEYS, trainer_env
 
 if TYPE_CHECKING:
     from lora_worker.backends import Backend
     from lora_worker.dispatch.presentation import DatasetConfig
 
-__all__ = ["ENV_KEYS", "SAMPLE_FLAGS", "SAMPLE_KEYS", "SAMPLE_PROMPTS", "SCRIPT_FLAGS", "SCRIPT_KEYS", "build_argv",
-           "build_env", "keep_last", "launcher_argv", "sample_args", "script_args", "trainer_env"]
+__all__ = ["ENV_KEYS", "SAMPLE_FLAGS", "SCRIPT_FLAGS", "SCRIPT_KEYS", "build_argv", "build_env", "keep_last",
+           "launcher_argv", "script_args", "trainer_env"]
 
 # Constant switches of the lean SDXL recipe: U-Net only, latents and text-encoder outputs cached in memory
 # (the TE cache requires --network_train_unet_only), gradient checkpointing, SDPA attention, and logs as
@@ -68,16 +69,10 @@ SCRIPT_KEYS: tuple[str, ...] = (
     "train_batch_size",
     "max_data_loader_n_workers",
     "seed",
+    "sample_prompts",
+    "sample_every_n_steps",
+    "sample_sampler",
 )
-
-# Test- and GPU-check-only: a sample pass, which the worker's recipe does not have yet (issue #33 brings samples).
-# Only a tier whose `rig_tier_sizes` names `sample_every_n_steps` gets these tokens (code that builds Settings itself:
-# tests/rig, bench/gpu_check; refused in a config file): images before the first step and every N steps, from the
-# prompts file that code wrote into the job's output dir before the POST (the sandbox shows the trainer that dir;
-# sd-scripts writes the images into its `sample/`).
-SAMPLE_PROMPTS = "sample-prompts.txt"
-SAMPLE_KEYS: tuple[str, ...] = ("sample_prompts", "sample_every_n_steps")
-SAMPLE_FLAGS: tuple[str, ...] = ("--sample_at_first",)
 
 
 def launcher_argv(settings: Settings, mixed_precision: str = "bf16") -> list[str]:
@@ -104,6 +99,7 @@ def script_args(req: ResolvedRequest, settings: Settings, backend: Backend,
     batch_size, mixed_precision = backend.profile(settings, req.tier.name, req.device_index)
     max_grad_norm = repr(float(req.max_grad_norm)) if req.max_grad_norm is not None \
         else SDXL_HPARAMS["max_grad_norm"]
+    every = settings.save_every_n_steps(req.tier.name)  # the step saves and the sample passes (docs/samples.md)
     values: dict[str, str | None] = {
         "pretrained_model_name_or_path": str(req.base_model_path),
         "tokenizer_cache_dir": str(settings.tokenizer_cache_dir),
@@ -127,12 +123,13 @@ def script_args(req: ResolvedRequest, settings: Settings, backend: Backend,
         "noise_offset": SDXL_HPARAMS["noise_offset"],
         "max_grad_norm": max_grad_norm,
         "max_train_steps": str(lora.steps),
-        "save_every_n_steps": str(settings.save_every_n_steps(req.tier.name)),
-        "save_last_n_steps": str(keep_last(STEP_LORAS_KEPT, settings.save_every_n_steps(req.tier.name))),
-        "save_last_n_steps_state": str(keep_last(STATES_KEPT, settings.save_every_n_steps(req.tier.name))),
+        "save_every_n_steps": str(every),
+        "save_last_n_steps": str(keep_last(step_loras_kept(req.samples, lora.steps, every), every)),
+        "save_last_n_steps_state": str(keep_last(STATES_KEPT, every)),
         "train_batch_size": str(batch_size),
         "max_data_loader_n_workers": SDXL_HPARAMS["max_data_loader_n_workers"],
         "seed": str(req.seed),
+        **sample_args(prompts_file(req.samples, req.tier, settings, backend), every),
     }
     return [(key, value) for key in SCRIPT_KEYS if (value := values[key]) is not None]
 
@@ -157,15 +154,8 @@ def build_argv(req: ResolvedRequest, settings: Settings, backend: Backend, confi
     dataset is `config` (dispatch/presentation.py `config_for`, its path names its content)."""
     pairs = [f"--{key}={value}" for key, value in script_args(req, settings, backend, config)]
     _, mixed_precision = backend.profile(settings, req.tier.name, req.device_index)
-    return [*launcher_argv(settings, mixed_precision), *pairs, *SCRIPT_FLAGS, *sample_args(req, settings)]
-
-
-def sample_args(req: ResolvedRequest, settings: Settings) -> list[str]:
-    """The sample pass's tokens (SAMPLE_KEYS, SAMPLE_FLAGS), only for a tier the rig's sizes give one; else none."""
-    every = settings.sample_every_n_steps(req.tier.name)
-    if every is None:
-        return []
-    return [f"--sample_prompts={req.output_dir / SAMPLE_PROMPTS}", f"--sample_every_n_steps={every}", *SAMPLE_FLAGS]
+    switches = sample_switches(prompts_file(req.samples, req.tier, settings, backend))
+    return [*launcher_argv(settings, mixed_precision), *pairs, *SCRIPT_FLAGS, *switches]
 
 
 def build_env(req: ResolvedRequest, settings: Settings, backend: Backend) -> dict[str, str]:

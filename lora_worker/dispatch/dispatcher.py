@@ -31,6 +31,7 @@ from lora_worker.dispatch.lint import LintReport, caption_counter, lint_dataset
 from lora_worker.dispatch.model import check_base_model
 from lora_worker.dispatch.plan import describe
 from lora_worker.dispatch.refingerprint import model_identity
+from lora_worker.dispatch.samples import disk_counts, prompts_file, write_prompts
 from lora_worker.dispatch.request import (ResolvedRequest, TrainRequest, check_device, resolve_request,
                                          webhook_subscription)
 from lora_worker.errors import IdempotencyKeyReused, JobActive, LaunchFailed
@@ -98,6 +99,7 @@ class Dispatcher:
                    "request_sha256": body_sha256, "backend": self.backend.name,
                    "webhook_events": webhook_subscription(self.settings, raw),
                    "dataset_warnings": json.dumps([w.as_dict() for w in report.warnings], ensure_ascii=False)}
+        write_prompts(prompts_file(request.samples, request.tier, self.settings, self.backend))
         return self.launch(columns, request.output_dir, config=config)
 
     def plan(self, raw: TrainRequest) -> dict[str, Any]:
@@ -124,11 +126,13 @@ class Dispatcher:
         check_base_model(request.base_model_path)
         paths.require_no_output(str(request.lora_file))
         config = presentation.config_for(request, self.settings, self.backend, manifest.image_count, report.buckets())
-        self.admit(request.tier.name, request.device_index, request.output_dir, request.tier.network_dim)
+        self.admit(request.tier.name, request.device_index, request.output_dir, request.tier.network_dim,
+                   disk_counts(request.samples, request.expected.steps,
+                               self.settings.save_every_n_steps(request.tier.name)))
         return request, manifest, report, config
 
-    def admit(self, tier: str, device_index: int, output_dir: Path, network_dim: int, *,
-              resuming: bool = False) -> None:
+    def admit(self, tier: str, device_index: int, output_dir: Path, network_dim: int,
+              kept: dict[str, int] | None = None, *, resuming: bool = False) -> None:
         """What a new row needs of the host and the slots now (a fresh job's and a resume's)."""
         if len(self.backend.slots(self.settings)) == 1:
             active = repo.active_job(self.db)
@@ -142,7 +146,8 @@ class Dispatcher:
             require_sandbox(self.settings)
             require_namespaces(self.settings)  # probed once (at start-up): bwrap can make them here
             admit(tier, device_index, self.settings, self.nvml)
-        require_free_space(output_dir, required_mib(self.settings.disk_mib[tier], network_dim, resuming=resuming))
+        require_free_space(output_dir, required_mib(self.settings.disk_mib[tier], network_dim, **(kept or {}),
+                                                    resuming=resuming))
 
     def launch(self, columns: dict[str, Any], output_dir: Path, *, output_id: str | None = None,
                config: presentation.DatasetConfig | None = None) -> Job:

@@ -15,6 +15,7 @@ from lora_worker.dispatch.disk import required_mib
 from lora_worker.dispatch.lint import LintReport
 from lora_worker.dispatch.presentation import DatasetConfig
 from lora_worker.dispatch.request import ResolvedRequest
+from lora_worker.dispatch.samples import disk_counts
 from lora_worker.transcript.eta import estimate_duration
 
 if TYPE_CHECKING:
@@ -50,12 +51,14 @@ def describe(request: ResolvedRequest, settings: Settings, backend: Backend, rep
     (`config`: the dataset config the launch would write, byte for byte), which states a resume could use, the time
     and disk it needs, and the lint's warnings."""
     tier = request.tier
+    kept = disk_counts(request.samples, request.expected.steps, settings.save_every_n_steps(tier.name))
     return {
         "dry_run": True,
         "argv": build_argv(request, settings, backend, config),
         "dataset": dataset_plan(config, report.buckets(), folder_repeats=request.repeats),
         "estimated_duration": estimate(history, tier),
-        "disk_mib_at_peak": required_mib(settings.disk_mib[tier.name], tier.network_dim),
+        "disk_mib_at_peak": required_mib(settings.disk_mib[tier.name], tier.network_dim, kept["step_loras"],
+                                         kept["images"]),
         "lint": {"warnings": [w.as_dict() for w in report.warnings], "images_decoded": report.decoded,
                  "seconds": report.seconds},
         "seconds": round(seconds, 3),

@@ -29,7 +29,9 @@ from lora_worker.host.safetensors import HeaderError, read_header
 from lora_worker.host.train_state import Problem
 from lora_worker.ledger.models import Job
 
-RESUME_FLAGS = ("--resume=", "--skip_until_initial_step")
+# What a resume's argv adds, and what it leaves out: a resume's first pass would draw its state's weights, not the
+# base model's, under the base model's name (`e000000`), so it never samples at first.
+RESUME_FLAGS = ("--resume=", "--skip_until_initial_step", "--sample_at_first")
 BATCH_SIZE = "--train_batch_size="
 
 
@@ -46,7 +48,8 @@ def request_of(job: Job) -> TrainRequest:
     return TrainRequest(dataset_dir=job.dataset_dir, base_model_path=job.base_model_path, output_dir=job.output_dir,
                         output_name=job.output_name, trigger=job.trigger, subject_class=job.subject_class,
                         repeats=job.repeats, tier=job.tier, device_index=job.device_index, seed=job.seed,
-                        max_grad_norm=job.max_grad_norm, lora_target_modules=job.lora_target_modules)
+                        max_grad_norm=job.max_grad_norm, lora_target_modules=job.lora_target_modules,
+                        samples=tuple(job.sample_prompts) if job.sample_prompts is not None else ())
 
 
 def resolved(job: Job, settings: Settings) -> ResolvedRequest:
@@ -78,7 +81,8 @@ def command_problems(job: Job, settings: Settings) -> list[Problem]:
                                 f"{batch_size_of(job.argv)}, the settings give {batch_now} on {backend.label} now"))
     try:
         request = resolved(job, settings)
-        argv_now = build_argv(request, settings, backend, config_of(job, request, settings, backend))
+        argv_now = without_resume_flags(build_argv(request, settings, backend,
+                                                   config_of(job, request, settings, backend)))
     except LoraWorkerError as exc:
         return [*problems, Problem("fingerprint_unknown", f"the job's command cannot be built now: {exc.message}")]
     before = without_resume_flags(job.argv)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lora_worker.config import LORA_DTYPE, TIERS, Settings, Tier
+from lora_worker.dispatch.samples import SamplePrompt, as_rows, resolve_samples
 from lora_worker.errors import InvalidRequest
 from lora_worker.host import kohya
 from lora_worker.host.safetensors import ExpectedLora
@@ -37,6 +38,8 @@ class TrainRequest:
     # The webhook events this job sends: None, the configured ones; (), none (an opt-out). Never a URL: where
     # events go is the configuration's alone.
     webhook_events: tuple[str, ...] | None = None
+    # The sample prompts, each {"prompt", "seed"?}: None, one of the trigger and class; (), no samples.
+    samples: tuple[dict[str, Any], ...] | None = None
 
 
 def webhook_subscription(settings: Settings, request: TrainRequest) -> str | None:
@@ -70,6 +73,7 @@ class ResolvedRequest:
     lora_target_modules: str | None
     lora_file: Path  # <output_dir>/<output_name>.safetensors: where sd-scripts saves the final LoRA
     expected: ExpectedLora  # what that file must be for the job to succeed
+    samples: tuple[SamplePrompt, ...] = ()  # each with its seed; () draws none
 
     @property
     def kohya_folder(self) -> str:
@@ -86,6 +90,7 @@ class ResolvedRequest:
             "max_grad_norm": self.max_grad_norm, "lora_target_modules": self.lora_target_modules,
             "total_steps": self.expected.steps, "lora_file": str(self.lora_file), "lora_rank": self.expected.rank,
             "lora_steps": self.expected.steps, "lora_dtype": self.expected.dtype,
+            "sample_prompts": as_rows(self.samples),
         }
 
 
@@ -103,7 +108,8 @@ def resolve_request(request: TrainRequest, *, train_id: str, dataset_dir: Path, 
         output_name=request.output_name, trigger=request.trigger, subject_class=request.subject_class,
         repeats=request.repeats, tier=tier, device_index=request.device_index, seed=request.seed,
         max_grad_norm=request.max_grad_norm, lora_target_modules=request.lora_target_modules,
-        lora_file=output_dir / f"{request.output_name}.safetensors", expected=expected)
+        lora_file=output_dir / f"{request.output_name}.safetensors", expected=expected,
+        samples=resolve_samples(request.samples, request.trigger, request.subject_class))
 
 
 def check_device(tier: str, device_index: int, settings: Settings) -> None:

@@ -20,6 +20,7 @@ from lora_worker.dispatch.dataset import inspect_dataset
 from lora_worker.dispatch.dispatcher import Dispatcher
 from lora_worker.dispatch.refingerprint import config_of, resolved, without_resume_flags
 from lora_worker.dispatch.resumable import Verdict, verdict
+from lora_worker.dispatch.samples import disk_counts, prompts_file, write_prompts
 from lora_worker.errors import JobActive, NotResumable
 from lora_worker.host import fs, kohya
 from lora_worker.ledger import repository as repo
@@ -31,7 +32,7 @@ from lora_worker.transcript.eta import estimate_resume
 COPIED = ("train_id", "dataset_dir", "base_model_path", "output_dir", "output_name", "trigger", "subject_class",
           "repeats", "tier", "device_index", "seed", "max_grad_norm", "lora_target_modules", "image_count", "env",
           "total_steps", "lora_file", "lora_rank", "lora_steps", "lora_dtype", "dataset_sha256", "base_model_sha256",
-          "sd_scripts_commit", "trainer_versions", "webhook_events", "base_model_identity",
+          "sd_scripts_commit", "trainer_versions", "webhook_events", "base_model_identity", "sample_prompts",
           "dataset_warnings")
 
 
@@ -61,8 +62,11 @@ def _create(dispatcher: Dispatcher, job_id: int, idempotency_key: str | None, di
     found = verdict(dispatcher.db, dispatcher.settings, original)
     refuse(dispatcher, original, found)
     assert found.state is not None and found.from_step is not None
+    # As the fingerprint rebuilt its command: the same prompts file and dataset config.
+    request = resolved(original, dispatcher.settings)
     dispatcher.admit(original.tier, original.device_index, Path(original.output_dir), original.lora_rank,
-                     resuming=True)
+                     disk_counts(request.samples, original.lora_steps - found.from_step,
+                                 dispatcher.settings.save_every_n_steps(original.tier)), resuming=True)
     manifest = inspect_dataset(Path(original.dataset_dir),
                                kohya.folder_name(original.repeats, original.trigger, original.subject_class))
     columns: dict[str, Any] = {
@@ -73,9 +77,10 @@ def _create(dispatcher: Dispatcher, job_id: int, idempotency_key: str | None, di
         "estimated_duration_s": _estimate(original, found.from_step),
     }
     output_id = str(fs.identity_of_dir(original.output_dir))
-    # The same dataset config its argv names (the verdict rebuilt the argv: the same path, so the same bytes),
-    # written again: the run may be long gone and retention with it.
-    config = config_of(original, resolved(original, dispatcher.settings), dispatcher.settings, dispatcher.backend)
+    # The same prompts file and dataset config its argv names (the verdict rebuilt the argv: the same paths, so the
+    # same bytes), written again: the run may be long gone and retention with it.
+    write_prompts(prompts_file(request.samples, request.tier, dispatcher.settings, dispatcher.backend))
+    config = config_of(original, request, dispatcher.settings, dispatcher.backend)
     job = dispatcher.launch(columns, Path(original.output_dir), output_id=output_id, config=config)
     resumes.note(dispatcher.db, original.id, actor=actor,
               reason=f"resumed as job {job.id} from step {found.from_step} ({found.state})")

@@ -62,6 +62,16 @@ class JobPaths:
     dataset_dir: Path
     base_model_path: Path
     output_dir: Path
+    read_only: tuple[Path, ...] = ()  # the worker's own files the argv names (`argv_files`), bound read-only
+
+
+# The worker's own files a trainer's argv may name (the sample prompts, dispatch/samples.py): written in the state
+# dir (or the storage a Slurm node shares), which the sandbox otherwise hides under a tmpfs.
+ARGV_FILES = ("--sample_prompts=",)
+
+
+def argv_files(argv: list[str]) -> tuple[Path, ...]:
+    return tuple(Path(a.split("=", 1)[1]) for a in argv if a.startswith(ARGV_FILES))
 
 
 @dataclass(frozen=True)
@@ -191,6 +201,7 @@ def _job_mounts(job: JobPaths, settings: Settings, facts: HostFacts, held: Mappi
     """The installation by path, the job's checked directories by descriptor (the output dir read-write)."""
     mounts = [(p, "--ro-bind") for p in (*_operator_binds(settings, facts), job.base_model_path)]
     mounts += [(p, "--ro-bind") for p in held if p != job.output_dir]  # the dataset, its kohya folder, its config
+    mounts += [(p, "--ro-bind") for p in job.read_only]  # the sample prompts, over the state dir's tmpfs
     mounts.append((job.output_dir, "--bind"))
     cmd: list[str] = []
     # Shallow paths first, so a deeper bind (the output dir inside a read-only tree) is mounted over them.

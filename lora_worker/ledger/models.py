@@ -141,6 +141,10 @@ class Job(Base):
     base_model_identity: Mapped[str | None] = mapped_column(String(96))  # dev:ino:size:mtime_ns:ctime_ns at dispatch
     # The dataset lint's warnings at dispatch (JSON list of findings, lora_worker/findings.py; migration 0016).
     dataset_warnings: Mapped[str | None] = mapped_column(Text)
+    # Sample images (migration 0017): the prompts, each {prompt, seed} ([]: none; NULL: a job from before), and
+    # the step whose verified step LoRA a client promoted to be the result (NULL: the final LoRA is).
+    sample_prompts: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    promoted_step: Mapped[int | None] = mapped_column(Integer)
 
     events: Mapped[list[JobEvent]] = relationship(back_populates="job", order_by="JobEvent.id",
                                                   passive_deletes=True)
@@ -268,3 +272,23 @@ class Checkpoint(Base):
         Index("ix_checkpoints_job_kind_path", "job_id", "kind", "path", unique=True),
         {"sqlite_autoincrement": True},
     )
+
+
+class Sample(Base):
+    """A sample image the job's trainer drew, as its follower found and decoded it (ledger/samples.py)."""
+
+    __tablename__ = "samples"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(255))  # in <output_dir>/sample/
+    step: Mapped[int] = mapped_column(Integer)  # 0: before the first step (the base model's look)
+    prompt_index: Mapped[int] = mapped_column(Integer)
+    seed: Mapped[int | None] = mapped_column(Integer)
+    width: Mapped[int] = mapped_column(Integer)
+    height: Mapped[int] = mapped_column(Integer)
+    bytes: Mapped[int] = mapped_column(Integer)
+    sha256: Mapped[str] = mapped_column(String(64))
+    at: Mapped[datetime] = mapped_column(UtcTimestamp)  # when the follower found it
+
+    __table_args__ = (Index("ix_samples_job_name", "job_id", "name", unique=True), {"sqlite_autoincrement": True})

@@ -44,7 +44,7 @@ EVENT_STATES = (PENDING, DELIVERED, GIVEN_UP)
 # What `data` holds: the fields of `GET /train/<id>` a receiver acts on, as that route names them.
 DATA_COLUMNS = ("id", "train_id", "status", "phase", "step", "total_steps", "loss", "eta_s", "lora_path",
                 "lora_sha256", "lora_size", "failure_class", "error", "exit_code", "signal", "tier",
-                "device_index", "backend", "created_at", "started_at", "finished_at", "updated_at")
+                "device_index", "backend", "created_at", "started_at", "finished_at", "updated_at", "promoted_step")
 _DATA_SQL = f"SELECT {', '.join(DATA_COLUMNS)} FROM jobs WHERE id = ?"
 _SUBSCRIPTION_SQL = "SELECT webhook_events FROM jobs WHERE id = ?"
 _INSERT_SQL = ("INSERT INTO webhook_events (event_id, job_id, type, body, created_at, state, attempts, "
@@ -110,7 +110,7 @@ _COALESCE_SQL = "UPDATE webhook_events SET body = ? WHERE id = ? AND attempts = 
 
 def emit_running(db: Statements, job_id: int, *, old_phase: str | None, values: dict[str, Any],
                  subscription: Subscription, entered: Sequence[str] = (),
-                 checkpoints: Sequence[dict[str, Any]] = ()) -> None:
+                 checkpoints: Sequence[dict[str, Any]] = (), samples: Sequence[dict[str, Any]] = ()) -> None:
     """The events of a running job's progress write: `job.phase` for each phase it entered (several when
     their markers came in one read), else when the phase changed; `job.checkpoint` for each step LoRA whose
     verification this write recorded first (`data.checkpoint`); `job.progress` (coalesced, at most one per
@@ -124,6 +124,8 @@ def emit_running(db: Statements, job_id: int, *, old_phase: str | None, values: 
         emit(db, job_id, PHASE, subscription)
     for checkpoint in checkpoints:
         emit(db, job_id, CHECKPOINT, subscription, checkpoint=checkpoint)
+    for sample in samples:  # a sample pass over, after its step LoRA's verdict (`job.sample`)
+        emit(db, job_id, "job.sample", subscription, sample=sample)
     if "step" in values and PROGRESS in subscription.types:
         _progress(db, job_id, subscription)
 

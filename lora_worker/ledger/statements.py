@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from lora_worker.ledger import outbox
 from lora_worker.ledger.checkpoints import CheckpointRow, event_data as checkpoint_data, \
     record_in as record_checkpoints_in
+from lora_worker.ledger.samples import SamplePass, record_in as record_samples_in
 # The ledger's clock and its text, re-exported: models and callers take them from here.
 from lora_worker.ledger.timestamps import iso_utc as iso_utc, parse_utc as parse_utc, utcnow as utcnow
 from lora_worker.states import TERMINAL_STATES, TRANSITIONS, FailureClass, JobState
@@ -45,7 +46,8 @@ class Statements(Protocol):
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> Cursor: ...
 
 
-JSON_COLUMNS = frozenset({"argv", "env", "trainer_versions"})  # stored as JSON text (models.Job's JSON type)
+# Stored as JSON text (models.Job's JSON type).
+JSON_COLUMNS = frozenset({"argv", "env", "trainer_versions", "sample_prompts"})
 # Written by the statements themselves: a caller's value for one would be a second, conflicting write.
 MANAGED_COLUMNS = frozenset({"id", "status", "updated_at", "version"})
 _IDENTIFIER = re.compile(r"[a-z_][a-z0-9_]*")
@@ -173,22 +175,25 @@ PHASES_RECORDED_SQL = ("SELECT count(*) FROM job_events WHERE job_id = ? AND fro
 
 def update_running_in(db: Statements, job_id: int, points: Iterable[tuple[int, float | None, datetime]] = (),
                       phases: Sequence[Any] = (), actor: str = "supervisor",
-                      checkpoints: Iterable[CheckpointRow] = (), **values: Any) -> bool:
+                      checkpoints: Iterable[CheckpointRow] = (), samples: Iterable[SamplePass] = (),
+                      **values: Any) -> bool:
     """Write progress (or identity) of a running job and its new loss points; False once it is not running.
 
     `phases` are all the phases the run has entered, in order (the parser's `Progress.phases`): those past
     the ones already recorded become events (running → running, "phase <name>"). A write that failed, or a
     Slurm poller that re-read the log from its start, records none twice and misses none. `checkpoints`: the
     step LoRAs and states seen (ledger/checkpoints.py), in the same transaction; a step LoRA's first recorded
-    verification is its `job.checkpoint` event (so again: none twice)."""
+    verification is its `job.checkpoint` event (so again: none twice); `samples`: the sample passes over (ledger/
+    samples.py), a pass's first write its `job.sample` event."""
     columns = _checked(values)
     sql = _RUNNING_UPDATE_SQL.get(columns)
     if sql is None:
         assignments = "".join(f"{c} = ?, " for c in columns)
         sql = _RUNNING_UPDATE_SQL[columns] = (f"UPDATE jobs SET {assignments}updated_at = ?, version = version + 1 "
                                               f"WHERE id = ? AND status = '{JobState.RUNNING.value}'")
-    checkpoints = list(checkpoints)
-    wanted = _may_make_events(phases, values, checkpoints)  # the job's subscription and old phase are read first
+    checkpoints, samples = list(checkpoints), list(samples)
+    # the job's subscription and old phase are read first
+    wanted = _may_make_events(phases, values, checkpoints) or bool(samples)
     before = db.execute(_EVENTS_BEFORE_SQL, (job_id,)).fetchone() if wanted else None
     if db.execute(sql, (*(bind(values[c]) for c in columns), iso_utc(utcnow()), job_id)).rowcount != 1:
         return False
@@ -196,10 +201,11 @@ def update_running_in(db: Statements, job_id: int, points: Iterable[tuple[int, f
     if rows:
         db.executemany(PROGRESS_POINT_SQL, rows)
     verified = record_checkpoints_in(db, job_id, checkpoints)  # the step LoRAs verified for the first time
+    passes = record_samples_in(db, job_id, samples)  # the sample passes written for the first time
     entered = _record_phases(db, job_id, phases, actor)
     if before is not None and (subscription := outbox.Subscription.from_json(before[0])) is not None:
         outbox.emit_running(db, job_id, old_phase=before[1], values=values, subscription=subscription,
-                            entered=entered, checkpoints=[checkpoint_data(c) for c in verified])
+                            entered=entered, checkpoints=[checkpoint_data(c) for c in verified], samples=passes)
     return True
 
 

@@ -59,6 +59,7 @@ class JobRecord:
     resume_step: int = 0  # a resume's first step (migration 0014): its steps bar counts from there
     image_count: int | None = None  # the dataset config's repeats follow from it (host/dataset_config.py)
     backend: str = "local"  # where it runs (the column's own default: rows before migration 0009 are local)
+    sample_prompts: list[dict[str, Any]] | None = None  # the job's sample prompts (migration 0017)
 
 
 RECORD_COLUMNS = tuple(f.name for f in fields(JobRecord))

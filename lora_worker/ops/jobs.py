@@ -16,6 +16,7 @@ import textwrap
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import TextIO
 
 from lora_worker.config import Settings
@@ -29,6 +30,7 @@ from lora_worker.states import ACTIVE_STATES, JobState
 from lora_worker.backends import backend_of
 from lora_worker.transcript.logreader import LogReader
 from lora_worker.ops.retention import prune
+from lora_worker.ops.samples import print_samples
 from lora_worker.ops.watch import describe_curve, watch
 
 log = logging.getLogger("lora_worker.jobs")
@@ -44,7 +46,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     ls = cmd.add_parser("ls", help="recent jobs, newest first, as a table")
     ls.add_argument("--status", action="append", choices=[s.value for s in JobState], default=[])
     ls.add_argument("--limit", type=_positive_int, default=20)
-    cmd.add_parser("show", help="one job and its event history").add_argument("job_id", type=_positive_int)
+    show = cmd.add_parser("show", help="one job, its sample images and its event history")
+    show.add_argument("job_id", type=_positive_int)
+    show.add_argument("--sheet", type=Path, metavar="PATH", help="write the samples' contact sheet (PNG) there")
     live = cmd.add_parser("watch", help="a job live until it ends: progress, ETA, loss curve, log (0 if it succeeded)")
     live.add_argument("job_id", nargs="?", type=_positive_int, help="default: the active job")
     follow = cmd.add_parser("log", help="a job's run log")
@@ -110,6 +114,7 @@ def cmd_show(db: Database, settings: Settings, args: argparse.Namespace, out: Te
     out.write(f"lint: {len(warnings)} warning(s) of the dataset at dispatch\n" if job.dataset_warnings is not None
               else "lint: none recorded (a job from before the lint)\n")
     out.writelines(f"  {w['code']}: {w['file']}: {w['message']}\n" for w in warnings)
+    print_samples(db, job, out, args.sheet)
     out.write("events:\n")
     events = repo.job_events(db, job.id)
     _table(out, ("AT", "FROM", "TO", "ACTOR", "REASON"),

@@ -111,7 +111,8 @@ def start(spec: Spec) -> int:
     try:
         if checked.moved is not None:
             return refuse(spec, checked.moved)
-        paths = sandbox.JobPaths(Path(job.dataset_dir), Path(job.base_model_path), Path(job.output_dir))
+        paths = sandbox.JobPaths(Path(job.dataset_dir), Path(job.base_model_path), Path(job.output_dir),
+                                 read_only=sandbox.argv_files(job.argv))
         command = sandbox.wrap(job.argv, paths, settings, sandbox.host_facts(settings), checked.held)
         try:
             trainer = subprocess.Popen(command, cwd=spec.cwd, env=env, stdin=subprocess.DEVNULL,  # noqa: S603

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from lora_worker.host import fs, kohya
 from lora_worker.host.dataset_config import class_tokens, config_path_of, expected, open_checked
+from lora_worker.host.images import SAMPLE_DIR
 from lora_worker.ledger.supervisor import JobRecord
 
 
@@ -70,7 +71,7 @@ def check(job: JobRecord) -> Checked:
         try:
             checked.moved = (_new_subset(fds["dataset_dir"], folder)
                              or _unsafe_entry(fds["the kohya folder"], folder)
-                             or _lora_present(fds["output_dir"], os.path.basename(job.lora_file)))
+                             or _output_moved(fds["output_dir"], os.path.basename(job.lora_file)))
         except OSError as exc:  # made unreadable meanwhile: as good as moved
             checked.moved = f"the dataset or output_dir can no longer be listed ({exc.strerror or exc})"
         if checked.moved is None:
@@ -112,6 +113,20 @@ def _unsafe_entry(folder_fd: int, folder: str) -> str | None:
     for name in opened:
         if not stat.S_ISREG(entries[name].st_mode):
             return f"{folder}/{name} is now a {fs.kind_of(entries[name].st_mode)}, not a regular file"
+    return None
+
+
+def _output_moved(output_fd: int, lora_name: str) -> str | None:
+    """What the trainer will write into output_dir is not there in its way: no LoRA yet, no link at `sample`."""
+    return _lora_present(output_fd, lora_name) or _sample_folder(output_fd)
+
+
+def _sample_folder(output_fd: int) -> str | None:
+    """`sample`, where sd-scripts writes its sample images, is absent or a real directory: a link there would take
+    them elsewhere (the follower never follows one: transcript/samples.py)."""
+    found = fs.entry_at(output_fd, SAMPLE_DIR)
+    if found is not None and not stat.S_ISDIR(found.st_mode):
+        return f"output_dir's {SAMPLE_DIR!r} is a {fs.kind_of(found.st_mode)}, not the folder of the sample images"
     return None
 
 

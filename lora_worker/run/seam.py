@@ -101,7 +101,8 @@ class SupervisorHost(ProcessHost):
         return checked.moved
 
     def command_for(self, job: JobRecord, settings: Settings) -> list[str]:
-        paths = sandbox.JobPaths(Path(job.dataset_dir), Path(job.base_model_path), Path(job.output_dir))
+        paths = sandbox.JobPaths(Path(job.dataset_dir), Path(job.base_model_path), Path(job.output_dir),
+                                 read_only=sandbox.argv_files(job.argv))
         if settings.sandbox == sandbox.NONE:
             self._release()  # nothing binds them: the trainer opens its paths itself, and inherits no fd
         held = self._checked.held if self._checked is not None else {}

@@ -72,6 +72,10 @@ class Checkpoints:
                     changed[(LORA, path)] = self._keep(self._verified(row))
         return list(changed.values())
 
+    def lora_at(self, step: int) -> CheckpointRow | None:
+        """The step LoRA of `step` as known now (a sample pass names it), or None."""
+        return next((row for (kind, _), row in self._rows.items() if kind == LORA and row.step == step), None)
+
     def _keep(self, row: CheckpointRow) -> CheckpointRow:
         self._rows[(row.kind, row.path)] = row
         return row

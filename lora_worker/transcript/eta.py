@@ -10,6 +10,10 @@ So `eta_s` here is
   step's own duration at step 1, then the recent window, which leaves that warm-up step out), plus the tail
   (save + teardown, learned from finished jobs of the same tier and device), minus the time since that step,
   basis "measured". It counts down between steps and never promises less than the tail while steps remain.
+- with sample passes (issue 33): a pass blocks training, and its bar is no step. So the time of each pass is
+  measured (from `sampling` to the next phase) and taken off the steps' clock, and the passes left (one at each
+  multiple of the interval after the newest step) count at the median cost of those measured, the one under way
+  at what is left of it. The pass before the first step measures the first cost; a resume has none until its own.
 
 Pure: every method takes the time it is asked at (`time.monotonic()` in the supervisor, a capture's
 timestamps in a replay), so a test drives it with a fake clock.
@@ -27,7 +31,7 @@ WINDOW_S = 120.0
 # 4.3 s of the CPU captures (a 43 MB LoRA, a 20 GB process to tear down), since a GPU run also frees the card and
 # saves a larger file. The first finished job replaces it with a measurement.
 DEFAULT_TAIL_S = 10.0
-MEASURED_PHASES = (Phase.TRAINING, Phase.SAVING)
+MEASURED_PHASES = (Phase.TRAINING, Phase.SAMPLING, Phase.SAVING)
 
 
 def estimate_duration(history: list[float]) -> float | None:
@@ -54,24 +58,48 @@ class EtaClock:
     """Turns (step, time) observations into a rate and the time left, with the basis it rests on."""
 
     def __init__(self, total_steps: int, estimated_duration_s: float | None,
-                 tail_s: float = DEFAULT_TAIL_S, first_step: int = 0) -> None:
+                 tail_s: float = DEFAULT_TAIL_S, first_step: int = 0, sample_every: int = 0) -> None:
         self.total_steps = total_steps
         self.first_step = first_step  # a resume's: its bar opens there, and steps before it took no time here
         self.estimate = estimated_duration_s
         self.tail_s = tail_s
         self._opened_at: float | None = None  # when the steps bar showed 0/N: the first step starts there
-        self._seen: deque[tuple[float, int]] = deque()
+        self._seen: deque[tuple[float, int]] = deque()  # (the steps' clock, step)
+        self.sample_every = sample_every  # the steps between sample passes; 0: none
+        self.passes_s: list[float] = []  # each finished pass's duration
+        self._pass_at: float | None = None  # when the pass under way began
+        self._paused_s = 0.0  # the finished passes' time, off the steps' clock
 
     def follow(self, phase: Phase, step: int, now: float) -> None:
-        """Take in the progress after each piece of output: when training started, and each new step."""
+        """Take in the progress after each piece of output: when training started, each new step, and the
+        sample passes begun and ended."""
+        if phase is Phase.SAMPLING and self._pass_at is None:
+            self._pass_at = now
+        elif phase is not Phase.SAMPLING and self._pass_at is not None:
+            self.passes_s.append(now - self._pass_at)
+            self._paused_s += now - self._pass_at
+            self._pass_at = None
         if phase is Phase.TRAINING and step == self.first_step and self._opened_at is None and not self._seen:
-            self._opened_at = now
+            self._opened_at = self._clock(now)
         self.observe(step, now)
+
+    def _clock(self, now: float) -> float:
+        """The steps' clock: the time at `now` less every pass's."""
+        return now - self._paused_s - (now - self._pass_at if self._pass_at is not None else 0.0)
+
+    def _passes_left(self, step: int, now: float) -> float:
+        """The seconds the sample passes after `step` will take, the one under way included."""
+        if not self.sample_every or not self.passes_s:
+            return 0.0
+        cost = statistics.median(self.passes_s)
+        left = (self.total_steps // self.sample_every - step // self.sample_every) * cost
+        return left + (max(0.0, cost - (now - self._pass_at)) if self._pass_at is not None else 0.0)
 
     def observe(self, step: int, now: float) -> None:
         """Record that `step` was reached at `now` (a step seen again, or an older one, changes nothing)."""
         if step <= self.first_step or (self._seen and self._seen[-1][1] >= step):
             return
+        now = self._clock(now)
         self._seen.append((now, step))
         while len(self._seen) > WINDOW_STEPS + 1 or (len(self._seen) > 2 and now - self._seen[0][0] > WINDOW_S):
             self._seen.popleft()
@@ -97,7 +125,7 @@ class EtaClock:
             steps_left = max(0, self.total_steps - step)
             left_at_step = steps_left / rate + self.tail_s
             floor = self.tail_s if steps_left else 0.0  # the save is still to come while steps remain
-            return max(floor, left_at_step - (now - at)), "measured"
+            return max(floor, left_at_step - (self._clock(now) - at)) + self._passes_left(step, now), "measured"
         if self.estimate is not None:
             return max(self.tail_s, self.estimate - elapsed_s), "history"
         return None, None

@@ -12,6 +12,7 @@ from lora_worker.transcript.checkpoints import CheckpointJob
 from lora_worker.transcript.ending import FinalLedger
 from lora_worker.transcript.outcome import Outcome
 from lora_worker.transcript.progress import ProgressLedger
+from lora_worker.transcript.samples import SampleJob
 
 
 class Stop(Enum):
@@ -52,7 +53,7 @@ class Exit:
     cancel_seen: bool = False  # the scheduler says it cancelled the job after a client's cancel was flagged
 
 
-class FollowedJob(CheckpointJob, Protocol):
+class FollowedJob(CheckpointJob, SampleJob, Protocol):
     """The row's columns the follower reads: a supervisor's JobRecord, or the poller's ORM Job."""
 
     @property
@@ -73,6 +74,8 @@ class FollowedJob(CheckpointJob, Protocol):
     def lora_file(self) -> str: ...
     @property
     def sd_scripts_commit(self) -> str | None: ...
+    @property
+    def argv(self) -> list[str]: ...
 
 
 class FollowerLedger(ProgressLedger, FinalLedger, Protocol):

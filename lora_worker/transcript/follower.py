@@ -44,6 +44,7 @@ from lora_worker.transcript.output import TrainerOutput
 from lora_worker.transcript.partial import set_aside
 from lora_worker.transcript.persist import TRANSIENT
 from lora_worker.transcript.progress import Clock, ProgressReporter
+from lora_worker.transcript.samples import Samples, sample_every_of
 from lora_worker.transcript.stop import StopReason, StopSchedule, StopState
 from lora_worker.transcript.watchdog import Watchdog
 
@@ -59,9 +60,11 @@ class Follower:
         self.job, self.ledger, self.clock, self.timing, self.reasons = job, ledger, clock, timing, reasons
         self.output = TrainerOutput(joblog, self._on_output, step_offset=job.resume_step)
         # The tail (save and teardown after the last step) is learned from the history once the trainer runs.
-        self.eta = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s, first_step=job.resume_step)
+        self.eta = EtaClock(job.total_steps, estimated_duration_s=job.estimated_duration_s, first_step=job.resume_step,
+                            sample_every=sample_every_of(job.argv))
         self.reporter = ProgressReporter(ledger, job.id, clock, self.output, self.eta, timing.progress_interval_s,
-                                         on_lost=self._lost, started=started, checkpoints=Checkpoints(job))
+                                         on_lost=self._lost, started=started, checkpoints=Checkpoints(job),
+                                         samples=Samples(job))
         self.watchdog = Watchdog(timing.stall_limits_s, clock.monotonic())
         self.schedule = StopSchedule(timing.grace_s)
         self.started = False  # the trainer runs (or ran): the row is `running`

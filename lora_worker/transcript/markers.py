@@ -29,6 +29,7 @@ MARKERS = re.compile(
     r"|(?P<removed_checkpoint>removing old checkpoint: (?P<removed_path>[^\r\n]*))"
     r"|(?P<removed_state>removing old state: (?P<removed_state_path>[^\r\n]*))"
     r"|(?P<model_saved>model saved\." + END + ")"
+    r"|(?P<sampling>generating sample images at step / サンプル画像生成 ステップ: (?P<sample_step>\d+)" + END + ")"
     r"|(?P<total>total optimization steps[^:\r\n]*: (?P<total_steps>\d+)" + END + ")"
     r"|(?P<no_data>No data found\. Please verify arguments)"
     r"|(?P<cuda_oom>(?:torch\.(?:cuda\.)?OutOfMemoryError|RuntimeError): CUDA (?:out of memory|error: out of memory"
@@ -57,7 +58,7 @@ LINE_PREFIX = re.compile(
 # Anchored, a line costs a few passes over it, whatever it holds.
 LINE_MARKER = re.compile(LINE_PREFIX.pattern + "(?:" + MARKERS.pattern + ")")
 PHASE_GROUPS = {p.value: p for p in (Phase.LOADING_MODEL, Phase.CACHING_LATENTS, Phase.CACHING_TEXT_ENCODER_OUTPUTS,
-                                     Phase.PREPARING_TRAINING, Phase.SAVING)}
+                                     Phase.PREPARING_TRAINING, Phase.SAMPLING, Phase.SAVING)}
 # The saves a run announces (train_network.py save_model and remove_model, train_util.py's state savers): each
 # is kept, in order, as a `Save` (transcript/parser.py), for transcript/checkpoints.py to record and verify.
 SAVE_GROUPS = ("saving", "state_saved", "last_state", "removed_checkpoint", "removed_state")
@@ -73,7 +74,8 @@ MESSAGE_STARTS = (
     "loading model for process ", "load StableDiffusion checkpoint: ", "load Diffusers pretrained models",
     "caching latents", "caching Text Encoder outputs", "import network module: ", "saving checkpoint: ",
     "saving state at step ", "saving last state.", "removing old checkpoint: ", "removing old state: ",
-    "model saved.", "total optimization steps", "No data found. Please verify arguments", "torch.",
+    "model saved.", "generating sample images at step", "total optimization steps",
+    "No data found. Please verify arguments", "torch.",
     "RuntimeError: CUDA ", "AssertionError: caption file is empty", "illegal char in file (not UTF-8)",
     "ValueError: ", "TypeError: expected str", "subprocess.CalledProcessError: Command ",
 )

@@ -91,6 +91,7 @@ def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], c
     if stopped is None and returncode == 0 and saved and artifact is not None and artifact.problem is None:
         return Outcome(JobState.SUCCEEDED, lora_path=artifact.path, **base)
     failure, summary, cause = _classify(returncode, signal, saved, artifact, log_tail, stopped)
+    summary += in_sampling(progress)
     if cause and len(cause) > CAUSE_MAX_CHARS:  # a 90 KB missing-key list: keep its head and the summary
         cause = cause[:CAUSE_MAX_CHARS] + "…"
     sentence = f"{cause} — {summary[0].lower()}{summary[1:]}." if cause else f"{summary}."
@@ -99,6 +100,24 @@ def decide(*, returncode: int | None, progress: Progress, log_tail: list[str], c
 
 
 Ending = tuple[FailureClass, str, "str | None"]  # (class, the worker's summary, the explaining line or None)
+
+
+def in_sampling(progress: Progress) -> str:
+    """What a run that ended in a sample pass left (`generating sample images at step N` was its last phase):
+    sd-scripts draws before the step's save, with no try/except (train_util.py L6360-6491), so that step's
+    LoRA was never written."""
+    from lora_worker.states import Phase
+
+    if progress.phase is not Phase.SAMPLING or not progress.passes:
+        return ""
+    step = progress.passes[-1][0]
+    if step == 0:
+        return "; it ended in the sample pass before the first step: nothing was trained"
+    saved = [int(s.text.rsplit("-step", 1)[1][:8]) for s in progress.saves if s.kind == "saving"
+             and "-step" in s.text and s.text.rsplit("-step", 1)[1][:8].isdigit()]
+    newest = f"the newest step LoRA is step {max(saved)}'s" if saved else "no step LoRA was written"
+    return (f"; it ended in the sample pass of step {step}, which runs before that step's save: the step LoRA of "
+            f"step {step} was never written ({newest})")
 
 
 def _stopped_by_us(stalled_in: str | None, signalled: str | None, nan_at: int | None) -> Ending | None:

@@ -70,6 +70,7 @@ class Progress:
     inner_exit: int | None = None  # the trainer's own exit status, from the launcher's message
     checkpoints: list[str] = field(default_factory=list)
     saves: list[Save] = field(default_factory=list)  # every save line, in order
+    passes: list[tuple[int, int]] = field(default_factory=list)  # each sample pass begun: (its step, redraws)
     redraws: int = 0  # `steps` redraws applied so far
 
     def enter(self, phase: Phase) -> None:
@@ -220,14 +221,19 @@ class Parser:
         if kind in SAVE_GROUPS:
             p.saves.append(Save(str(kind), _save_text(m, p.step), p.redraws))
         if kind in PHASE_GROUPS:
-            if "model_saved" not in p.flags:
-                p.enter(PHASE_GROUPS[kind])
-            if kind == "saving":
-                p.checkpoints.append(m["checkpoint"].strip())
+            self._phase(str(kind), m)
         elif kind == "total":
             p.total_steps = count(m["total_steps"])
         elif kind in FLAG_GROUPS:
             self._flag(str(kind), m)
+
+    def _phase(self, kind: str, m: re.Match[str]) -> None:
+        if "model_saved" not in self.progress.flags:
+            self.progress.enter(PHASE_GROUPS[kind])
+        if kind == "saving":
+            self.progress.checkpoints.append(m["checkpoint"].strip())
+        elif kind == "sampling":
+            self.progress.passes.append((int(m["sample_step"]), self.progress.redraws))
 
     def _flag(self, kind: str, m: re.Match[str]) -> None:
         p = self.progress
@@ -245,7 +251,7 @@ class Parser:
         p = self.progress
         loss = None if p.loss is None or math.isnan(p.loss) else p.loss
         return (p.phase, p.step, p.total_steps, loss, p.loss is not None and math.isnan(p.loss), p.rate,
-                p.eta_s, len(p.flags), len(p.saves))
+                p.eta_s, len(p.flags), len(p.saves), len(p.passes))
 
 def _save_text(m: re.Match[str], step: int) -> str:
     """A save marker's argument: the path or step it names (`saving last state.` names none: the bar's step)."""
@@ -266,8 +272,5 @@ def _first_break(data: bytes, last_cr: int, last_nl: int) -> int:
     return nl if nl >= 0 else cr
 
 
-
 def _segment_start(data: bytes, pos: int, lo: int) -> int:
     return max(data.rfind(b"\r", lo, pos), data.rfind(b"\n", lo, pos)) + 1 or lo
-
-

@@ -15,11 +15,13 @@ from datetime import datetime
 from typing import Protocol
 
 from lora_worker.ledger.checkpoints import CheckpointRow
+from lora_worker.ledger.samples import SamplePass
 from lora_worker.ledger.statements import utcnow
 from lora_worker.transcript.checkpoints import Checkpoints
 from lora_worker.transcript.eta import EtaClock
 from lora_worker.transcript.output import TrainerOutput
 from lora_worker.transcript.persist import TRANSIENT
+from lora_worker.transcript.samples import Samples
 from lora_worker.states import Phase
 
 log = logging.getLogger(__name__)
@@ -28,7 +30,8 @@ Point = tuple[int, float | None, datetime]
 
 class ProgressLedger(Protocol):
     def update_running(self, job_id: int, *, points: Iterable[Point] = (), phases: Sequence[Phase] = (),
-                       checkpoints: Iterable[CheckpointRow] = (), **values: object) -> bool:
+                       checkpoints: Iterable[CheckpointRow] = (), samples: Iterable[SamplePass] = (),
+                       **values: object) -> bool:
         """Write progress of a running job; False once it is no longer running."""
 
 
@@ -43,7 +46,7 @@ class ProgressReporter:
 
     def __init__(self, db: ProgressLedger, job_id: int, host: Clock, output: TrainerOutput, clock: EtaClock,
                  interval_s: float, on_lost: Callable[[], None], started: float | None = None,
-                 checkpoints: Checkpoints | None = None) -> None:
+                 checkpoints: Checkpoints | None = None, samples: Samples | None = None) -> None:
         self.db = db
         self.job_id = job_id
         self.host = host
@@ -58,6 +61,8 @@ class ProgressReporter:
         self.training_at: datetime | None = None
         self.checkpoints = checkpoints  # the step LoRAs and states: recorded (and verified) with the progress
         self.pending_checkpoints: dict[tuple[str, str], CheckpointRow] = {}
+        self.samples = samples  # the sample passes over: recorded with the progress, after their step LoRAs
+        self.pending_samples: list[SamplePass] = []
 
     def keep(self, **values: object) -> None:
         """Values to write with the next write that lands, however many fail before it."""
@@ -73,15 +78,18 @@ class ProgressReporter:
         if self.clock.moves():
             self.output.changed = True  # the ETA counts down with the clock, output or not
         self._take_checkpoints()
-        pending = self.output.changed or self.pending_points or self.pending_values or self.pending_checkpoints
+        pending = (self.output.changed or self.pending_points or self.pending_values or self.pending_checkpoints
+                   or self.pending_samples)
         if not pending or (not force and not self.due(self.host.monotonic())):
             return True
         at = utcnow()
         points = [(step, finite(loss), at) for step, loss in sorted(self.pending_points.items())]
-        if not self.write(points=points, checkpoints=list(self.pending_checkpoints.values()), **self._values(at)):
+        if not self.write(points=points, checkpoints=list(self.pending_checkpoints.values()),
+                          samples=self.pending_samples, **self._values(at)):
             return False
         self.pending_points.clear()
         self.pending_checkpoints.clear()
+        self.pending_samples = []
         self.output.changed = False
         return True
 
@@ -90,14 +98,17 @@ class ProgressReporter:
         if self.checkpoints is not None:
             for row in self.checkpoints.take(self.output.progress, ended=self.output.ended):
                 self.pending_checkpoints[(row.kind, row.path)] = row
+        if self.samples is not None:
+            lora_at = self.checkpoints.lora_at if self.checkpoints is not None else (lambda _step: None)
+            self.pending_samples += self.samples.take(self.output.progress, ended=self.output.ended, lora_of=lora_at)
 
     def write(self, points: list[Point] | None = None, checkpoints: Sequence[CheckpointRow] = (),
-              **values: object) -> bool:
+              samples: Sequence[SamplePass] = (), **values: object) -> bool:
         self.last_write = self.host.monotonic()
         phases = self.output.progress.phases  # every phase entered: the ledger records those it has not yet
         try:
             if not self.db.update_running(self.job_id, points=points or (), phases=phases, checkpoints=checkpoints,
-                                          **self.pending_values, **values):
+                                          samples=samples, **self.pending_values, **values):
                 self.on_lost()
             self.pending_values = {}
             return True

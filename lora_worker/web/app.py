@@ -9,7 +9,7 @@ from typing import Any
 
 from flask import Flask, request
 
-from lora_worker.web import auth, deliveries, gpu, health, metrics, openapi, train
+from lora_worker.web import auth, deliveries, gpu, health, metrics, openapi, samples, train
 from lora_worker.web.errors import register_error_handlers
 from lora_worker.config import Settings, load_settings
 from lora_worker.errors import LoraWorkerError
@@ -52,7 +52,7 @@ def build_app(config: Settings | dict[str, Any] | None = None, *, nvml: Nvml | N
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions["lora_worker"] = worker
     app.extensions["lora_worker_metrics"] = metrics.registry_for(worker)
-    for blueprint in (train.bp, deliveries.bp, gpu.bp, health.bp, metrics.bp, openapi.bp):
+    for blueprint in (train.bp, samples.bp, deliveries.bp, gpu.bp, health.bp, metrics.bp, openapi.bp):
         app.register_blueprint(blueprint)
     auth.protect(app, token)
     reconcile_on_requests(app)

@@ -17,7 +17,7 @@ from werkzeug.exceptions import HTTPException
 
 from lora_worker import errors as domain
 from lora_worker.errors import (Conflict, InsufficientStorage, InvalidRequest, JobFinished, JobGone, JobNotFound,
-                                LoraWorkerError, NotResumable, Unavailable)
+                                LoraWorkerError, NotPromotable, NotResumable, SampleGone, Unavailable)
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,8 @@ STATUS: dict[type[LoraWorkerError], int] = {
     JobGone: 410,
     JobFinished: 409,
     NotResumable: 422,  # never by waiting: each of `details.reasons` needs something changed first
+    NotPromotable: 422,
+    SampleGone: 410,
     Conflict: 409,
     InsufficientStorage: 507,
     Unavailable: 503,
@@ -67,6 +69,12 @@ _ADVICE: dict[str, tuple[str, str]] = {  # domain code → (Retry-After in words
     "output_exists": ("", "Choose another `output_name`: a finished LoRA is never overwritten."),
     "job_not_found": ("", "Check the job id; pruned jobs are gone."),
     "event_not_found": ("", "Check the event id: `GET /train/<id>/deliveries` lists the job's events."),
+    "sample_not_found": ("", "Check the name: `GET /train/<id>/samples` lists the job's images (none before its "
+                             "first pass is over)."),
+    "sample_gone": ("", "Do not retry: the file on disk changed since it was listed (someone removed or replaced "
+                        "it); list the samples again."),
+    "not_promotable": ("", "Do not retry: `details.reason` says why the step cannot be the result (docs/errors.md, "
+                           "Promote refusals); list the job's samples for the steps that can."),
     "job_active": ("", "Retry later: one job trains at a time (`details.active_job_id` names it; poll it and "
                        "retry once it has ended). No Retry-After: when it ends is not known."),
     "job_gone": ("", "Nothing to wait for: the ledger lost the job (`details.log_path` is its run log); "

@@ -36,6 +36,7 @@ from lora_worker.web.schemas.job import (
 )
 from lora_worker.web.schemas.plan import FindingSchema, PlanSchema, SubmitQuerySchema
 from lora_worker.web.schemas.resume import ResumeAcceptedSchema, ResumeVerdictSchema
+from lora_worker.web.schemas.samples import PromotedSchema, PromoteSchema, SamplesSchema
 from lora_worker.web.schemas.log import LogQuerySchema, LogSchema, ProgressQuerySchema, ProgressSeriesSchema
 
 bp = Blueprint("openapi", __name__)
@@ -82,6 +83,8 @@ RESUME_ERRORS = ("job_not_found", "job_gone", "validation_failed", "not_resumabl
                  "dataset_invalid", "job_active", "insufficient_vram", "gpu_busy", "gpu_locked", "insufficient_disk",
                  "trainer_unavailable", "sandbox_unavailable", "nvml_unavailable", *LEDGER, "launch_failed")
 JOB_READ_ERRORS = ("job_not_found", "job_gone", "validation_failed", *LEDGER)
+PNG = "image/png"
+PNG_BODY = {"type": "string", "format": "binary"}
 
 DOCS: dict[str, Doc] = {
     "train.submit": Doc("Start a training job: validated, admitted, recorded, launched. With `dry_run=1`, every "
@@ -117,6 +120,19 @@ DOCS: dict[str, Doc] = {
                         "by `resumed_from` and `attempt`, admitted and launched as POST /train's are.", 202,
                         ResumeAcceptedSchema, errors=RESUME_ERRORS, parameters=(IDEMPOTENCY_KEY,),
                         also={200: "An Idempotency-Key seen before: the resume it started."}),
+    "samples.samples": Doc("The job's sample images (and those of the jobs it resumed), by step then prompt, each "
+                           "with its prompt, seed, size, bytes, sha256 and the verified step LoRA of its step: "
+                           "docs/samples.md.", 200, SamplesSchema, errors=JOB_READ_ERRORS),
+    "samples.sample_image": Doc("One sample image, as listed: read without following a link and served only while "
+                                "its sha256 is the listed one.", 200, PNG_BODY, media_type=PNG,
+                                errors=(*JOB_READ_ERRORS, "sample_not_found", "sample_gone")),
+    "samples.contact_sheet": Doc("The contact sheet: steps as rows (at most 12), prompts as columns, thumbnails.",
+                                 200, PNG_BODY, media_type=PNG, errors=(*JOB_READ_ERRORS, "sample_not_found")),
+    "samples.promote": Doc("Make the verified step LoRA of `step` the succeeded job's result (`lora_path`, "
+                           "`lora_sha256`, `promoted_step`, a `job.promoted` event), without training again; the "
+                           "same step again changes nothing.", 200, PromotedSchema, body=PromoteSchema,
+                           errors=("job_not_found", "job_gone", "bad_request", "validation_failed", "not_promotable",
+                                   *LEDGER)),
     "deliveries.deliveries": Doc("The job's webhook events, oldest first, each with every attempt to deliver it "
                                  "(time, status code, latency, error).", 200, DeliveriesSchema,
                                  errors=JOB_READ_ERRORS),
@@ -151,7 +167,10 @@ WEBHOOKS: dict[str, Any] = {
                                                   "loss, lora_path, lora_sha256, failure_class, error, …), "
                                                   "plus `retryable`; `job.checkpoint` adds `checkpoint`, the "
                                                   "step LoRA whose verification it tells (step, path, bytes, "
-                                                  "sha256, verified, error: a failed one is an event too)"}}},
+                                                  "sha256, verified, error: a failed one is an event too); "
+                                                  "`job.sample` adds `sample`, a pass over (step, expected, "
+                                                  "images, lora: the step LoRA of its step); `job.promoted` adds "
+                                                  "`promoted` (step, path, sha256, bytes)"}}},
 }
 
 

@@ -18,7 +18,7 @@ from lora_worker.errors import EventNotFound, JobGone, JobNotFound, LogUnreadabl
 from lora_worker.host import fs, sandbox
 from lora_worker.host.nvml import Nvml
 from lora_worker.web.gpu_status import gpu_status
-from lora_worker.dispatch import auto_resume, resumable, resume
+from lora_worker.dispatch import auto_resume, gallery, promote, resumable, resume
 from lora_worker.dispatch.dispatcher import Dispatcher
 from lora_worker.dispatch.readiness import DeepHealth
 from lora_worker.dispatch.request import TrainRequest
@@ -209,6 +209,22 @@ class Worker:
             # This tells it now.
             runs.wake(job)
         return self._wait(job, wait_s, lambda j: JobState(j.status) in TERMINAL_STATES)
+
+    def samples(self, job_id: int) -> dict[str, Any]:
+        """The job's sample images with their prompts and step LoRAs (dispatch/gallery.py)."""
+        return gallery.listing(self.db, self._job_now(job_id))
+
+    def sample_image(self, job_id: int, name: str) -> bytes:
+        return gallery.image(self.db, self._job_now(job_id), name)
+
+    def contact_sheet(self, job_id: int) -> bytes:
+        return gallery.sheet(self.db, self._job_now(job_id))
+
+    def promote(self, job_id: int, step: int) -> tuple[Job, bool]:
+        """The verified step LoRA of `step` made the job's result (dispatch/promote.py)."""
+        accepted = promote.promote(self.db, self._job_now(job_id), step)
+        ensure_sender(self.settings)  # its job.promoted is in the outbox
+        return accepted
 
     def deliveries(self, job_id: int) -> list[dict[str, Any]]:
         """Each webhook event of the job, with each attempt to deliver it."""

@@ -43,7 +43,7 @@ def test_a_locked_ledger_gives_503_with_retry_after_and_training_goes_on(host, m
         assert took < migrated.busy_timeout_s + 1
         # The supervisor keeps reading the trainer while the ledger waits. One epoch covers the run, so between
         # two step saves the trainer prints only redraws, which the log takes at a line's end: the lines of the
-        # step save at 150 (≈4.5 s into the lock at 0.03 s a step) are what must reach the log before it ends.
+        # step save at 100 and its sample pass (≈3 s into the lock at 0.03 s a step) must reach the log in it.
         time.sleep(max(0.0, 10 - (time.monotonic() - locked_at)))
         assert holder.is_alive() and reader.size() > log_at_lock
         holder.join()

@@ -43,11 +43,16 @@ def test_a_run_ends_succeeded_with_its_verified_lora_and_its_states_dropped(star
     scenarios.success(start())
 
 
+def test_the_samples_are_listed_with_their_step_loras_and_a_step_is_promoted(start: Start):
+    scenarios.samples_listed_and_promoted(start())
+
+
 def test_a_loss_gone_nan_stops_the_run_and_fails_it_nan_loss(start: Start):
     scenarios.nan_loss(start())
 
 
 @pytest.mark.parametrize("phase, modes", [("loading_model", {"hang_in": "loading_model"}),
+                                          ("sampling", {"hang_in": "sampling"}),
                                           ("training", {"hold_at_step": 3, "release_file": NEVER})])
 def test_a_phase_silent_past_its_limit_is_stopped_and_fails_stalled(start: Start, phase, modes):
     scenarios.stall(start(stall_limits_s={phase: 2.0}), phase, modes)
@@ -61,6 +66,7 @@ def test_a_cancel_of_a_queued_job_ends_it_cancelled_and_nothing_runs(start: Star
 
 @pytest.mark.parametrize("phase, modes", [("loading_model", {"hang_in": "loading_model"}),
                                           ("caching_latents", {"hang_in": "caching_latents"}),
+                                          ("sampling", {"hang_in": "sampling"}),
                                           ("training", {"hold_at_step": 3, "release_file": NEVER})])
 def test_a_cancel_in_a_running_phase_stops_the_trainer_and_ends_cancelled(start: Start, phase, modes):
     scenarios.cancel_running(start(), phase, modes)

@@ -2,6 +2,9 @@
 is active, 422 with the reasons when no state passes; admitted and launched as POST /train's jobs are."""
 from __future__ import annotations
 
+import pytest
+
+from lora_worker.dispatch.refingerprint import without_resume_flags
 from lora_worker.ledger import repository as repo
 from lora_worker.states import FailureClass, JobState
 from tests.helpers import job_rows
@@ -25,7 +28,10 @@ def test_a_resume_is_a_new_row_linked_to_the_original_and_launched(api, host, db
     assert launches == [original, new]  # the dispatcher's one launch path
     before, after = repo.get_job(db, original), repo.get_job(db, new)
     state = str(output / "ohwx_lora-step00000004-state")
-    assert after.argv == [*before.argv, f"--resume={state}", "--skip_until_initial_step"]
+    # a resume never samples at first: its pass would draw the state's weights under the base model's name
+    assert before.argv[-1] == "--sample_at_first"
+    assert after.argv == [*before.argv[:-1], f"--resume={state}", "--skip_until_initial_step"]
+    assert after.sample_prompts == before.sample_prompts  # its passes draw the same prompts, in the same file
     assert (after.lora_file, after.output_dir, after.total_steps, after.seed) == (
         before.lora_file, before.output_dir, before.total_steps, before.seed)
     assert after.output_dev_ino == before.output_dev_ino and after.status == JobState.QUEUED.value
@@ -120,19 +126,35 @@ def test_the_openapi_document_has_both_routes(api):
     assert "202" in post["responses"] and "not_resumable" in str(post["responses"])
 
 
-def test_a_resumes_disk_preflight_counts_the_state_it_finds_once(api, host, db, launches, monkeypatch):
+@pytest.mark.parametrize("samples", [[], None])
+def test_a_resumes_disk_preflight_counts_the_state_it_finds_once(api, host, db, launches, monkeypatch, samples):
     """The run it continues kept a state and a step LoRA there, which its own first save replaces: a resume needs
-    one state and one step LoRA less free space than the job (docs/resume.md, "What states cost")."""
+    one state and one step LoRA less free space than the job (docs/resume.md, "What states cost"); with samples (the
+    default prompt), it counts the step LoRAs and images of the steps it has left, not the whole run's."""
     from lora_worker.config_tables import STATE_MIB, STEP_LORA_MIB
     from lora_worker.dispatch import dispatcher
+    from lora_worker.dispatch.disk import required_mib
+    from lora_worker.dispatch.samples import disk_counts, resolve_samples
 
     needs: list[int] = []
     real = dispatcher.require_free_space
     monkeypatch.setattr(dispatcher, "require_free_space", lambda path, need: (needs.append(need), real(path, need)))
-    original = submit(api, host)
+    body = {**host.payload(), **({"samples": samples} if samples is not None else {})}
+    response = api.post("/train", json=body)
+    assert response.status_code == 202, response.get_json()
+    original = response.get_json()["worker_job_id"]
     interrupted(db, host.settings, original)
-    assert api.post(f"/train/{original}/resume").status_code == 202
-    assert needs[0] - needs[1] == STATE_MIB[16] + STEP_LORA_MIB[16] and needs[1] > 0
+    answer = api.post(f"/train/{original}/resume")
+    assert answer.status_code == 202, answer.get_json()
+    if samples == []:
+        assert needs[0] - needs[1] == STATE_MIB[16] + STEP_LORA_MIB[16] and needs[1] > 0
+        return
+    job, resumed = repo.get_job(db, original), repo.get_job(db, answer.get_json()["worker_job_id"])
+    prompts = resolve_samples(None, job.trigger, job.subject_class)
+    every = host.settings.save_every_n_steps(job.tier)
+    left = disk_counts(prompts, job.lora_steps - resumed.resume_step, every)
+    assert left != disk_counts(prompts, job.lora_steps, every)  # the steps left draw fewer passes
+    assert needs[1] == required_mib(host.settings.disk_mib[job.tier], 16, **left, resuming=True)
 
 
 def test_a_row_accepted_before_the_dataset_config_resumes_with_the_folders_repeats(api, host, db, launches):
@@ -155,7 +177,8 @@ def test_a_row_accepted_before_the_dataset_config_resumes_with_the_folders_repea
     answer = api.post(f"/train/{original}/resume")
     assert answer.status_code == 202, answer.get_json()
     resumed = repo.get_job(db, answer.get_json()["worker_job_id"])
-    assert resumed.argv[:len(legacy)] == legacy and not any(a.startswith("--dataset_config=") for a in resumed.argv)
+    assert without_resume_flags(resumed.argv) == without_resume_flags(legacy)
+    assert not any(a.startswith("--dataset_config=") for a in resumed.argv)
     assert list((host.settings.state_dir / "datasets").iterdir()) == []
 
 

@@ -113,3 +113,28 @@ def test_a_state_truncated_by_hand_is_refused(client, db, host, one_epoch):
     assert not verdict["resumable"] and [r["code"] for r in verdict["reasons"]] == ["state_archive_corrupt"]
     answer = client.post(f"/train/{first}/resume")
     assert answer.status_code == 422 and answer.get_json()["error"] == "not_resumable"
+
+
+def test_the_samples_survive_a_resume_each_with_the_step_lora_of_the_run_that_drew_it(client, db, host, one_epoch):
+    """The original draws the passes before the first step and at 100 and 200 and is killed at 250; its resume
+    (from the state at 200) draws 300 and 400 and never the base model again. The resume's listing holds all five,
+    each tied to the step LoRA its own run saved right after the pass, and any of them can be promoted."""
+    held_at(host, 250)
+    first = client.post("/train", json=one_epoch).get_json()["worker_job_id"]
+    kill_after(client, db, host, first, 250)
+    set_modes(host.sd_scripts)
+    second = resume(client, first)
+    assert "--sample_at_first" not in repo.get_job(db, second).argv
+    assert_succeeded(client, db, host, second)
+    images = client.get(f"/train/{second}/samples").get_json()["images"]
+    assert [(i["step"], i["job_id"]) for i in images] == [(0, first), (100, first), (200, first), (300, second),
+                                                          (400, second)]
+    rows = {(c.job_id, c.step): c for j in (first, second) for c in repo.get_job(db, j).checkpoints
+            if c.kind == "lora"}
+    for image in images[1:]:
+        saved = rows[(image["job_id"], image["step"])]
+        assert (image["lora"]["sha256"], image["lora"]["job_id"], image["lora"]["verified"]) == (
+            saved.sha256, image["job_id"], True)
+    assert client.get(f"/train/{first}/samples").get_json()["images"] == images[:3]  # the original's own
+    answer = client.post(f"/train/{second}/promote", json={"step": 100})  # a step LoRA of the original's run
+    assert answer.status_code == 200 and answer.get_json()["lora_sha256"] == rows[(first, 100)].sha256

@@ -42,6 +42,8 @@ the worker gives the trainer an allow-listed environment and nothing else:
   record                                          write {argv, pid, pgid, ppid, env, t, umask, fds} as JSON at start
   flood_bytes                                     after step 1, redraw the bar until this many bytes are written
   bnb_warning                                     print the bitsandbytes CPU warning first, as on the capture box
+  sample_step_s, oom_in_sampling_at_step          a sampler step's sleep; a CUDA OOM in the pass at that step
+                                                  (sd_samples.py: the sample passes, as the real ones)
 """
 from __future__ import annotations
 
@@ -60,14 +62,15 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-import sd_states  # beside this script, as sd-scripts' library/ is beside its own
+import sd_samples  # beside this script, as sd-scripts' library/ is beside its own
+import sd_states
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 IMAGE_EXTENSIONS = [".png", ".jpg", ".jpeg", ".webp", ".bmp"]
 IMAGE_EXTENSIONS += [ext.upper() for ext in IMAGE_EXTENSIONS]
 TOKENIZERS = ["openai/clip-vit-large-patch14", "laion/CLIP-ViT-bigG-14-laion2B-39B-b160k"]
 PHASES = ["launching", "loading_model", "caching_latents", "caching_text_encoder_outputs", "preparing_training",
-          "training", "saving"]
+          "training", "sampling", "saving"]
 
 
 def load_modes() -> dict:
@@ -177,6 +180,13 @@ def setup_parser() -> argparse.ArgumentParser:
     add("--config_file", type=str, default=None)
     add("--output_config", action="store_true")
     add("--prior_loss_weight", type=float, default=1.0)
+    add("--sample_every_n_steps", type=int, default=None)
+    add("--sample_at_first", action="store_true")
+    add("--sample_every_n_epochs", type=int, default=None)
+    add("--sample_prompts", type=str, default=None)
+    add("--sample_sampler", type=str, default="ddim", choices=[
+        "ddim", "pndm", "lms", "euler", "euler_a", "heun", "dpm_2", "dpm_2_a", "dpmsolver", "dpmsolver++",
+        "dpmsingle", "k_lms", "k_euler", "k_euler_a", "k_dpm_2", "k_dpm_2_a"])
     # train_util.add_optimizer_arguments
     add("--optimizer_type", type=str, default="")
     add("--use_8bit_adam", action="store_true")
@@ -836,6 +846,7 @@ def training(args: argparse.Namespace, dataset: Dataset, plan: Plan, started: fl
             log(f"skipping epoch {skip_epoch + 1} because initial_step (multiplied) is {initial_step}")
             initial_step -= plan.batches
         global_step = initial_step
+    sample_images(args, 0, 0)  # --sample_at_first, before the skip and the bar (L1330-1333)
     dtype = "torch.bfloat16" if args.mixed_precision == "bf16" else "torch.float32"
     log(f"unet dtype: {dtype}, device: cuda:0")
     log("text_encoder [0] dtype: torch.float32, device: cpu")
@@ -866,7 +877,12 @@ def training(args: argparse.Namespace, dataset: Dataset, plan: Plan, started: fl
                 break
         if args.save_every_n_epochs and (epoch + 1) % args.save_every_n_epochs == 0 and epoch + 1 < plan.epochs:
             save_checkpoint(args, dataset, plan, f"-{epoch + 1:06d}", global_step, epoch + 1, started)
+        sample_images(args, epoch + 1, global_step)  # every epoch's end (L1707): steps-only sampling skips it
     return global_step
+
+
+def sample_images(args: argparse.Namespace, epoch: int | None, steps: int) -> None:
+    sd_samples.sample_images(log, args, epoch, steps, MODES, OutOfMemoryError, phase)
 
 
 def train_step(args: argparse.Namespace, dataset: Dataset, plan: Plan, epoch: int, global_step: int,
@@ -879,6 +895,7 @@ def train_step(args: argparse.Namespace, dataset: Dataset, plan: Plan, epoch: in
     global_step += 1
     if MODES.get("flood_bytes") and global_step == 1:
         flood(BAR[0], int(MODES["flood_bytes"]))
+    sample_images(args, None, global_step)  # before the step's save, with no optimizer step between (L1491)
     if args.save_every_n_steps is not None and global_step % args.save_every_n_steps == 0:
         save_checkpoint(args, dataset, plan, f"-step{global_step:08d}", global_step, epoch, started)
         if args.save_state:

@@ -83,7 +83,8 @@ def running_job(db, **identity: object) -> int:
 
 # The columns migrations after 0015 added to `jobs`: today's ORM names them in every INSERT and SELECT, so a test of
 # an older migration that reads or writes through it adds them (a plain ADD COLUMN, as those migrations do).
-LATER_COLUMNS = {"dataset_warnings": "TEXT"}  # 0016
+LATER_COLUMNS = {"dataset_warnings": "TEXT",  # 0016
+                 "sample_prompts": "JSON", "promoted_step": "INTEGER"}  # 0017
 
 
 def add_later_columns(path: Path) -> None:

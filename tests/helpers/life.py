@@ -21,6 +21,7 @@ from lora_worker.host.locks import lock_state
 from lora_worker.ledger import outbox
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
+from lora_worker.ledger.samples import SAMPLE
 from lora_worker.slurm.process import beat_path, poller_lock_path
 from lora_worker.webhooks.process import stop_sender
 from tests.helpers import Host, Launches, pid_alive, set_modes, wait_for
@@ -30,8 +31,10 @@ from tests.slurm.fakes import install_fake_slurm
 
 BACKENDS = ("local", "slurm")
 TIMEOUT_S = 60.0
-# Every phase of a run that reached training, as the job's events and its job.phase webhooks name them.
-TO_TRAINING = ("loading_model", "caching_latents", "caching_text_encoder_outputs", "preparing_training", "training")
+# Every phase of a run that reached training, as the job's events and its job.phase webhooks name them: with the
+# request's default prompt, a sample pass before the first step (the base model's look).
+TO_TRAINING = ("loading_model", "caching_latents", "caching_text_encoder_outputs", "preparing_training", "sampling",
+               "training")
 
 
 @dataclass
@@ -161,19 +164,20 @@ class End:
     lora: bool  # the row names a LoRA, with its hash
     events: tuple[tuple[str, ...], ...]  # (from, to) of each change, ("phase", p) and ("note", …) of the rest
     hooks: tuple[tuple[Any, ...], ...]  # each webhook body but job.progress: its type and what it says,
-    # the job.checkpoint ones last
+    # the job.checkpoint and job.sample ones last
     files: tuple[str, ...]  # the output directory's entries, the job's id written <id>
 
 
 def end_of(worker: Worker, job_id: int) -> End:
     row = worker.job(job_id)
-    # A write may carry several phases and a step LoRA's verification: the checkpoints' order among the phases
-    # is the write's, not the run's, so they are compared apart, after the rest.
+    # A write may carry several phases, a step LoRA's verification and a sample pass over: their order among the
+    # phases is the write's, not the run's, so they are compared apart, after the rest.
     said = hooks(worker, job_id)
+    apart = (outbox.CHECKPOINT, SAMPLE)
     return End(row["status"], row["failure_class"], row["phase"], bool(row["lora_path"] and row["lora_sha256"]),
                tuple(_event(e.from_status, e.to_status, e.reason) for e in repo.job_events(worker.db, job_id)),
-               tuple(h for h in said if h[0] not in (outbox.PROGRESS, outbox.CHECKPOINT))
-               + tuple(sorted(h for h in said if h[0] == outbox.CHECKPOINT)), files(worker, job_id))
+               tuple(h for h in said if h[0] not in (outbox.PROGRESS, *apart))
+               + tuple(sorted(h for h in said if h[0] in apart)), files(worker, job_id))
 
 
 def _event(frm: str | None, to: str, reason: str | None) -> tuple[str, ...]:
@@ -198,6 +202,10 @@ def hooks(worker: Worker, job_id: int) -> list[tuple[Any, ...]]:
         elif body["type"] == outbox.CHECKPOINT:
             point = data["checkpoint"]
             found.append((body["type"], point["step"], point["verified"], point["error"] is not None))
+        elif body["type"] == SAMPLE:  # the pass's step, its images (of the prompts), its step LoRA's step and verdict
+            sample, lora = data["sample"], data["sample"]["lora"]
+            found.append((body["type"], sample["step"], len(sample["images"]), sample["expected"],
+                          lora and (lora["step"], lora["verified"])))
         elif body["type"] in outbox.TERMINAL_EVENTS.values():
             found.append((body["type"], data["status"], data["failure_class"], data["lora_path"] is not None,
                           data["lora_sha256"] is not None))

@@ -66,7 +66,8 @@ def fake_argv(name: str, rig: dict, *, resume: str | None = None) -> list[str]:
     real = meta(name)["argv"]
     out = flag(real, "output_dir")
     swap = {"pretrained_model_name_or_path": rig["model"], "tokenizer_cache_dir": rig["tokenizer_cache_dir"],
-            "train_data_dir": rig["dataset"], "output_dir": rig["out"], "dataset_config": rig.get("config")}
+            "train_data_dir": rig["dataset"], "output_dir": rig["out"], "sample_prompts": rig.get("prompts"),
+            "dataset_config": rig.get("config")}
     argv = [str(rig["accelerate"]), *real[1:7], "sdxl_train_network.py"]
     for arg in real[8:]:
         key = arg[2:].split("=", 1)[0]

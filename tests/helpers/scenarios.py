@@ -3,6 +3,7 @@ job and asserts its one expected end: tests/contract/test_job_life.py runs each 
 through the fake tools, tests/cluster/test_job_life.py a few on the real single-node cluster."""
 from __future__ import annotations
 
+import hashlib
 import signal
 from collections.abc import Callable
 from dataclasses import replace
@@ -10,14 +11,19 @@ from pathlib import Path
 from typing import Any
 
 from lora_worker.ledger import outbox
+from lora_worker.ledger import repository as repo
 from tests.helpers.life import TO_TRAINING, End, Worker, end_of, hooks, phase_hooks, phases
 from tests.helpers.runs import wait_states_removed
 
 Start = Callable[..., Worker]
 LORA = "ohwx_lora.safetensors"
 PARTIAL = f"{LORA}.partial-<id>"
-STEP_150 = "ohwx_lora-step00000150.safetensors"
-STEP_300 = "ohwx_lora-step00000300.safetensors"
+SAVED = (100, 200, 300, 400)  # the step saves of the fast tier, the last step's among them
+STEPS = tuple(f"ohwx_lora-step{s:08d}.safetensors" for s in SAVED)  # each sampled step LoRA is kept
+SAMPLE_DIR = "sample"
+# The sample passes (one prompt: the request's default): before the first step, then one before each step save,
+# each tied to the step LoRA saved right after it.
+FIRST = (("job.sample", 0, 1, 1, None),)
 QUEUED = ((outbox.QUEUED, "queued"),)
 STARTED = ((outbox.QUEUED, "queued"), (outbox.STARTED, "running"))
 RAN = (("", "queued"), ("queued", "running"))
@@ -25,22 +31,27 @@ NEVER = str(Path("/nonexistent") / "release")  # a release file that never comes
 
 
 def end(status: str, failure: str | None, phase: str | None, *, upto: tuple[str, ...] = TO_TRAINING,
-        lora: bool = False, notes: tuple = (), checkpoints: tuple = (), files: tuple[str, ...] = ()) -> End:
-    """The end of a job that ran through the phases `upto`."""
+        lora: bool = False, notes: tuple = (), checkpoints: tuple = (), samples: tuple | None = None,
+        files: tuple[str, ...] = ()) -> End:
+    """The end of a job that ran through the phases `upto` (its pass before the first step over once it trained,
+    unless `samples` says which passes; the sample folder there once a pass began)."""
+    samples = (FIRST if "training" in upto else ()) if samples is None else samples
+    files = files + ((SAMPLE_DIR,) if "sampling" in upto and SAMPLE_DIR not in files else ())
     return End(status, failure, phase, lora, RAN + phases(*upto) + notes + (("running", status),),
-               STARTED + phase_hooks(*upto) + ((f"job.{status}", status, failure, lora, lora),) + checkpoints,
-               files)
+               STARTED + phase_hooks(*upto) + ((f"job.{status}", status, failure, lora, lora),)
+               + tuple(sorted(checkpoints + samples)), tuple(sorted(files)))
 
 
-SAVES = ("saving", "training", "saving", "training", "saving")  # the step saves at 150 and 300, the final save
-STEP_LORAS = (("job.checkpoint", 150, True, False), ("job.checkpoint", 300, True, False))
+SAVES = ("sampling", "saving", "training") * 4 + ("saving",)  # each step save after its pass, then the final save
+STEP_LORAS = tuple(("job.checkpoint", s, True, False) for s in SAVED)
+PASSES = FIRST + tuple(("job.sample", s, 1, 1, (s, True)) for s in SAVED)
 # Kept for a resume only where one can follow (a failure cut off from outside: states.RESUMABLE); a success, a
 # client's cancel and a failure a resume would meet again drop them once the end is written.
-STATES = ("ohwx_lora-state", "ohwx_lora-step00000300-state")
+STATES = ("ohwx_lora-state", "ohwx_lora-step00000400-state")
 MOVED = (("note", "LoRA moved aside"),)
 ASKED = (("note", "cancel requested"),)  # the client's cancel, on the row before the job ends
 SUCCESS = end("succeeded", None, "saving", upto=TO_TRAINING + SAVES, lora=True, checkpoints=STEP_LORAS,
-              files=(STEP_300, LORA))
+              samples=PASSES, files=(*STEPS, LORA, SAMPLE_DIR))
 
 
 def held(worker: Worker, job_id: int, step: int) -> None:
@@ -56,6 +67,31 @@ def success(worker: Worker) -> None:
     wait_states_removed(Path(worker.job(job_id)["output_dir"]))
     assert end_of(worker, job_id) == SUCCESS
     assert worker.job(job_id)["step"] == 400
+
+
+def samples_listed_and_promoted(worker: Worker) -> None:
+    """Two prompts: every pass's images listed with the step LoRA of their step (the follower found them in the
+    sample folder: no log line names them), one job.sample per pass, the contact sheet, and the step LoRA of step
+    200 promoted to the result with its job.promoted event."""
+    worker.modes()
+    job_id = worker.submit(samples=[{"prompt": "photo of ohwx woman"}, {"prompt": "ohwx woman, red coat", "seed": 9}])
+    worker.wait_end(job_id)
+    row = worker.job(job_id)
+    assert row["status"] == "succeeded", row
+    listed = worker.client.get(f"/train/{job_id}/samples").get_json()["images"]
+    loras = {c["step"]: c["sha256"] for c in row["checkpoints"]}
+    assert [(i["step"], i["prompt_index"], i["seed"]) for i in listed] == [
+        (s, p, seed) for s in (0, *SAVED) for p, seed in ((0, 42), (1, 9))]
+    assert all(i["lora"]["sha256"] == loras[i["step"]] and i["lora"]["verified"] for i in listed if i["step"])
+    served = worker.client.get(f"/train/{job_id}/samples/{listed[-1]['name']}")
+    assert hashlib.sha256(served.data).hexdigest() == listed[-1]["sha256"]
+    assert worker.client.get(f"/train/{job_id}/samples.png").mimetype == "image/png"
+    passes = [h for h in hooks(worker, job_id) if h[0] == "job.sample"]
+    assert sorted(passes) == [("job.sample", 0, 2, 2, None)] + [("job.sample", s, 2, 2, (s, True)) for s in SAVED]
+    promoted = worker.client.post(f"/train/{job_id}/promote", json={"step": 200})
+    assert promoted.status_code == 200 and promoted.get_json()["lora_sha256"] == loras[200]
+    assert worker.job(job_id)["lora_path"].endswith("ohwx_lora-step00000200.safetensors")
+    assert hooks(worker, job_id)[-1] == ("job.promoted", "succeeded")
 
 
 def nan_loss(worker: Worker) -> None:
@@ -111,28 +147,34 @@ def cancel_saving(worker: Worker) -> None:
     worker.modes(partial_save_then_hang=True)
     job_id = worker.submit()
     lora = Path(worker.job(job_id)["output_dir"]) / LORA
-    worker.wait(job_id, "half a LoRA, saving", lambda j: j["phase"] == "saving" and j["step"] == 400 and lora.exists())
+    # Step 400 has a step save of its own (phase saving too) before the final save: the row may say saving at 400
+    # with the half file already written while the final save's phases are not yet on the row, and the cancel's note
+    # would then come before them. So the wait is for the final save's phase, the last of SAVES.
+    final_save = SAVES.count("saving")
+    worker.wait(job_id, "half a LoRA, in the final save", lambda j: j["phase"] == "saving" and j["step"] == 400
+                and lora.exists() and sum(e.reason == "phase saving" for e in repo.job_events(worker.db, job_id))
+                == final_save)
     assert {p.name for p in lora.parent.iterdir()} >= set(STATES)
     worker.cancel(job_id)
     worker.wait_end(job_id)
     wait_states_removed(lora.parent)
     assert end_of(worker, job_id) == end("cancelled", None, "saving", upto=TO_TRAINING + SAVES, notes=ASKED + MOVED,
-                                         checkpoints=STEP_LORAS, files=(STEP_300, PARTIAL))
+                                         checkpoints=STEP_LORAS, samples=PASSES, files=(*STEPS, PARTIAL, SAMPLE_DIR))
 
 
 def cancel_after_a_state(worker: Worker) -> None:
-    """A cancel in training after the run saved its state of step 150: cancelled, the state removed with it (it
-    can serve no resume), the step LoRA kept."""
+    """A cancel in training after the run saved its state of step 100: cancelled, the state removed with it (it
+    can serve no resume), the step LoRA and the samples kept."""
     worker.modes(hold_at_step=200, release_file=NEVER)
     job_id = worker.submit()
     output = Path(worker.job(job_id)["output_dir"])
     held(worker, job_id, 199)
-    assert "ohwx_lora-step00000150-state" in {p.name for p in output.iterdir()}
+    assert "ohwx_lora-step00000100-state" in {p.name for p in output.iterdir()}
     worker.cancel(job_id)
     worker.wait_end(job_id)
     wait_states_removed(output)
-    assert end_of(worker, job_id) == end("cancelled", None, "training", upto=TO_TRAINING + SAVES[:2], notes=ASKED,
-                                         checkpoints=STEP_LORAS[:1], files=(STEP_150,))
+    assert end_of(worker, job_id) == end("cancelled", None, "training", upto=TO_TRAINING + SAVES[:3], notes=ASKED,
+                                         checkpoints=STEP_LORAS[:1], samples=PASSES[:2], files=(STEPS[0],))
 
 
 # -- the trainer's own endings ---------------------------------------------------------------------------------
@@ -146,14 +188,14 @@ def crash(worker: Worker) -> None:
 
 
 def crash_after_a_state(worker: Worker) -> None:
-    """The trainer's own exception after its state of step 150: trainer_crashed, which a resume would meet again
-    (the same code on the same state), so the state goes with the end; the step LoRA stays."""
+    """The trainer's own exception after its state of step 100: trainer_crashed, which a resume would meet again
+    (the same code on the same state), so the state goes with the end; the step LoRA and the samples stay."""
     worker.modes(crash_at_step=200)
     job_id = worker.submit()
     worker.wait_end(job_id)
     wait_states_removed(Path(worker.job(job_id)["output_dir"]))
-    assert end_of(worker, job_id) == end("failed", "trainer_crashed", "training", upto=TO_TRAINING + SAVES[:2],
-                                         checkpoints=STEP_LORAS[:1], files=(STEP_150,))
+    assert end_of(worker, job_id) == end("failed", "trainer_crashed", "training", upto=TO_TRAINING + SAVES[:3],
+                                         checkpoints=STEP_LORAS[:1], samples=PASSES[:2], files=(STEPS[0],))
 
 
 def no_lora(worker: Worker) -> None:
@@ -162,8 +204,8 @@ def no_lora(worker: Worker) -> None:
     job_id = worker.submit()
     worker.wait_end(job_id)
     wait_states_removed(Path(worker.job(job_id)["output_dir"]))
-    assert end_of(worker, job_id) == end("failed", "no_output", "training", upto=TO_TRAINING + SAVES[:4],
-                                         checkpoints=STEP_LORAS, files=(STEP_300,))
+    assert end_of(worker, job_id) == end("failed", "no_output", "training", upto=TO_TRAINING + SAVES[:-1],
+                                         checkpoints=STEP_LORAS, samples=PASSES, files=(*STEPS, SAMPLE_DIR))
 
 
 def save_never_ends(worker: Worker) -> None:
@@ -174,7 +216,8 @@ def save_never_ends(worker: Worker) -> None:
     job_id = worker.submit()
     worker.wait_end(job_id)
     assert end_of(worker, job_id) == end("failed", "stalled", "saving", upto=TO_TRAINING + SAVES, notes=MOVED,
-                                         checkpoints=STEP_LORAS, files=(*STATES, STEP_300, PARTIAL))
+                                         checkpoints=STEP_LORAS, samples=PASSES,
+                                         files=(*STATES, *STEPS, PARTIAL, SAMPLE_DIR))
     worker.modes(hang_in="launching")
     again = worker.submit()  # 202, not output_exists
     worker.cancel(again)
@@ -186,11 +229,12 @@ def step_lora_unverified(worker: Worker) -> None:
     job_id = worker.submit()
     worker.wait_end(job_id)
     wait_states_removed(Path(worker.job(job_id)["output_dir"]))
-    unverified = (("job.checkpoint", 150, False, True), ("job.checkpoint", 300, False, True))
+    unverified = tuple(("job.checkpoint", s, False, True) for s in SAVED)
+    passes = FIRST + tuple(("job.sample", s, 1, 1, (s, False)) for s in SAVED)  # each names its step LoRA's verdict
     assert end_of(worker, job_id) == end("succeeded", None, "saving", upto=TO_TRAINING + SAVES, lora=True,
-                                         checkpoints=unverified, files=(STEP_300, LORA))
+                                         checkpoints=unverified, samples=passes, files=(*STEPS, LORA, SAMPLE_DIR))
     errors = {c["step"]: c["error"] for c in worker.job(job_id)["checkpoints"]}
-    assert errors == {300: "ss_steps '7' instead of 300"}  # 150 was pruned: kept, it would say the same
+    assert errors == {s: f"ss_steps '7' instead of {s}" for s in SAVED}
 
 
 # -- the follower itself: killed, stopped ----------------------------------------------------------------------

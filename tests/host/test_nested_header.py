@@ -63,20 +63,20 @@ def test_whatever_the_check_meets_a_lora_is_an_artifact_check_with_the_cause(tmp
 
 @pytest.mark.slow
 def test_a_run_whose_step_lora_is_replaced_by_a_nested_header_succeeds_with_it_unverified(client, host):
-    """Through the real supervisor: the trainer holds right after its step-150 save (before the redraw that makes
+    """Through the real supervisor: the trainer holds right after its step-100 save (before the redraw that makes
     the supervisor verify it), the file is overwritten in place, and the run goes on to a verified LoRA."""
     release = host.root / "release"
-    modes(host, hold_at_step=151, release_file=str(release))
+    modes(host, hold_at_step=101, release_file=str(release))
     job_id = submit(client, host)
-    step_lora = host.dataset.parent / "output" / "ohwx_lora-step00000150.safetensors"
-    wait_for(step_lora.exists, what="the step-150 LoRA")
+    step_lora = host.dataset.parent / "output" / "ohwx_lora-step00000100.safetensors"
+    wait_for(step_lora.exists, what="the step-100 LoRA")
     with step_lora.open("r+b") as fh:  # in place: the same file, one link, as a flipped disk or a hostile peer
         fh.write(struct.pack("<Q", len(NESTED)) + NESTED)
         fh.truncate()
     release.touch()
     done = wait_state(client, job_id, *TERMINAL, timeout=60)
     assert (done["status"], done["failure_class"]) == ("succeeded", None), done  # supervisor_lost before
-    rows = [c for c in checkpoint_rows(host, job_id) if c[1] == 150 and c[0] == "lora"]
+    rows = [c for c in checkpoint_rows(host, job_id) if c[1] == 100 and c[0] == "lora"]
     assert rows and rows[0][2] == 0 and "not JSON (RecursionError" in rows[0][3]
 
 

@@ -36,6 +36,9 @@ def test_the_fake_trainer_succeeds_inside_the_sandbox(client, host):
     done = wait_state(client, job_id)
     assert (done["status"], done["failure_class"]) == ("succeeded", None), done
     assert "sandbox: bwrap (" in client.get(f"/train/{job_id}/log?offset=0").get_json()["text"]
+    # its sample prompts read from the state dir, which the sandbox otherwise hides: a pass at each save drew them
+    images = client.get(f"/train/{job_id}/samples").get_json()["images"]
+    assert [i["step"] for i in images] == [0, 100, 200, 300, 400]
 
 
 # -- what the trainer can reach --------------------------------------------------------------------------------
@@ -215,6 +218,22 @@ def test_an_output_dir_inside_a_read_only_path_is_mounted_after_it():
     job = sandbox.JobPaths(Path("/train/7"), Path("/models/m.safetensors"), Path("/train/7/output"))
     cmd = sandbox.wrap(["x"], job, settings, facts(), {job.dataset_dir: 3, job.output_dir: 4})
     assert cmd.index("/train/7/output") > cmd.index("/train/7")
+
+
+def test_the_sample_prompts_file_is_bound_read_only_over_the_state_dirs_tmpfs():
+    """The prompts file the argv names (dispatch/samples.py) lies in the state dir, which the trainer sees as an
+    empty tmpfs: it is bound read-only there, after the tmpfs, and nothing else of the state dir is."""
+    settings = Settings(sandbox="bwrap", state_dir=Path("/var/lib/lora-worker"))
+    prompts = "/var/lib/lora-worker/prompts/0123abcd.json"
+    argv = ["x", f"--sample_prompts={prompts}", "--sample_every_n_steps=100", "--output_dir=/train/7/output"]
+    assert sandbox.argv_files(argv) == (Path(prompts),)
+    job = sandbox.JobPaths(Path("/train/7/dataset"), Path("/models/m.safetensors"), Path("/train/7/output"),
+                           read_only=sandbox.argv_files(argv))
+    cmd = sandbox.wrap(argv, job, settings, facts(), {job.dataset_dir: 3, job.output_dir: 4})
+    mounts = binds(cmd)
+    assert mounts[prompts] == "--ro-bind" and mounts["/var/lib/lora-worker"] == "--tmpfs"
+    assert cmd.index(prompts) > cmd.index("/var/lib/lora-worker")
+    assert [p for p in mounts if p.startswith("/var/lib/lora-worker/")] == ["/var/lib/lora-worker/hf", prompts]
 
 
 def test_sandbox_none_runs_the_stored_argv_itself():

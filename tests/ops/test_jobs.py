@@ -320,3 +320,51 @@ def test_bad_arguments_are_refused_with_usage(argv, capsys):
     with pytest.raises(SystemExit) as refused:
         build_parser().parse_args(["jobs", *argv])
     assert refused.value.code == 2 and "usage: lora-worker jobs" in capsys.readouterr().err
+
+
+def test_show_lists_the_samples_with_their_step_loras_and_writes_the_contact_sheet(db, migrated, tmp_path):
+    """What `jobs show` says of a job's sample images (issue 33), from the ledger's rows and the files they name:
+    each image's step, prompt, size, hash and step LoRA, and with `--sheet` the contact sheet, a PNG there."""
+    import hashlib
+
+    from PIL import Image
+
+    from lora_worker.host.fs import FileId
+    from lora_worker.ledger.checkpoints import LORA, CheckpointRow
+    from lora_worker.ledger.samples import SamplePass, SampleRow
+    from lora_worker.ledger.statements import utcnow
+    from tests.helpers.fake_trainer import load_fake_trainer
+
+    out = tmp_path / "out"
+    (out / "sample").mkdir(parents=True)
+    prompts = [{"prompt": "photo of ohwx woman", "seed": 42}, {"prompt": "ohwx woman, red coat", "seed": 9}]
+    job = repo.create_job(db, columns(output_dir=str(out), sample_prompts=prompts,
+                                      argv=["accelerate", "--sample_every_n_steps=100"]))
+    repo.record_output_identity(db, job.id, str(FileId.of(out.stat())))
+    repo.transition(db, job.id, JobState.RUNNING, actor="supervisor")
+    rows = []
+    for step, index in ((0, 0), (0, 1), (100, 0), (100, 1)):
+        num = "e000000" if step == 0 else f"{step:06d}"
+        name = f"ohwx_{num}_{index:02d}_20261206051027_{prompts[index]['seed']}.png"
+        load_fake_trainer().sd_samples.write_png(str(out / "sample" / name), 64, 64, step + index)
+        data = (out / "sample" / name).read_bytes()
+        rows.append(SampleRow(name, step, index, prompts[index]["seed"], 64, 64, len(data),
+                              hashlib.sha256(data).hexdigest(), utcnow()))
+    step_lora = CheckpointRow(LORA, 100, f"{out}/ohwx-step00000100.safetensors", utcnow(), 9, "ab" * 32, True)
+    assert repo.update_running(db, job.id, checkpoints=[step_lora],
+                               samples=[SamplePass(0, tuple(rows[:2]), 2), SamplePass(100, tuple(rows[2:]), 2)])
+    repo.transition(db, job.id, JobState.SUCCEEDED, actor="supervisor")
+    sheet = tmp_path / "sheet.png"
+    code, text = jobs(migrated, "show", str(job.id), "--sheet", str(sheet))
+    assert code == 0, text
+    section = text.split("samples: ", 1)[1].split("events:", 1)[0].splitlines()
+    assert section[0] == "2 prompts, a pass every 100 steps"
+    assert section[1:3] == ["  prompt 0: 'photo of ohwx woman' (seed 42)",
+                            "  prompt 1: 'ohwx woman, red coat' (seed 9)"]
+    assert [line.split()[:4] for line in section[3:7]] == [
+        ["base", "model", "prompt", "0"], ["base", "model", "prompt", "1"], ["step", "100", "prompt", "0"],
+        ["step", "100", "prompt", "1"]]
+    assert "no step LoRA" in section[3] and f"step LoRA {'ab' * 6} verified" in section[5]
+    assert section[7] == f"  contact sheet: {sheet}"
+    with Image.open(sheet) as image:
+        assert image.format == "PNG" and image.size[1] > image.size[0] // 2  # two rows, two columns

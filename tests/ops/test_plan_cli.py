@@ -30,7 +30,7 @@ def test_plan_prints_the_plan_and_starts_nothing(api, host, monkeypatch, tmp_pat
     assert ("dataset:        3 images x 267 repeats = 801, batch 2: 401 steps per epoch, 1 epoch(s) for 400 "
             "steps (the folder's 10 repeats shown as 267: one epoch holds every step)\n") in text
     assert "\n  class_tokens = 'ohwx woman'\n  num_repeats = 267\n" in text
-    assert "states:         150 (resumable), 300 (resumable)\n" in text
+    assert "states:         100 (resumable), 200 (resumable), 300 (resumable), 400 (not resumable)\n" in text
     assert "  bucket 0: resolution (64, 64), count: 801\n  mean ar error (without repeats): 0.0\n" in text
     assert "duration:       70 min (at most: the tier's bound, no finished job like it yet)\n" in text
     assert "warning image_small: 10_ohwx woman/img0.png:" in text and text.startswith("command:        ")

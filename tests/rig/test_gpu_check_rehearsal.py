@@ -2,8 +2,8 @@
 first GPU minute is not its first run: `python -m bench.gpu_check --cpu` builds its random SDXL checkpoint (on the
 CPU), starts the worker as gunicorn with the shipped config, reads the start-up deep health check, and runs two jobs
 through the detached supervisor, the sandbox and sd-scripts: 3 steps at 256 px, then the same with a sample pass at
-the start and every 2 steps (128 px, 2 sampler steps). What a CPU cannot measure (VRAM, NVML, nvidia-smi) must be
-a row saying why.
+the start and at the save of step 2 (the request's one prompt at 256 px, 2 sampler steps). What a CPU cannot measure
+(VRAM, NVML, nvidia-smi) must be a row saying why.
 
 Opt-in: run alone, `flock /tmp/lw-rig.lock`, with >= 21 GB free; about 15 min on a quiet 2-core machine, 30 or more
 beside other work (the checkpoint build, two model loads, bf16 steps on the CPU).
@@ -91,7 +91,7 @@ def test_each_run_trains_through_the_worker_and_is_measured(rehearsal, run: str)
 def test_the_sample_run_times_each_pass_from_its_log_line_to_its_image(rehearsal) -> None:
     _, _, rows, _ = rehearsal
     passes = {m: r for (s, m), r in rows.items() if s == "run 256 px + sample" and m.startswith("sample pass")}
-    assert sorted(passes) == [f"sample pass at step {n} (128 px, 2 sampler steps)" for n in (0, 2)]
+    assert sorted(passes) == [f"sample pass at step {n} (256 px, 2 sampler steps)" for n in (0, 2)]
     assert all(r["value"] > 0 for r in passes.values()), passes
     assert not [m for (s, m) in rows if s == "run 256 px" and m.startswith("sample pass")]
 

@@ -29,6 +29,7 @@ PHASE_LINES = {
     Phase.CACHING_LATENTS: "caching latents...\n",
     Phase.CACHING_TEXT_ENCODER_OUTPUTS: "caching Text Encoder outputs...\n",
     Phase.PREPARING_TRAINING: "import network module: networks.lora\n",
+    Phase.SAMPLING: "\ngenerating sample images at step / サンプル画像生成 ステップ: 0\n",  # before the first step
     Phase.SAVING: "saving checkpoint: /train/t1/output/ohwx_lora.safetensors\n",
 }
 

@@ -99,6 +99,22 @@ def test_a_lora_path_planted_after_the_check_is_refused(accepted, host):
     assert reason is not None and "appeared in output_dir after the job was accepted (a symlink)" in reason
 
 
+@pytest.mark.parametrize("plant", ["link", "file"])
+def test_a_sample_folder_that_is_not_a_folder_is_refused_and_a_real_one_kept(accepted, host, tmp_path, plant):
+    """sd-scripts writes its sample images into <output_dir>/sample: a link there would take them elsewhere."""
+    sample = host.dataset.parent / "output" / "sample"
+    sample.mkdir()  # a resume's: the original's images are there
+    assert what_moved(accepted) is None
+    sample.rmdir()
+    if plant == "link":
+        (tmp_path / "elsewhere").mkdir()
+        sample.symlink_to(tmp_path / "elsewhere")
+    else:
+        sample.write_bytes(b"")
+    reason = what_moved(accepted)
+    assert reason is not None and "not the folder of the sample images" in reason
+
+
 def test_a_row_from_before_the_identities_were_recorded_is_still_checked_for_links(accepted, host):
     # A job accepted before migration 0005 has no identities; the walk without links still applies.
     accepted.dataset_dev_ino = accepted.kohya_dev_ino = accepted.output_dev_ino = None

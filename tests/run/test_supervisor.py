@@ -37,9 +37,10 @@ def test_a_full_run_succeeds_with_a_verified_lora(client, host, db):
     assert inspect_lora(lora).ranks == {16}
     events = [(e.from_status, e.to_status, e.actor, e.reason if e.from_status == e.to_status else None)
               for e in repo.job_events(db, job_id)]
-    # each step save (at 150 and 300: tier fast saves every 150 steps) is a `saving` and back to `training`
-    phases = ["loading_model", "caching_latents", "caching_text_encoder_outputs", "preparing_training", "training",
-              "saving", "training", "saving", "training", "saving"]
+    # the default prompt's pass before the first step; each step save (at 100, 200, 300 and 400: tier fast saves
+    # every 100 steps) after its sample pass, a `saving` and back to `training`; then the final save
+    phases = ["loading_model", "caching_latents", "caching_text_encoder_outputs", "preparing_training", "sampling",
+              "training", *["sampling", "saving", "training"] * 4, "saving"]
     assert events == [(None, "queued", "api", None), ("queued", "running", "supervisor", None),
                       *(("running", "running", "supervisor", f"phase {p}") for p in phases),
                       ("running", "succeeded", "supervisor", None)]  # every phase passed, in order

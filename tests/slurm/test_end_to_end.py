@@ -51,9 +51,9 @@ def test_a_cancel_in_training_ends_cancelled_with_no_process_of_the_job_left(wor
 
 def test_the_poller_records_and_verifies_the_step_loras_as_the_local_supervisor_does(worker, host):
     """The same transcript parts under Slurm: the node's log carries the saves, the poller records each one and
-    verifies the kept step LoRA; GET /train/<id> lists it beside the final LoRA."""
+    verifies the kept step LoRA; GET /train/<id> lists it beside the final LoRA (no samples: one step LoRA kept)."""
     client, db, settings = worker
-    answer = client.post("/train", json=payload(host.dataset, host.model))
+    answer = client.post("/train", json={**payload(host.dataset, host.model), "samples": []})
     assert answer.status_code == 202, answer.get_json()
     job_id = answer.get_json()["worker_job_id"]
     row = wait_for(lambda: (j := repo.get_job(db, job_id)).status in ("succeeded", "failed", "cancelled") and j,
@@ -61,10 +61,10 @@ def test_the_poller_records_and_verifies_the_step_loras_as_the_local_supervisor_
     assert row.status == "succeeded", row.error
     out = Path(row.output_dir)
     body = client.get(f"/train/{job_id}").get_json()
-    kept = out / f"{row.output_name}-step00000300.safetensors"
+    kept = out / f"{row.output_name}-step00000400.safetensors"
     assert [(c["step"], c["path"], c["verified"], c["bytes"]) for c in body["checkpoints"]] == [
-        (300, str(kept), True, kept.stat().st_size)]
+        (400, str(kept), True, kept.stat().st_size)]
     assert body["lora_path"] == str(out / f"{row.output_name}.safetensors")
     seen = sorted((c.kind, c.step, c.removed_at is not None) for c in row.checkpoints)
-    assert seen == [("lora", 150, True), ("lora", 300, False), ("state", 150, True), ("state", 300, False),
-                    ("state", 400, False)]
+    assert seen == [*(("lora", s, True) for s in (100, 200, 300)), ("lora", 400, False),
+                    *(("state", s, True) for s in (100, 200, 300)), ("state", 400, False), ("state", 400, False)]

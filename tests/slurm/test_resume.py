@@ -3,6 +3,7 @@ flags, progress counted on from the state's step; and a requeue is not a resume.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from lora_worker.dispatch.auto_resume import follow_up
 from lora_worker.ledger import repository as repo
@@ -25,7 +26,11 @@ def test_a_resume_is_a_new_sbatch_of_the_same_argv_plus_the_resume_flags(slurm: 
     assert (new.backend, new.resumed_from, new.resume_step) == ("slurm", job.id, 4)
     assert new.slurm_job_id is not None and new.slurm_job_id != job.slurm_job_id
     state = f"{job.output_dir}/{job.output_name}-step00000004-state"
-    assert spec_argv(slurm, new.id) == [*spec_argv(slurm, job.id), f"--resume={state}", "--skip_until_initial_step"]
+    original = spec_argv(slurm, job.id)
+    assert original[-1] == "--sample_at_first"  # never a resume's: its state's weights are not the base model's
+    assert spec_argv(slurm, new.id) == [*original[:-1], f"--resume={state}", "--skip_until_initial_step"]
+    [prompts] = [a.split("=", 1)[1] for a in original if a.startswith("--sample_prompts=")]
+    assert Path(prompts).parent == slurm.settings.slurm_logs / "prompts" and Path(prompts).is_file()  # the node's
     def same(sid: str) -> list[str]:  # the sbatch options but those naming the job itself
         return [o for o in slurm.scheduler.options[sid] if str(job.id) not in o and str(new.id) not in o]
     assert same(new.slurm_job_id) == same(job.slurm_job_id) and "--no-requeue" in same(new.slurm_job_id)

@@ -44,6 +44,8 @@ class Job:
     tier: str = "fast"
     device_index: int = 0
     sd_scripts_commit: str | None = None
+    argv: list[str] = field(default_factory=list)
+    sample_prompts: list[dict[str, Any]] | None = None
 
     @property
     def lora_file(self) -> str:

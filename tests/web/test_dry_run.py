@@ -73,6 +73,9 @@ def test_a_dry_run_answers_the_plan_and_changes_nothing(webhook_api, host):
     config = plan["dataset"]["dataset_config"]
     assert f"--dataset_config={config['path']}" in plan["argv"]
     assert Path(config["path"]).read_bytes() == config["toml"].encode()
+    # and the prompts file it names too (the default prompt), in the state dir the dry run left as it was
+    prompts = next(a.split("=", 1)[1] for a in plan["argv"] if a.startswith("--sample_prompts="))
+    assert Path(prompts).parent == settings.state_dir / "prompts" and json.loads(Path(prompts).read_bytes())
     assert plan["lint"]["warnings"] == accepted.get_json()["warnings"] == job["warnings"]
     assert ledger_counts(settings)["webhook_events"] == 1
 
@@ -80,20 +83,36 @@ def test_a_dry_run_answers_the_plan_and_changes_nothing(webhook_api, host):
 def test_the_plan_says_the_counts_the_buckets_the_states_the_time_and_the_disk(api, host):
     plan = api.post("/train?dry_run=1", json=host.payload()).get_json()
     data = plan["dataset"]
-    # three 64 px images in `10_ohwx woman`, the fast tier on the 48 GB card (batch 2), a state every 150 steps:
+    # three 64 px images in `10_ohwx woman`, the fast tier on the 48 GB card (batch 2), a state every 100 steps:
     # sd-scripts is shown the smallest repeats for which one epoch holds the 400 steps, ceil(400 × 2 / 3) = 267
     assert (data["images"], data["folder_repeats"], data["repeats"], data["images_x_repeats"],
             data["batch_size"]) == (3, 10, 267, 801, 2)
     assert (data["steps_per_epoch"], data["epochs"], data["max_train_steps"]) == (401, 1, 400)
-    assert data["states"] == [{"step": 150, "resumable": True}, {"step": 300, "resumable": True}]
+    # the state at step 400 is the last step's: nothing is left to train from it (state_at_last_step)
+    assert data["states"] == [{"step": s, "resumable": s < 400} for s in (100, 200, 300, 400)]
     assert data["bucket_table"]["lines"] == ["bucket 0: resolution (64, 64), count: 801",
                                              "mean ar error (without repeats): 0.0"]
     assert tomllib.loads(data["dataset_config"]["toml"]) == {"datasets": [{"subsets": [{
         "image_dir": str(host.dataset / FOLDER), "class_tokens": "ohwx woman", "num_repeats": 267}]}]}
     assert plan["estimated_duration"] == {"seconds": 70 * 60.0, "basis": "tier_bound", "jobs": 0}
-    assert plan["disk_mib_at_peak"] == 1024 + 2 * 257 + 2 * 85
+    # the default sample prompt: the 4 sampled step LoRAs kept (one more while a save runs) and 5 images of 2 MiB
+    assert plan["disk_mib_at_peak"] == 1024 + 2 * 257 + 5 * 85 + 5 * 2
     assert {w["code"] for w in plan["lint"]["warnings"]} == {"image_small", "image_duplicate"}
     assert plan["lint"]["images_decoded"] == 3 and plan["dry_run"] is True
+
+
+def test_the_plans_argv_draws_the_samples_and_its_disk_counts_the_step_loras_they_keep(api, host):
+    drawn = api.post("/train?dry_run=1", json={**host.payload(), "samples": [{"prompt": "ohwx dog", "seed": 7}] * 2})
+    plan = drawn.get_json()
+    flags = [a for a in plan["argv"] if a.startswith("--sample")]
+    assert [f.split("=")[0] for f in flags] == ["--sample_prompts", "--sample_every_n_steps", "--sample_sampler",
+                                                "--sample_at_first"]
+    assert "--sample_every_n_steps=100" in flags and "--sample_sampler=euler_a" in flags
+    assert "--save_last_n_steps=301" in plan["argv"]  # the 4 sampled step LoRAs kept
+    assert plan["disk_mib_at_peak"] == 1024 + 2 * 257 + 5 * 85 + 10 * 2  # 5 passes of 2 prompts
+    none = api.post("/train?dry_run=1", json={**host.payload(), "samples": []}).get_json()
+    assert not [a for a in none["argv"] if a.startswith("--sample")] and "--save_last_n_steps=1" in none["argv"]
+    assert none["disk_mib_at_peak"] == 1024 + 2 * 257 + 2 * 85
 
 
 def test_with_many_images_fewer_repeats_make_the_one_epoch(api, host):
@@ -101,7 +120,7 @@ def test_with_many_images_fewer_repeats_make_the_one_epoch(api, host):
         (host.dataset / FOLDER / f"img{i}.png").write_bytes(png_bytes(64 + i, 64))
     data = api.post("/train?dry_run=1", json=host.payload()).get_json()["dataset"]
     assert (data["repeats"], data["images_x_repeats"], data["epochs"]) == (16, 800, 1)
-    assert data["steps_per_epoch"] >= 400 and all(s["resumable"] for s in data["states"])
+    assert data["steps_per_epoch"] >= 400 and [s["step"] for s in data["states"] if s["resumable"]] == [100, 200, 300]
 
 
 def truncated_png() -> bytes:

@@ -167,8 +167,9 @@ def test_too_little_disk_is_a_507_not_to_be_retried(migrated, host, launches):
     greedy = replace(migrated, disk_mib={"fast": 10**12, "balanced": 1, "quality": 1})
     body = assert_refused(make_client(greedy, launches).post("/train", json=host.payload()), 507,
                           "insufficient_disk", migrated, launches)
-    # the tier's disk_mib and what its step checkpoints take (fast: dim 16)
-    assert body["details"]["need_mib"] == 10**12 + checkpoint_mib(16) and body["retryable"] is False
+    # the tier's disk_mib and what its step checkpoints take (fast: dim 16, a state, its 4 sampled step LoRAs, the
+    # 5 images of its default prompt)
+    assert body["details"]["need_mib"] == 10**12 + checkpoint_mib(16, 4, 5) and body["retryable"] is False
 
 
 def test_the_disk_preflight_counts_the_checkpoints(migrated, host, launches):
@@ -176,9 +177,21 @@ def test_the_disk_preflight_counts_the_checkpoints(migrated, host, launches):
     free = shutil.disk_usage(host.root).free // (1024 * 1024)
     alone = free - checkpoint_mib(16) // 2  # fits with room to spare, but not with the checkpoints
     tight = replace(migrated, disk_mib={"fast": alone, "balanced": 1, "quality": 1})
-    body = assert_refused(make_client(tight, launches).post("/train", json=host.payload()), 507,
+    body = assert_refused(make_client(tight, launches).post("/train", json=host.payload(samples=[])), 507,
                           "insufficient_disk", migrated, launches)
     assert body["details"]["need_mib"] == alone + checkpoint_mib(16)
+
+
+def test_the_disk_preflight_counts_every_sampled_step_lora_and_the_images(migrated, host, launches):
+    """With samples the run keeps each sampled step LoRA (85 MiB at dim 16) and writes its images: a request with
+    two prompts needs room for 4 step LoRAs and 2 x 5 images beyond what one without samples needs."""
+    free = shutil.disk_usage(host.root).free // (1024 * 1024)
+    alone = free - checkpoint_mib(16) // 2
+    tight = replace(migrated, disk_mib={"fast": alone, "balanced": 1, "quality": 1})
+    two = [{"prompt": "photo of ohwx woman"}, {"prompt": "ohwx woman in a red coat"}]
+    body = assert_refused(make_client(tight, launches).post("/train", json=host.payload(samples=two)), 507,
+                          "insufficient_disk", migrated, launches)
+    assert body["details"]["need_mib"] == alone + checkpoint_mib(16, 4, 10) == alone + checkpoint_mib(16) + 3 * 85 + 20
 
 
 def test_a_configured_device_missing_from_the_host_is_a_422(migrated, host, launches):

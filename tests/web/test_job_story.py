@@ -51,6 +51,7 @@ def test_get_echoes_the_accepted_request_with_its_resolved_paths_and_the_default
         "subject_class": payload["subject_class"], "repeats": payload["repeats"], "tier": payload["tier"],
         "device_index": payload["device_index"], "seed": payload["seed"],
         "max_grad_norm": 1.0, "lora_target_modules": "attn_mlp",  # what the trainer got for the absent fields
+        "samples": [{"prompt": "photo of ohwx woman", "seed": 42}],  # the default prompt, its fixed seed
     }
     assert [echo[k] for k in ("dataset_dir", "base_model_path", "output_dir")] == [
         os.path.realpath(payload[k]) for k in ("dataset_dir", "base_model_path", "output_dir")]

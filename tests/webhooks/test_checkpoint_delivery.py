@@ -1,6 +1,6 @@
 """`job.checkpoint` with real processes: the web, the job's detached supervisor running the fake trainer (tier fast:
-400 steps, a step LoRA every 150, the older pruned), the sender and a receiver on loopback. Each step LoRA the
-ledger saw verified arrives once, signed, with what GET /train/<id> lists of it."""
+400 steps, a step LoRA every 100, the older pruned: no samples), the sender and a receiver on loopback. Each step
+LoRA the ledger saw verified arrives once, signed, with what GET /train/<id> lists of it."""
 from __future__ import annotations
 
 import hashlib
@@ -40,7 +40,7 @@ def lora_rows(settings, job_id: int) -> dict[int, tuple]:
 
 def run_job(client, host, receiver, secret) -> tuple[int, list[dict], dict]:
     """Submit, wait for the ending to arrive; (job id, every body as verified, in order; GET's answer)."""
-    answer = client.post("/train", json=host.payload())
+    answer = client.post("/train", json=host.payload(samples=[]))  # one step LoRA kept
     assert answer.status_code == 202, answer.get_json()
     job_id = answer.get_json()["worker_job_id"]
     got = receiver.wait_for(ended, timeout=90)
@@ -60,19 +60,19 @@ def test_each_verified_step_lora_arrives_once_with_its_row(client, hooked, host,
     job_id, bodies, shown = run_job(client, host, receiver, secret)
     assert shown["status"] == "succeeded", shown
     rows = lora_rows(hooked, job_id)
-    assert set(rows) == {150, 300}  # kept (300) or pruned (150) by the trainer
+    assert set(rows) == {100, 200, 300, 400}  # kept (400) or pruned (the others) by the trainer
     sent = checkpoint_events_by_step(bodies)
-    # exactly one per step LoRA whose verification the ledger recorded (150's too, unless the trainer pruned
+    # exactly one per step LoRA whose verification the ledger recorded (the older too, unless the trainer pruned
     # it before the worker saw a redraw after its save), each the row as recorded
-    assert set(sent) == {step for step, row in rows.items() if row[3] is not None} and 300 in sent
+    assert set(sent) == {step for step, row in rows.items() if row[3] is not None} and 400 in sent
     for step, [data] in sent.items():
         path, size, sha, verified, error = rows[step]
         assert data["checkpoint"] == {"step": step, "path": path, "bytes": size, "sha256": sha,
                                       "verified": bool(verified), "error": error}
         assert data["worker_job_id"] == job_id and data["status"] == "running"
     kept = Path(shown["checkpoints"][0]["path"])
-    assert sent[300][0]["checkpoint"] == {**shown["checkpoints"][0], "verified": True}
-    assert sent[300][0]["checkpoint"]["sha256"] == hashlib.sha256(kept.read_bytes()).hexdigest()
+    assert sent[400][0]["checkpoint"] == {**shown["checkpoints"][0], "verified": True}
+    assert sent[400][0]["checkpoint"]["sha256"] == hashlib.sha256(kept.read_bytes()).hexdigest()
     types = [b["type"] for b in bodies]
     assert types.index("job.checkpoint") > types.index("job.started") and types[-1] == "job.succeeded"
 

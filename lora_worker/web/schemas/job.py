@@ -11,12 +11,14 @@ from marshmallow import RAISE, Schema, ValidationError, fields, post_load, valid
 
 from lora_worker.config import (BACKENDS, DEFAULT_LORA_TARGETS, LORA_TARGET_PRESETS, SDXL_HPARAMS, TIERS,
                                 WEBHOOK_EVENT_TYPES)
+from lora_worker.config_tables import MAX_SAMPLE_PROMPTS
 from lora_worker.dispatch import paths
 from lora_worker.dispatch.request import TrainRequest
 from lora_worker.states import CANCEL_RULE, JobState, Phase, retryable
 from lora_worker.web.schemas.plan import warnings_field
 from lora_worker.web.schemas.common import (EndedInPhase, FiniteFloat, FullMatch, InEffect, JsonNumber, SameObject,
                                             WhileActive, WhileActiveString, path_field)
+from lora_worker.web.schemas.samples import SamplePromptOutSchema, SamplePromptSchema
 
 # Names that become a file name, a folder name or a caption token: ASCII, no separators, no leading '-'
 # (a value must never look like a flag), no control characters, bounded.
@@ -58,6 +60,10 @@ class TrainRequestSchema(Schema):
                                  metadata={"description": "the webhook events this job sends, among the configured "
                                                           "ones; [] sends none; absent: every configured one. "
                                                           "Where they go is the worker's configuration alone"})
+    samples = fields.List(fields.Nested(SamplePromptSchema), load_default=None,
+                          validate=validate.Length(max=MAX_SAMPLE_PROMPTS), metadata={
+        "description": "the prompts of the sample images, drawn before the first step and at each step save "
+                       "(docs/samples.md); absent: one, `photo of <trigger> <subject_class>`; [] draws none"})
 
     @validates("dataset_dir", "base_model_path", "output_dir")
     def _plain_absolute_path(self, value: str, data_key: str) -> None:
@@ -88,6 +94,8 @@ class TrainRequestSchema(Schema):
             data[key] = paths.without_dot_components(data[key])
         if data.get("webhook_events") is not None:
             data["webhook_events"] = tuple(dict.fromkeys(data["webhook_events"]))
+        if data.get("samples") is not None:
+            data["samples"] = tuple(data["samples"])
         return TrainRequest(**data)
 
 
@@ -110,6 +118,11 @@ class AcceptedRequestSchema(Schema):
     lora_target_modules = InEffect(fields.String(), DEFAULT_LORA_TARGETS, metadata={
         "type": "string", "enum": list(LORA_TARGET_PRESETS),
         "description": f"as in effect: {DEFAULT_LORA_TARGETS} when the request left it out"})
+    samples = InEffect(fields.List(fields.Nested(SamplePromptOutSchema)), [], attribute="sample_prompts", metadata={
+        "type": "array", "items": {"type": "object", "properties": {"prompt": {"type": "string"},
+                                                                     "seed": {"type": "integer"}}},
+        "description": "the sample prompts as in effect, each with its seed; []: none (a job from before "
+                       "samples drew none)"})
 
 
 class CheckpointSchema(Schema):
@@ -158,9 +171,12 @@ class JobSchema(Schema):
                        "(and before training, when no similar job has finished yet)"})
     lora_path = fields.String(allow_none=True)
     checkpoints = StepLoras(fields.Nested(CheckpointSchema), dump_only=True, metadata={
-        "description": "the step LoRAs the trainer keeps (one, the newest: it saves one every few hundred steps "
-                       "and removes the older), each verified once written; never the job's result, which is "
-                       "`lora_path` alone"})
+        "description": "the step LoRAs the trainer keeps (with samples, each sampled one; else the newest: it "
+                       "saves one every few hundred steps and removes the older), each verified once written; "
+                       "the job's result is `lora_path` alone: the final LoRA, or the one promoted"})
+    promoted_step = fields.Integer(allow_none=True, metadata={
+        "description": "the step whose verified step LoRA POST /train/<id>/promote made the result (`lora_path`, "
+                       "`lora_sha256`); null: the final LoRA is"})
     error = fields.String(allow_none=True)
     failure_class = fields.String(allow_none=True)
     retryable = fields.Method("_retryable", dump_only=True, allow_none=True, metadata={

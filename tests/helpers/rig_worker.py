@@ -1,22 +1,61 @@
-"""What the rig's tests through the worker share (tests/rig/test_real_resume.py, test_real_resume_epoch.py): the
-run logs' bars, the kill after a state, the resume through the API, and the report of each attempt."""
+"""What the rig's tests through the worker share (tests/rig/test_real_resume.py, test_real_resume_epoch.py,
+test_real_samples.py): a worker over the rig's trainer, the run logs' bars, the kill after a state, the resume
+through the API, and the report of each attempt."""
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 from lora_worker.config import Settings
+from lora_worker.host import sandbox
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
-from tests.helpers import wait_for
+from tests.helpers import fake_gpus, wait_for
+from tests.helpers.ledger import migrated_ledger
 from tests.helpers.runs import wait_state
 
 BAR = re.compile(r"steps:[^|\n\r]*\|[^|\n\r]*\| (\d+)/(\d+)")
 KEY_LINES = re.compile(r"(resume training from.*|load train state from.*|skipping \d+ steps.*|saving state at step \d+"
                        r"|removing old state.*|saving last state\.|model saved\.|total optimization steps.*"
                        r"|Could not load random states|All \w+ (?:states|weights) loaded successfully)")
+
+
+@contextmanager
+def rig_worker(rig: Path, root: Path, train_id: str, folder: str, sizes: dict[str, Any],
+               **request: Any) -> Iterator[tuple[Settings, Any, Database, dict[str, Any]]]:
+    """A worker (its app's test client, its ledger) over the rig's real trainer, with `sizes` as the fast tier's
+    rig sizes, the rig's three images copied to `<root>/train/<train_id>/dataset/<folder>`, and the body of a
+    request for them (`request` overrides it). No sample prompts unless `request` names some: a sample pass on
+    the CPU costs minutes, and only the samples' own test wants them."""
+    dataset = root / "train" / train_id / "dataset"
+    shutil.copytree(rig / "data/img/2_ohwx dog", dataset / folder)
+    settings = Settings(
+        state_dir=root / "state", train_root=root / "train", model_dirs=(rig / "models",),
+        accelerate=rig / "venv/bin/accelerate", sd_scripts_dir=rig / "sd-scripts",
+        tokenizer_cache_dir=rig / "tokenizers", cpu_threads=2, nvml_fake_file=fake_gpus(root / "gpus.json"),
+        sandbox="bwrap" if sandbox.bwrap_executable() else "none", progress_interval_s=0.5,
+        rig_tier_sizes={"fast": sizes})
+    migrated_ledger(settings.database_path)
+    from lora_worker import create_app
+    app = create_app(settings)
+    app.config["TESTING"] = True
+    db = Database.open(settings.database_path)
+    body = {"dataset_dir": str(dataset), "base_model_path": str(rig / "models/sdxl_random.safetensors"),
+            "output_dir": str(dataset.parent / "output"), "output_name": "ohwx", "trigger": "ohwx",
+            "subject_class": "dog", "repeats": int(folder.split("_", 1)[0]), "tier": "fast", "device_index": 0,
+            "seed": 42, "samples": [], **request}
+    try:
+        yield settings, app.test_client(), db, body
+    finally:
+        db.dispose()
+        app.extensions["lora_worker"].db.dispose()
 
 
 def log_of(settings: Settings, job_id: int) -> str:

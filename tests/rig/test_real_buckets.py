@@ -112,7 +112,7 @@ def dataset(root: Path, name: str, layout: Layout) -> Path:
 def body(rig: Path, data: Path, tier: str) -> dict:
     return {"dataset_dir": str(data), "base_model_path": str(rig / "models/sdxl_random.safetensors"),
             "output_dir": str(data.parent / "output"), "output_name": "ohwx", "trigger": "ohwx",
-            "subject_class": "dog", "repeats": 3, "tier": tier, "device_index": 1, "seed": 42}
+            "subject_class": "dog", "repeats": 3, "tier": tier, "device_index": 1, "seed": 42, "samples": []}
 
 
 def written(plan: dict, replace: tuple[str, str] | None = None) -> list[str]:

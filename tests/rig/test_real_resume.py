@@ -15,14 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from lora_worker.config import Settings
-from lora_worker.host import sandbox
 from lora_worker.host.safetensors import read_header
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
-from tests.helpers import fake_gpus
-from tests.helpers.ledger import migrated_ledger
-from tests.helpers.rig_worker import bar_steps, bar_totals, kill_after_state, log_of, report, resume, say
+from tests.helpers.rig_worker import bar_steps, bar_totals, kill_after_state, log_of, report, resume, rig_worker, say
 from tests.helpers.runs import wait_state, wait_states_removed
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow, pytest.mark.timeout(3600)]
@@ -36,28 +32,10 @@ STEPS, EVERY = 7, 2
 def rig_host(tmp_path_factory: pytest.TempPathFactory):
     if not RIG:
         pytest.skip("LW_RIG_DIR is not set: no real trainer rig")
-    rig, root = Path(RIG), tmp_path_factory.mktemp("rigresume")
-    dataset = root / "train" / "rig1" / "dataset"
     # 3 images x 3 repeats at batch 1: one epoch of 9 batches covers the 7 steps (sd-scripts-resume.md section 4).
-    shutil.copytree(rig / "data/img/2_ohwx dog", dataset / "3_ohwx dog")
-    settings = Settings(
-        state_dir=root / "state", train_root=root / "train", model_dirs=(rig / "models",),
-        accelerate=rig / "venv/bin/accelerate", sd_scripts_dir=rig / "sd-scripts",
-        tokenizer_cache_dir=rig / "tokenizers", cpu_threads=2, nvml_fake_file=fake_gpus(root / "gpus.json"),
-        sandbox="bwrap" if sandbox.bwrap_executable() else "none", progress_interval_s=0.5,
-        rig_tier_sizes={"fast": {"max_train_steps": STEPS, "network_dim": 4, "resolution": 256,
-                                 "save_every_n_steps": EVERY}})
-    migrated_ledger(settings.database_path)
-    from lora_worker import create_app
-    app = create_app(settings)
-    app.config["TESTING"] = True
-    db = Database.open(settings.database_path)
-    body = {"dataset_dir": str(dataset), "base_model_path": str(rig / "models/sdxl_random.safetensors"),
-            "output_dir": str(dataset.parent / "output"), "output_name": "ohwx", "trigger": "ohwx",
-            "subject_class": "dog", "repeats": 3, "tier": "fast", "device_index": 0, "seed": 42}
-    yield settings, app.test_client(), db, body
-    db.dispose()
-    app.extensions["lora_worker"].db.dispose()
+    sizes = {"max_train_steps": STEPS, "network_dim": 4, "resolution": 256, "save_every_n_steps": EVERY}
+    with rig_worker(Path(RIG), tmp_path_factory.mktemp("rigresume"), "rig1", "3_ohwx dog", sizes) as host:
+        yield host
 
 
 def truncated_state_is_refused(client, db: Database, job_id: int, step: int) -> None:

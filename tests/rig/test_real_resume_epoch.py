@@ -17,22 +17,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
 
-from lora_worker.config import Settings
 from lora_worker.dispatch.presentation import presentation
 from lora_worker.dispatch.resumable import presentation_of
-from lora_worker.host import sandbox
 from lora_worker.host.safetensors import read_header
 from lora_worker.ledger import repository as repo
-from lora_worker.ledger.db import Database
-from tests.helpers import fake_gpus
-from tests.helpers.ledger import migrated_ledger
 from tests.helpers.runs import wait_state, wait_states_removed
-from tests.helpers.rig_worker import bar_steps, bar_totals, kill_after_state, log_of, report, resume, say
+from tests.helpers.rig_worker import bar_steps, bar_totals, kill_after_state, log_of, report, resume, rig_worker, say
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -44,28 +38,10 @@ STEPS, EVERY = 10, 4
 def rig_host(tmp_path_factory: pytest.TempPathFactory):
     if not RIG:
         pytest.skip("LW_RIG_DIR is not set: no real trainer rig")
-    rig, root = Path(RIG), tmp_path_factory.mktemp("rigepoch")
-    dataset = root / "train" / "rig2" / "dataset"
-    shutil.copytree(rig / "data/img/2_ohwx dog", dataset / "2_ohwx dog")
-    (dataset / "2_ohwx dog" / "img2.txt").unlink()  # captioned by the class tokens
-    settings = Settings(
-        state_dir=root / "state", train_root=root / "train", model_dirs=(rig / "models",),
-        accelerate=rig / "venv/bin/accelerate", sd_scripts_dir=rig / "sd-scripts",
-        tokenizer_cache_dir=rig / "tokenizers", cpu_threads=2, nvml_fake_file=fake_gpus(root / "gpus.json"),
-        sandbox="bwrap" if sandbox.bwrap_executable() else "none", progress_interval_s=0.5,
-        rig_tier_sizes={"fast": {"max_train_steps": STEPS, "network_dim": 4, "resolution": 256,
-                                 "save_every_n_steps": EVERY}})
-    migrated_ledger(settings.database_path)
-    from lora_worker import create_app
-    app = create_app(settings)
-    app.config["TESTING"] = True
-    db = Database.open(settings.database_path)
-    body = {"dataset_dir": str(dataset), "base_model_path": str(rig / "models/sdxl_random.safetensors"),
-            "output_dir": str(dataset.parent / "output"), "output_name": "ohwx", "trigger": "ohwx",
-            "subject_class": "dog", "repeats": 2, "tier": "fast", "device_index": 0, "seed": 42}
-    yield settings, app.test_client(), db, body
-    db.dispose()
-    app.extensions["lora_worker"].db.dispose()
+    sizes = {"max_train_steps": STEPS, "network_dim": 4, "resolution": 256, "save_every_n_steps": EVERY}
+    with rig_worker(Path(RIG), tmp_path_factory.mktemp("rigepoch"), "rig2", "2_ohwx dog", sizes) as host:
+        (Path(host[3]["dataset_dir"]) / "2_ohwx dog" / "img2.txt").unlink()  # captioned by the class tokens
+        yield host
 
 
 def test_states_past_the_folders_first_epoch_resume_right_and_the_run_trains_exactly_its_steps(rig_host) -> None:

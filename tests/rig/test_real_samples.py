@@ -15,20 +15,15 @@ import hashlib
 import io
 import os
 import re
-import shutil
 import struct
-import time
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from lora_worker.config import Settings
-from lora_worker.host import sandbox
 from lora_worker.ledger import repository as repo
 from lora_worker.ledger.db import Database
-from tests.helpers import fake_gpus
-from tests.helpers.ledger import migrated_ledger
+from tests.helpers.rig_worker import rig_worker, say
 from tests.helpers.runs import wait_state
 
 pytestmark = [pytest.mark.rig, pytest.mark.slow, pytest.mark.timeout(5400)]
@@ -39,36 +34,15 @@ PROMPTS = [{"prompt": "photo of ohwx dog", "seed": 42}, {"prompt": "ohwx dog on 
 PHASE = re.compile(r"phase (\w+)")
 
 
-def say(text: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S', time.gmtime())}Z] {text}", flush=True)
-
-
 @pytest.fixture(scope="module")
 def rig_host(tmp_path_factory: pytest.TempPathFactory):
     if not RIG:
         pytest.skip("LW_RIG_DIR is not set: no real trainer rig")
-    rig, root = Path(RIG), tmp_path_factory.mktemp("rigsamples")
-    dataset = root / "train" / "rig1" / "dataset"
-    shutil.copytree(rig / "data/img/2_ohwx dog", dataset / "3_ohwx dog")
-    settings = Settings(
-        state_dir=root / "state", train_root=root / "train", model_dirs=(rig / "models",),
-        accelerate=rig / "venv/bin/accelerate", sd_scripts_dir=rig / "sd-scripts",
-        tokenizer_cache_dir=rig / "tokenizers", cpu_threads=2, nvml_fake_file=fake_gpus(root / "gpus.json"),
-        sandbox="bwrap" if sandbox.bwrap_executable() else "none", progress_interval_s=0.5,
-        rig_tier_sizes={"fast": {"max_train_steps": STEPS, "network_dim": 4, "resolution": 256,
-                                 "save_every_n_steps": EVERY, "sample_steps": 2}})
-    migrated_ledger(settings.database_path)
-    from lora_worker import create_app
-    app = create_app(settings)
-    app.config["TESTING"] = True
-    db = Database.open(settings.database_path)
-    body = {"dataset_dir": str(dataset), "base_model_path": str(rig / "models/sdxl_random.safetensors"),
-            "output_dir": str(dataset.parent / "output"), "output_name": "ohwx", "trigger": "ohwx",
-            "subject_class": "dog", "repeats": 3, "tier": "fast", "device_index": 0, "seed": 42,
-            "samples": PROMPTS}
-    yield settings, app.test_client(), db, body
-    db.dispose()
-    app.extensions["lora_worker"].db.dispose()
+    sizes = {"max_train_steps": STEPS, "network_dim": 4, "resolution": 256, "save_every_n_steps": EVERY,
+             "sample_steps": 2}
+    with rig_worker(Path(RIG), tmp_path_factory.mktemp("rigsamples"), "rig1", "3_ohwx dog", sizes,
+                    samples=PROMPTS) as host:
+        yield host
 
 
 def tensors_sha(path: Path) -> str:

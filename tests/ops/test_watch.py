@@ -28,7 +28,7 @@ from tests.helpers.service import settings_env
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 PHASES = ["launching", "loading_model", "caching_latents", "caching_text_encoder_outputs", "preparing_training",
-          "training", "saving"]
+          "training", "sampling", "saving"]
 
 
 def lora_worker(*argv: str) -> list[str]:
@@ -68,9 +68,11 @@ def in_a_terminal(argv: list[str], env: dict[str, str], columns: int = 100, rows
 
 
 def in_order(phases: list[str]) -> bool:
-    """The phases only move forward, but for a step save's `saving` that training follows (a checkpoint every
-    SAVE_EVERY_N_STEPS steps: the job is back in `training` at the next redraw)."""
-    forward = [p for i, p in enumerate(phases) if not (p == "saving" and "training" in phases[i + 1:])]
+    """The phases only move forward, but for a sample pass or a step save that training follows (a pass before the
+    first step and at each save, a checkpoint every SAVE_EVERY_N_STEPS steps: the job is back in `training` at the
+    next redraw)."""
+    forward = [p for i, p in enumerate(phases)
+               if not (p in ("sampling", "saving") and "training" in phases[i + 1:])]
     return [PHASES.index(p) for p in forward] == sorted(PHASES.index(p) for p in forward)
 
 

@@ -43,8 +43,6 @@ def build_app(config: Settings | dict[str, Any] | None = None, *, nvml: Nvml | N
     worker = Worker(settings=settings, db=db,
                     nvml=nvml if nvml is not None else make_nvml(settings.nvml_timeout_s, settings.nvml_fake_file),
                     backend=backend)
-    if deep_health:  # in the background: a start must not wait for the trainer's torch import
-        worker.deep_health.start()
     start_up_reconcile(worker)
     ensure_sender(settings)  # events a crash left in the outbox go out without waiting for a new job
 
@@ -57,6 +55,12 @@ def build_app(config: Settings | dict[str, Any] | None = None, *, nvml: Nvml | N
     auth.protect(app, token)
     reconcile_on_requests(app)
     register_error_handlers(app)
+    # In the background (a start must not wait for the trainer's torch import), and only once the routes are
+    # compiled: Python 3.11's AST builder keeps one recursion counter per interpreter, so a traceback the checks'
+    # thread formats (its carets come from ast.parse) beside werkzeug compiling the rules in this one made the
+    # next compile fail "AST constructor recursion depth mismatch" (CPython gh-106905; a test's create_app, CI).
+    if deep_health:
+        worker.deep_health.start()
     return app
 
 

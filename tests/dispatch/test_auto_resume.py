@@ -9,7 +9,7 @@ import pytest
 from lora_worker.ledger import repository as repo
 from lora_worker.states import FailureClass, JobState
 from tests.helpers import job_rows
-from tests.helpers.states import interrupted
+from tests.helpers.states import cut_off_by_a_reboot, interrupted
 
 AUTO = "lora_worker.config_settings"
 
@@ -31,18 +31,6 @@ def app_with(migrated, launches):
     yield make
     for application in made:
         worker_of(application).db.dispose()
-
-
-def cut_off_by_a_reboot(client, host, db) -> int:
-    """A running job whose row names another boot, with two states saved: what a power cut leaves."""
-    job_id = client.post("/train", json=host.payload()).get_json()["worker_job_id"]
-    repo.transition(db, job_id, JobState.RUNNING, actor="test")
-    conn = sqlite3.connect(host.settings.database_path)
-    with conn:
-        conn.execute("UPDATE jobs SET boot_id = 'a-boot-before-this-one' WHERE id = ?", (job_id,))
-    conn.close()
-    interrupted(db, host.settings, job_id, failure=None)
-    return job_id
 
 
 def reasons(db, job_id: int) -> list[str]:

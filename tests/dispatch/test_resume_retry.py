@@ -5,7 +5,6 @@ and runs, on either backend (locally the supervisor did not start; under Slurm s
 tries again too, a bounded number of times."""
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -18,7 +17,7 @@ from lora_worker.ledger.db import Database
 from lora_worker.states import FailureClass, JobState
 from tests.helpers import Host, job_rows
 from tests.helpers.ledger import migrated_ledger
-from tests.helpers.states import interrupted
+from tests.helpers.states import cut_off_by_a_reboot, interrupted
 from tests.slurm.fakes import close_worker, slurm_worker
 
 
@@ -130,24 +129,13 @@ def local(migrated, host) -> Iterator[tuple]:
     app.extensions["lora_worker"].db.dispose()
 
 
-def cut_off_by_a_reboot(app, host, db) -> int:
-    job_id = app.test_client().post("/train", json=host.payload()).get_json()["worker_job_id"]
-    repo.transition(db, job_id, JobState.RUNNING, actor="test")
-    conn = sqlite3.connect(host.settings.database_path)
-    with conn:
-        conn.execute("UPDATE jobs SET boot_id = 'a-boot-before-this-one' WHERE id = ?", (job_id,))
-    conn.close()
-    interrupted(db, host.settings, job_id, failure=None)
-    return job_id
-
-
 def notes(db, job_id: int) -> list[str]:
     return [e.reason or "" for e in repo.job_events(db, job_id) if "auto_resume" in (e.reason or "")]
 
 
 def test_an_auto_resume_whose_launch_failed_is_tried_again_at_the_next_reconcile(local, host, db):
     app, launcher = local
-    original = cut_off_by_a_reboot(app, host, db)
+    original = cut_off_by_a_reboot(app.test_client(), host, db)
     launcher.failing = 1
     app.extensions["lora_worker"].reconcile_active()
     failed = repo.get_job(db, original + 1)
@@ -164,7 +152,7 @@ def test_an_auto_resume_whose_launch_failed_is_tried_again_at_the_next_reconcile
 
 def test_an_auto_resume_that_cannot_launch_stops_trying_and_says_so(local, host, db):
     app, launcher = local
-    original = cut_off_by_a_reboot(app, host, db)
+    original = cut_off_by_a_reboot(app.test_client(), host, db)
     launcher.failing = 100
     for _ in range(AUTO_RESUME_LAUNCH_TRIES + 3):
         app.extensions["lora_worker"].reconcile_active()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lora_worker.host.train_state import ARCHIVES, state_name
 from lora_worker.ledger import repository as repo
-from lora_worker.states import FailureClass
+from lora_worker.states import FailureClass, JobState
 from lora_worker.transcript.logfile import log_paths
 from tests.helpers import write_safetensors
 
@@ -108,3 +108,15 @@ def corrupt_archive(state: Path, name: str = "optimizer.bin", field: str = "flag
     """One archive of a saved state with one record field changed, in place (a flipped bit, a power cut's)."""
     path = state / name
     path.write_bytes(set_zip_record_field(path.read_bytes(), "central", field, value))
+
+
+def cut_off_by_a_reboot(client, host, db) -> int:  # type: ignore[no-untyped-def]
+    """A running job whose row names another boot, with two states saved: what a power cut leaves."""
+    job_id = client.post("/train", json=host.payload()).get_json()["worker_job_id"]
+    repo.transition(db, job_id, JobState.RUNNING, actor="test")
+    conn = sqlite3.connect(host.settings.database_path)
+    with conn:
+        conn.execute("UPDATE jobs SET boot_id = 'a-boot-before-this-one' WHERE id = ?", (job_id,))
+    conn.close()
+    interrupted(db, host.settings, job_id, failure=None)
+    return job_id
